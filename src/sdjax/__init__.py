@@ -1,0 +1,1 @@
+"""sdjax: Stable Diffusion in JAX/Flax."""

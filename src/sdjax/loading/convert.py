@@ -1,0 +1,109 @@
+"""PyTorch state dict -> Flax params, by one rule and a small table of exceptions.
+
+sdjax names every Flax submodule after the PyTorch attribute it mirrors, so a state-dict key maps to a Flax
+param path mechanically: split at dots, fuse list indices into the name before them
+(`down_blocks.0.resnets.1.conv1.weight` -> `down_blocks_0/resnets_1/conv1/weight`). The leaf `weight`
+becomes whatever the Flax module calls it, with PyTorch's layout changed to Flax's:
+
+- Linear `weight (out, in)` -> `kernel (in, out)`
+- Conv `weight (O, I, H, W)` -> `kernel (H, W, I, O)`
+- LayerNorm / GroupNorm `weight` -> `scale`; Embedding `weight` -> `embedding`
+
+Each model passes `renames` (regex, replacement) for keys whose names differ between checkpoint generations
+and `ignore` for buffers that are not parameters. Every missing, unexpected or mis-shaped key fails the load
+and is reported by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+Path_ = tuple[str, ...]
+
+
+class WeightLoadError(ValueError):
+    """The weights do not fit the model built from the config; lists every offending key."""
+
+    def __init__(self, component: str, missing: list[str], unexpected: list[str], misshaped: list[str]):
+        self.missing, self.unexpected, self.misshaped = missing, unexpected, misshaped
+        lines = [f"{component}: the weights do not match the model built from its config"]
+        for title, keys in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if keys:
+                shown = keys[:20] + ([f"... and {len(keys) - 20} more"] if len(keys) > 20 else [])
+                lines.append(f"  {title} ({len(keys)}): " + ", ".join(shown))
+        super().__init__("\n".join(lines))
+
+
+def torch_key_to_path(key: str) -> Path_:
+    """`a.b.0.c.weight` -> `("a", "b_0", "c", "weight")`."""
+    out: list[str] = []
+    for part in key.split("."):
+        if part.isdigit() and out:
+            out[-1] = f"{out[-1]}_{part}"
+        else:
+            out.append(part)
+    return tuple(out)
+
+
+def _to_flax_layout(leaf: str, value: np.ndarray) -> np.ndarray:
+    if leaf == "kernel":
+        if value.ndim == 2:
+            return value.T
+        if value.ndim == 4:
+            return value.transpose(2, 3, 1, 0)
+    return value
+
+
+def convert_state_dict(
+    state_dict: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    *,
+    component: str,
+    renames: Iterable[tuple[str, str]] = (),
+    ignore: Iterable[str] = (),
+    cast: Callable[[np.ndarray], Any] | None = None,
+) -> dict[str, Any]:
+    """Convert `state_dict` (name -> array, read lazily key by key) into a nested Flax params dict.
+
+    `expected` is the params tree the Flax model wants (arrays or `jax.ShapeDtypeStruct`s, e.g. from
+    `jax.eval_shape(model.init, ...)["params"]`). `cast` turns each converted numpy array into the stored
+    leaf (e.g. a jnp array of the requested dtype); it runs one tensor at a time so that peak host memory stays
+    near one copy of the weights. Raises `WeightLoadError` listing every missing, unexpected and mis-shaped key.
+    """
+    renames = [(re.compile(p), r) for p, r in renames]
+    ignore = [re.compile(p) for p in ignore]
+    want: dict[Path_, tuple[int, ...]] = {k: tuple(v.shape) for k, v in flatten_dict(dict(expected)).items()}
+    out: dict[Path_, Any] = {}
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    seen: set[Path_] = set()
+    for key in state_dict.keys():
+        if any(p.fullmatch(key) for p in ignore):
+            continue
+        name = key
+        for pattern, repl in renames:
+            name = pattern.sub(repl, name)
+        path = torch_key_to_path(name)
+        if path[-1] == "weight":
+            options = [path[:-1] + (leaf,) for leaf in ("kernel", "scale", "embedding", "weight")]
+            path = next((p for p in options if p in want), path)
+        if path not in want:
+            unexpected.append(key)
+            continue
+        if path in seen:
+            raise WeightLoadError(component, [], [f"{key} (a second key for {'/'.join(path)})"], [])
+        seen.add(path)
+        value = _to_flax_layout(path[-1], np.asarray(state_dict[key]))
+        if tuple(value.shape) != want[path]:
+            misshaped.append(f"{key}: checkpoint {tuple(value.shape)} vs model {want[path]} at {'/'.join(path)}")
+            continue
+        out[path] = cast(value) if cast is not None else value
+    missing = ["/".join(p) for p in want if p not in seen]
+    if missing or unexpected or misshaped:
+        raise WeightLoadError(component, sorted(missing), sorted(unexpected), misshaped)
+    return unflatten_dict(out)
