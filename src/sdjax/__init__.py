@@ -1,1 +1,38 @@
-"""sdjax: Stable Diffusion in JAX/Flax."""
+"""sdjax: Stable Diffusion 1.x, 2.x and XL in JAX/Flax, the maintained successor of Diffusers' Flax pipelines.
+
+The guides' code runs by changing only the import:
+
+    from sdjax import FlaxStableDiffusionPipeline, replicate, shard
+"""
+
+from sdjax.compilation import enable_compilation_cache
+from sdjax.parallel import replicate, shard, unreplicate
+from sdjax.pipelines import (
+    PipelineOutput,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    make_image_grid,
+    numpy_to_pil,
+)
+from sdjax.precision import cast_params
+
+# The names of Diffusers' Flax classes, for code written against them.
+FlaxStableDiffusionPipeline = StableDiffusionPipeline
+FlaxStableDiffusionXLPipeline = StableDiffusionXLPipeline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FlaxStableDiffusionPipeline",
+    "FlaxStableDiffusionXLPipeline",
+    "PipelineOutput",
+    "StableDiffusionPipeline",
+    "StableDiffusionXLPipeline",
+    "cast_params",
+    "enable_compilation_cache",
+    "make_image_grid",
+    "numpy_to_pil",
+    "replicate",
+    "shard",
+    "unreplicate",
+]

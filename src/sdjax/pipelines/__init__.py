@@ -1,0 +1,9 @@
+"""Text-to-image pipelines with the API of Diffusers' Flax pipelines."""
+
+from sdjax.pipelines.common import PipelineOutput
+from sdjax.pipelines.images import make_image_grid, numpy_to_pil
+from sdjax.pipelines.stable_diffusion import StableDiffusionPipeline
+from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
+
+__all__ = ["PipelineOutput", "StableDiffusionPipeline", "StableDiffusionXLPipeline", "make_image_grid",
+           "numpy_to_pil"]

@@ -1,0 +1,22 @@
+"""JAX's persistent compilation cache, under the name the guides need.
+
+The SDXL guide calls `jax.experimental.compilation_cache.compilation_cache.initialize_cache(dir)`, which JAX
+removed; the modern form is `jax.config.update("jax_compilation_cache_dir", dir)`. `enable_compilation_cache`
+does that and also caches small programs, which JAX skips by default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def enable_compilation_cache(path: str | os.PathLike, *, min_compile_time_secs: float = 0.0) -> str:
+    """Persist compiled executables under `path` (created if needed); later processes load them from disk."""
+    path = os.fspath(os.path.expanduser(path))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
