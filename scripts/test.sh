@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up a virtual environment with the test extras and run the whole test suite.
+# Used by the README and by CI (.ci/run). Exits non-zero if any test fails or if no test ran.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+set +e
+.venv/bin/python -m pytest -n "${SDJAX_TEST_WORKERS:-2}" --dist loadfile -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "error: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$rc"
