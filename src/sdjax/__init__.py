@@ -5,7 +5,8 @@ The guides' code runs by changing only the import:
     from sdjax import FlaxStableDiffusionPipeline, replicate, shard
 """
 
-from sdjax.compilation import enable_compilation_cache
+from sdjax import compilation_cache
+from sdjax.compilation_cache import enable_compilation_cache
 from sdjax.parallel import replicate, shard, unreplicate
 from sdjax.pipelines import (
     PipelineOutput,
@@ -29,6 +30,7 @@ __all__ = [
     "StableDiffusionPipeline",
     "StableDiffusionXLPipeline",
     "cast_params",
+    "compilation_cache",
     "enable_compilation_cache",
     "make_image_grid",
     "numpy_to_pil",

@@ -2,7 +2,8 @@
 
 The SDXL guide calls `jax.experimental.compilation_cache.compilation_cache.initialize_cache(dir)`, which JAX
 removed; the modern form is `jax.config.update("jax_compilation_cache_dir", dir)`. `enable_compilation_cache`
-does that and also caches small programs, which JAX skips by default.
+does that and also caches small programs, which JAX skips by default. `initialize_cache` is the same function
+under the old name, so the guide's `from sdjax import compilation_cache as cc; cc.initialize_cache(dir)` works.
 """
 
 from __future__ import annotations
@@ -20,3 +21,6 @@ def enable_compilation_cache(path: str | os.PathLike, *, min_compile_time_secs: 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
+
+
+initialize_cache = enable_compilation_cache
