@@ -19,7 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+
+from sdjax.parallel import sharding as sharding_lib
 
 from sdjax import samplers as sampler_lib
 from sdjax.pipelines import common
@@ -48,6 +50,7 @@ class StableDiffusionPipeline:
         self._progress: Progress | None = None
         self._placed: tuple | None = None
         self.devices: list | None = None  # devices the high-level path spreads a batch over (default: all)
+        self.mesh: Mesh | None = None  # or a (data, model) mesh from sdjax.parallel.make_mesh
         self._p_generate = jax.pmap(self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0),
                                     static_broadcasted_argnums=(3, 4, 5))
         self._jit_generate = jax.jit(self._generate, static_argnums=(3, 4, 5))
@@ -310,14 +313,19 @@ class StableDiffusionPipeline:
         return None
 
     def _placed_params(self, params, mesh: Mesh):
-        """`params` replicated over `mesh`, kept between calls so that a call does not copy the weights again."""
-        key = (id(params), tuple(d.id for d in mesh.devices.flat))
+        """`params` placed on `mesh` by the sharding rules, kept between calls so a call does not copy them again."""
+        key = (id(params), tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape)
         if self._placed is None or self._placed[0] != key:
-            self._placed = (key, _replicated(params, mesh))
+            self._placed = None
+            self._placed = (key, sharding_lib.shard_params(params, mesh))
         return self._placed[1]
 
     def _mesh(self) -> Mesh:
-        return Mesh(np.asarray(self.devices or jax.devices()), ("data",))
+        """`self.mesh` if set, else a data-parallel mesh over `self.devices` (default: every device)."""
+        if self.mesh is not None:
+            return self.mesh
+        devices = self.devices or jax.devices()
+        return sharding_lib.make_mesh(len(devices), 1, devices)
 
     def generate_arrays(self, prompts: Sequence[str], negative_prompts: Sequence[str], seeds: Sequence[int],
                         image_indices: Sequence[int], guidance_scales: Sequence[float], *, steps: int, height: int,
@@ -339,7 +347,7 @@ class StableDiffusionPipeline:
         if params is None:
             raise ValueError("no params: pass params= or load the pipeline with from_pretrained")
         mesh = self._mesh()
-        ndev = mesh.devices.size
+        ndev = mesh.shape[sharding_lib.DATA]
         total = max(n, pad_to or 0)
         total = -(-total // ndev) * ndev
         pad = total - n
@@ -349,8 +357,8 @@ class StableDiffusionPipeline:
                          for s, i in zip(list(seeds) + [0] * pad, list(image_indices) + [0] * pad)])
         g = np.asarray(list(guidance_scales) + [1.0] * pad, np.float32)
         extra = self._batch_extra(list(negative_prompts) + [""] * pad, height, width, **conditioning)
-        data = NamedSharding(mesh, PartitionSpec("data"))
-        ids, neg, keys, g, extra = jax.device_put((ids, neg, keys, g, extra), data)
+        ids, neg, keys, g, extra = jax.tree_util.tree_map(lambda x: sharding_lib.put_global_batch(x, mesh),
+                                                          (ids, neg, keys, g, extra))
         params = self._placed_params(params, mesh)
         self._progress = progress
         try:
@@ -359,7 +367,7 @@ class StableDiffusionPipeline:
             images = self._jit_sample(params, ids, neg, keys, g, None, extra, num_inference_steps=steps,
                                       height=height, width=width, sampler=self._sampler(sampler),
                                       progress=progress is not None, guidance_rescale=float(guidance_rescale))
-            images = np.asarray(images)[:n]
+            images = sharding_lib.gather_to_host(images)[:n]
         finally:
             self._progress = None
         if progress:
@@ -400,9 +408,3 @@ class StableDiffusionPipeline:
 def _cached_sampler(base, name: str):
     return sampler_lib.get_sampler(name, base_config=base)
 
-
-def _replicated(params: Any, mesh: Mesh) -> Any:
-    """Put params on every device of `mesh` (a no-op for params already there)."""
-    rep = NamedSharding(mesh, PartitionSpec())
-    return jax.tree_util.tree_map(lambda x: x if getattr(x, "sharding", None) == rep else jax.device_put(x, rep),
-                                  params)
