@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +31,7 @@ class StableDiffusionPipeline:
     """Text-to-image with a CLIP text encoder, a UNet, a VAE and a sampler (diffusers `StableDiffusionPipeline`)."""
 
     model_index_class = "StableDiffusionPipeline"
+    pipeline_config_keys: tuple[str, ...] = ()  # model_index.json settings passed to __init__
 
     def __init__(self, *, tokenizer, text_encoder, unet, vae, scheduler, safety_checker=None,
                  feature_extractor=None, dtype=jnp.float32, name: str = "", params: dict | None = None):
@@ -74,15 +73,22 @@ class StableDiffusionPipeline:
 
         del from_pt
         scheduler = components.pop("scheduler", None)
-        runtime = dict(split_head_dim=split_head_dim, attention=attention or (
-            "chunked" if use_memory_efficient_attention else None))
-        loaded, params, _ = load_pipeline_components(
+        loaded, params, model_index = load_pipeline_components(
             pretrained_model_name_or_path, expected_class=cls.model_index_class, revision=revision, variant=variant,
-            dtype=dtype, local_files_only=local_files_only, overrides=components, runtime=runtime)
+            dtype=dtype, local_files_only=local_files_only, overrides=components)
+        runtime = {"split_head_dim": split_head_dim}
+        if attention or use_memory_efficient_attention:
+            runtime["attention"] = attention or "chunked"
+        for name in ("unet", "text_encoder", "text_encoder_2", "vae"):
+            module = loaded.get(name)
+            if module is not None:
+                fields = {k: v for k, v in runtime.items() if hasattr(module, k)}
+                loaded[name] = module.clone(**fields) if fields else module
         if scheduler is not None:
             loaded["scheduler"] = sampler_lib.get_sampler(scheduler, base_config=loaded["scheduler"])
             params["scheduler"] = loaded["scheduler"].create_state()
-        pipe = cls(**loaded, dtype=dtype, name=str(pretrained_model_name_or_path), params=params)
+        settings = {k: model_index[k] for k in cls.pipeline_config_keys if k in model_index}
+        pipe = cls(**loaded, **settings, dtype=dtype, name=str(pretrained_model_name_or_path), params=params)
         return pipe, params
 
     # ------------------------------------------------------------------ the guide's API
@@ -397,6 +403,49 @@ class StableDiffusionPipeline:
         return numpy_to_pil(arrays)
 
     default_steps = 50
+
+    def aot_compile(self, *, batch_size: int, height: int | None = None, width: int | None = None,
+                    steps: int | None = None, sampler: str | None = None, params: dict | None = None,
+                    guidance_rescale: float = 0.0):
+        """Lower and compile generation for one static setting ahead of time (`jit(...).lower(...).compile()`).
+
+        Returns `fn(prompt_ids, neg_prompt_ids, keys, guidance_scales, extra=None) -> images (B, H, W, 3)` float32
+        that runs the compiled executable with the params placed on the pipeline's mesh; `keys` are per-image raw
+        keys `(B, 2)`; `extra` is what `_batch_extra` builds (SDXL micro-conditioning; `None` for SD). The batch is
+        split over the mesh's `data` axis, so `batch_size` must divide by it.
+        """
+        dh, dw = self.default_size
+        height, width = height or dh, width or dw
+        steps = self.default_steps if steps is None else steps
+        self.validate(steps=steps, height=height, width=width, sampler=sampler)
+        mesh = self._mesh()
+        if batch_size % mesh.shape[sharding_lib.DATA]:
+            raise ValueError(f"batch_size={batch_size} must be a multiple of the mesh's data axis "
+                             f"({mesh.shape[sharding_lib.DATA]} devices)")
+        placed = self._placed_params(self.params if params is None else params, mesh)
+        batch = sharding_lib.batch_sharding(mesh)
+        extra = self._batch_extra([""] * batch_size, height, width)
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=batch)
+
+        ids = spec((batch_size,) + self.ids_suffix, jnp.int32)
+        extra_spec = jax.tree_util.tree_map(lambda x: spec(np.shape(x), np.asarray(x).dtype), extra)
+        lowered = self._jit_sample.lower(
+            placed, ids, ids, spec((batch_size, 2), jnp.uint32), spec((batch_size,), jnp.float32), None,
+            extra_spec, num_inference_steps=steps, height=height, width=width, sampler=self._sampler(sampler),
+            progress=False, guidance_rescale=float(guidance_rescale))
+        compiled = lowered.compile()
+
+        def run(prompt_ids, neg_prompt_ids, keys, guidance_scales, extra_values=None):
+            extra_values = extra if extra_values is None else extra_values
+            args = (prompt_ids, neg_prompt_ids, np.asarray(keys, np.uint32), np.asarray(guidance_scales, np.float32),
+                    extra_values)
+            args = jax.tree_util.tree_map(lambda x: sharding_lib.put_global_batch(np.asarray(x), mesh), args)
+            return compiled(placed, *args[:4], None, args[4])
+
+        run.compiled = compiled
+        return run
 
     def warmup(self, batch_size: int, height: int, width: int, steps: int, sampler: str | None = None) -> None:
         """Compile the high-level path for one shape ahead of time (by running it once on empty prompts)."""

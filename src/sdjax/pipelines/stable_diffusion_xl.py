@@ -27,6 +27,7 @@ class StableDiffusionXLPipeline(StableDiffusionPipeline):
     """SDXL text-to-image (diffusers `StableDiffusionXLPipeline`); same high-level `generate` as SD."""
 
     model_index_class = "StableDiffusionXLPipeline"
+    pipeline_config_keys = ("force_zeros_for_empty_prompt",)
     default_steps = 50
     ids_suffix = (2, 77)
 
