@@ -1,0 +1,439 @@
+"""The `sdjax` command: `generate` images to PNG files, `serve` the HTTP API and web page, `pnginfo` read back.
+
+A thin adapter over the pipeline: options become a `metadata.GenerationRequest`, its images run through
+`metadata.generate_images` (one `pipeline.generate_arrays` call per batch), and each PNG carries its parameters
+in AUTOMATIC1111's `parameters` text chunk. Image `i` of a run uses seed `--seed + i`, so the seed in a file
+reproduces that image alone. Progress and the timing summary go to stderr; the written paths go to stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sdjax import metadata
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class DType(str, enum.Enum):
+    """Weights and compute dtype."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+app = typer.Typer(
+    name="sdjax", no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+    help="Stable Diffusion in JAX: generate images, serve an HTTP API and web page, read PNG parameters.",
+    context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        import sdjax
+
+        typer.echo(f"sdjax {sdjax.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Stable Diffusion in JAX: generate images, serve an HTTP API and web page, read PNG parameters."""
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _jnp_dtype(name: str | DType):
+    import jax.numpy as jnp
+
+    name = getattr(name, "value", name)
+    if name not in DTYPES:
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(DTYPES)}", param_hint="--dtype")
+    return getattr(jnp, name)
+
+
+def load_pipeline(model: str | None, dtype: str) -> Any:
+    """The pipeline for a folder or Hub id (None: the embedded model). Returns the pipeline; its `.params` holds
+    the weights."""
+    import sdjax
+    from sdjax import pipelines
+
+    name = model or getattr(sdjax, "EMBEDDED_MODEL", metadata.EMBEDDED_MODEL_NAME)
+    loader = getattr(pipelines, "load_pipeline", None)
+    if loader is not None:
+        loaded = loader(name, dtype=_jnp_dtype(dtype))
+    else:
+        loaded = sdjax.StableDiffusionPipeline.from_pretrained(name, dtype=_jnp_dtype(dtype))
+    return loaded[0] if isinstance(loaded, tuple) else loaded
+
+
+# ---------------------------------------------------------------------------------------------- progress
+@dataclasses.dataclass
+class Timings:
+    load: float = 0.0
+    compile: float = 0.0
+    generate: float = 0.0
+    denoise: float = 0.0
+    decode: float = 0.0
+    save: float = 0.0
+    steps: int = 0  # model calls per batch
+    batches: int = 0
+
+
+class _CompileClock:
+    """Sums JAX's compile-time events (tracing, lowering, backend compile) while active."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event in self.EVENTS:
+            with self._lock:
+                self.seconds += duration
+
+    def __enter__(self):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc):
+        import jax.monitoring
+
+        try:
+            jax.monitoring.unregister_event_duration_listener(self._on_event)
+        except (AttributeError, ValueError, KeyError):
+            pass
+
+
+class _Reporter:
+    """Rich progress bars driven by the pipeline's `progress(stage, step, total)` callback (called from JAX's
+    callback thread, possibly out of order: a bar never moves back)."""
+
+    def __init__(self, progress: Progress | None, num_batches: int):
+        self.progress = progress
+        self.num_batches = num_batches
+        self.batch = 0
+        self.call_start = 0.0
+        self.last_step_time: float | None = None
+        self.first_step_time: float | None = None
+        self.step = 0
+        self.total = 0
+        self.timings_denoise = 0.0
+        self.timings_decode = 0.0
+        self.compile_task = self.denoise_task = self.decode_task = None
+        if progress is not None:
+            self.compile_task = progress.add_task("Compiling / starting", total=None)
+            self.denoise_task = progress.add_task("Denoising", total=None, visible=False)
+            self.decode_task = progress.add_task("Decoding", total=num_batches, visible=False)
+
+    def start_batch(self, index: int) -> None:
+        self.batch, self.step, self.total = index, 0, 0
+        self.call_start = time.perf_counter()
+        self.first_step_time = self.last_step_time = None
+
+    def __call__(self, stage: str, step: int, total: int) -> None:
+        now = time.perf_counter()
+        if stage == "denoise" and step > self.step:
+            self.step, self.total = step, total
+            if self.first_step_time is None:
+                self.first_step_time = now
+                if self.progress is not None and self.batch == 0:
+                    self.progress.update(self.compile_task, total=1, completed=1)
+            self.last_step_time = now
+            if self.progress is not None:
+                self.progress.update(self.denoise_task, total=total * self.num_batches, visible=True,
+                                     completed=self.batch * total + step)
+        elif stage == "denoise" and total and not self.total:
+            self.total = total
+
+    def end_batch(self) -> None:
+        now = time.perf_counter()
+        if self.first_step_time is not None and self.last_step_time is not None and self.step > 1:
+            per_step = (self.last_step_time - self.first_step_time) / (self.step - 1)
+            self.timings_denoise += per_step * self.step
+            self.timings_decode += now - self.last_step_time
+        if self.progress is not None:
+            if self.batch == 0:
+                self.progress.update(self.compile_task, total=1, completed=1)
+            self.progress.update(self.decode_task, visible=True, completed=self.batch + 1)
+
+
+def _progress_bars(console: Console) -> Progress:
+    return Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
+
+
+# ---------------------------------------------------------------------------------------------- files
+_NUMBERED = re.compile(r"^(\d{5})-")
+
+
+def _next_number(out: Path) -> int:
+    numbers = [int(m.group(1)) for p in out.glob("*.png") if (m := _NUMBERED.match(p.name))]
+    return max(numbers, default=-1) + 1
+
+
+def image_grid(arrays, cols: int | None = None):
+    """A grid of images, row-major, `cols = ceil(sqrt(n))` by default; empty cells stay black."""
+    from PIL import Image
+
+    n = len(arrays)
+    cols = cols or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    h, w = arrays[0].shape[:2]
+    grid = Image.new("RGB", (cols * w, rows * h))
+    for i, a in enumerate(arrays):
+        grid.paste(Image.fromarray(a), ((i % cols) * w, (i // cols) * h))
+    return grid
+
+
+# ---------------------------------------------------------------------------------------------- generate
+@app.command(no_args_is_help=True)
+def generate(
+    prompt: Annotated[str, typer.Argument(help="What to draw.")],
+    negative_prompt: Annotated[str, typer.Option("--negative-prompt", "-n", help="What not to draw.")] = "",
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model.")] = None,
+    sampler: Annotated[str | None, typer.Option(
+        help="Sampler name, e.g. euler_a, ddim, 'DPM++ 2M Karras'. Default: the model's scheduler.")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="Sampling steps. Default: the pipeline's (50).")] = None,
+    guidance_scale: Annotated[float, typer.Option(
+        "--guidance-scale", "-g", min=0.0, help="Classifier-free guidance (CFG) scale.")] = 7.5,
+    width: Annotated[int | None, typer.Option("--width", "-W", min=8, help="Width in pixels, a multiple of 8. "
+                                                                           "Default: the model's.")] = None,
+    height: Annotated[int | None, typer.Option("--height", "-H", min=8, help="Height in pixels, a multiple of 8. "
+                                                                             "Default: the model's.")] = None,
+    seed: Annotated[int, typer.Option("--seed", "-s", min=-1, max=metadata.SEED_MAX,
+                                      help="Seed of the first image; image i uses seed + i. -1: random.")] = 0,
+    num_images: Annotated[int, typer.Option("--num-images", "-N", min=1, help="How many images.")] = 1,
+    batch_size: Annotated[int | None, typer.Option(
+        min=1, help="Images per compiled batch (does not change the images). Default: all at once.")] = None,
+    dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
+    out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Output folder (created).")] = Path(
+        "outputs"),
+    grid: Annotated[bool, typer.Option("--grid", help="Also write all images as one grid PNG.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or timing summary.")] = False,
+) -> None:
+    """Generate images from a prompt and write PNGs carrying their parameters (AUTOMATIC1111 format)."""
+    err = Console(stderr=True, quiet=quiet)
+    _jnp_dtype(dtype)
+    timings = Timings()
+    t_start = time.perf_counter()
+    bars = None if quiet else _progress_bars(err)
+    with _CompileClock() as clock, (bars or _Null()):
+        task = bars.add_task(f"Loading {model or 'the embedded model'}", total=None) if bars else None
+        t0 = time.perf_counter()
+        try:
+            pipe = load_pipeline(model, dtype)
+        except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
+            if bars:
+                bars.stop()
+            err.print(f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}", highlight=False,
+                      soft_wrap=True)
+            raise typer.Exit(1) from None
+        timings.load = time.perf_counter() - t0
+        if bars:
+            bars.update(task, total=1, completed=1)
+        request = _request(pipe, prompt=prompt, negative_prompt=negative_prompt, model=model, sampler=sampler,
+                           steps=steps, guidance_scale=guidance_scale, width=width, height=height, seed=seed,
+                           num_images=num_images)
+        images = request.images()
+        size = batch_size or len(images)
+        batches = [images[i:i + size] for i in range(0, len(images), size)]
+        reporter = _Reporter(bars, len(batches))
+        arrays = []
+        compile_before = clock.seconds
+        t0 = time.perf_counter()
+        for index, batch in enumerate(batches):
+            reporter.start_batch(index)
+            arrays.extend(metadata.generate_images(pipe, batch, pad_to=size, progress=reporter))
+            reporter.end_batch()
+        timings.generate = time.perf_counter() - t0
+        timings.compile = clock.seconds - compile_before
+        timings.denoise, timings.decode = reporter.timings_denoise, reporter.timings_decode
+        timings.steps, timings.batches = reporter.total or request.steps, len(batches)
+
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    number = _next_number(out)
+    paths = []
+    for k, (params, array) in enumerate(zip(images, arrays)):
+        path = out / f"{number + k:05d}-{params.seed}.png"
+        path.write_bytes(metadata.png_bytes(array, params.infotext()))
+        paths.append(path)
+    if grid:
+        path = out / f"grid-{number:05d}.png"
+        path.write_bytes(metadata.png_bytes(image_grid(arrays), images[0].infotext()))
+        paths.append(path)
+    timings.save = time.perf_counter() - t0
+    for path in paths:
+        typer.echo(str(path))
+    if not quiet:
+        _summary(err, timings, time.perf_counter() - t_start, len(images), request)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _request(pipe, *, prompt, negative_prompt, model, sampler, steps, guidance_scale, width, height, seed,
+             num_images) -> metadata.GenerationRequest:
+    """Resolve defaults from the pipeline and check everything before anything compiles."""
+    import random
+
+    dh, dw = pipe.default_size
+    request = metadata.GenerationRequest(
+        prompt=prompt, negative_prompt=negative_prompt, num_images=num_images,
+        seed=random.SystemRandom().randrange(metadata.SEED_MAX + 1) if seed == -1 else seed,
+        steps=steps or pipe.default_steps, guidance_scale=guidance_scale, width=width or dw, height=height or dh,
+        sampler=sampler or pipe.default_sampler, model=metadata.model_label(model))
+    for hint, kwargs in (("--sampler", dict(sampler=request.sampler)), ("--steps", dict(steps=request.steps)),
+                         ("--width/--height", dict(height=request.height, width=request.width)),
+                         ("PROMPT", dict(prompts=[prompt], negative_prompts=[negative_prompt]))):
+        try:
+            pipe.validate(**kwargs)
+        except (ValueError, KeyError) as e:
+            raise typer.BadParameter(str(e.args[0] if e.args else e), param_hint=hint) from None
+    return request
+
+
+def _summary(console: Console, t: Timings, total: float, n: int, request: metadata.GenerationRequest) -> None:
+    table = Table(title=f"{n} image(s), {request.width}x{request.height}, {request.steps} steps, "
+                        f"{request.sampler}", title_justify="left", show_header=True, header_style="bold")
+    table.add_column("stage")
+    table.add_column("seconds", justify="right")
+    table.add_row("load model", f"{t.load:.2f}")
+    table.add_row("compile (JAX events)", f"{t.compile:.2f}")
+    if t.denoise:
+        table.add_row("denoise (from step times)", f"{t.denoise:.2f}")
+        table.add_row("decode", f"{t.decode:.2f}")
+    table.add_row("generate (all of the above but load)", f"{t.generate:.2f}")
+    table.add_row("write PNGs", f"{t.save:.2f}")
+    table.add_row("total", f"{total:.2f}")
+    run = t.generate - t.compile
+    if run > 0:
+        table.add_row("images / s (excluding compile)", f"{n / run:.2f}")
+    if t.denoise:
+        table.add_row("batch steps / s", f"{t.steps * t.batches / t.denoise:.2f}")
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------------- serve
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def _parse_size(text: str, option: str) -> tuple[int, int]:
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not WIDTHxHEIGHT, e.g. 512x512", param_hint=option)
+    return int(m.group(1)), int(m.group(2))
+
+
+@app.command()
+def serve(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
+    dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most images in one compiled batch.")] = 8,
+    batch_sizes: Annotated[str | None, typer.Option(
+        help="Compiled batch sizes, comma-separated (a batch is padded to the next). Default: powers of two up "
+             "to --max-batch.")] = None,
+    batch_window_ms: Annotated[float, typer.Option(
+        min=0.0, help="How long the oldest waiting request waits for others to share its batch.")] = 10.0,
+    max_queue: Annotated[int, typer.Option(min=1, help="Most images waiting; more get 429 Retry-After.")] = 64,
+    request_timeout: Annotated[float, typer.Option(
+        min=0.001, help="Seconds before a request is answered 504 (compilation of a new shape counts).")] = 300.0,
+    warm_size: Annotated[list[str] | None, typer.Option(
+        help="WIDTHxHEIGHT to compile at start-up, for each batch size (repeatable). Default: the model's size.")]
+    = None,
+    no_warm: Annotated[bool, typer.Option("--no-warm", help="Compile nothing at start-up.")] = False,
+    max_size: Annotated[int, typer.Option(min=8, help="Largest width or height a request may ask for.")] = 1024,
+    max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
+    max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
+    max_body_kb: Annotated[int, typer.Option(min=1, help="Largest request body in KiB (413 above).")] = 64,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve the OpenAI and AUTOMATIC1111 image APIs, /metrics and a web page at / (FastAPI + uvicorn)."""
+    import logging
+
+    from sdjax import server
+
+    sizes = tuple(_parse_size(s, "--warm-size") for s in (warm_size or ()))
+    try:
+        batch = tuple(int(x) for x in batch_sizes.split(",")) if batch_sizes else ()
+    except ValueError:
+        raise typer.BadParameter(f"{batch_sizes!r} is not a comma-separated list of ints",
+                                 param_hint="--batch-sizes") from None
+    if any(b < 1 or b > max_batch for b in batch):
+        raise typer.BadParameter(f"sizes must lie in 1..--max-batch ({max_batch})", param_hint="--batch-sizes")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    err = Console(stderr=True)
+    t0 = time.perf_counter()
+    with err.status(f"Loading {model or 'the embedded model'}"):
+        try:
+            pipe = load_pipeline(model, dtype)
+        except Exception as e:
+            err.print(f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}", highlight=False,
+                      soft_wrap=True)
+            raise typer.Exit(1) from None
+    err.print(f"Loaded in {time.perf_counter() - t0:.1f} s; compiling {len(sizes) or 1} size(s) before serving "
+              f"at http://{host}:{port}/", highlight=False)
+    config = server.ServerConfig(
+        model_name=metadata.model_label(model), max_batch=max_batch, batch_sizes=batch,
+        batch_window_s=batch_window_ms / 1000, max_queue_images=max_queue, request_timeout_s=request_timeout,
+        max_body_bytes=max_body_kb * 1024, warm_sizes=sizes, warm=not no_warm,
+        limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size))
+    server.serve(pipe, config, host=host, port=port, log_level=log_level)
+
+
+# ---------------------------------------------------------------------------------------------- pnginfo
+@app.command(no_args_is_help=True)
+def pnginfo(
+    files: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="PNG files.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the parsed fields as JSON.")] = False,
+) -> None:
+    """Print the generation parameters stored in PNG files (sdjax, AUTOMATIC1111 and compatible tools)."""
+    status = 0
+    for path in files:
+        text = metadata.read_parameters(path)
+        if text is None:
+            typer.echo(f"{path}: no parameters chunk", err=True)
+            status = 1
+            continue
+        if as_json:
+            typer.echo(json.dumps({"file": str(path), **metadata.parse_parameters(text)}, ensure_ascii=False))
+        else:
+            typer.echo(f"{path}:\n{text}\n" if len(files) > 1 else text)
+    raise typer.Exit(status)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

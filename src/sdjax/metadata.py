@@ -1,0 +1,227 @@
+"""Generation parameters as typed values, as AUTOMATIC1111 "infotext", and as the PNG `parameters` chunk.
+
+The CLI and the server are adapters over one call: a `GenerationRequest` (what a user asked for, defaults
+resolved) expands to one `ImageParameters` per image, and `generate_images` runs a list of those that share a
+compiled shape through `pipeline.generate_arrays`. Every image of the CLI and the server has its own seed (image
+`i` of a request uses `seed + i`, with fold-in index 0, AUTOMATIC1111's convention), so the `Seed:` written in a
+file reproduces that image alone, whatever the batch it was made in.
+
+The text format is the one the AUTOMATIC1111 web UI writes and reads (`modules/infotext_utils.py`,
+`create_infotext` / `parse_generation_parameters`), also read by ComfyUI, InvokeAI and image hosts::
+
+    a photo of an astronaut
+    Negative prompt: blurry
+    Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 0, Size: 512x512, Model: stable-diffusion-v1-5
+
+The last line is `key: value` pairs separated by ", "; a value holding ",", ":" or a newline is JSON-quoted.
+`Size` is width x height.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from PIL import Image, PngImagePlugin
+
+PARAMETERS_KEY = "parameters"  # the PNG text chunk keyword AUTOMATIC1111 writes and reads
+SEED_MAX = 2**32 - 1  # seeds are unsigned 32-bit, as in AUTOMATIC1111; seed + i wraps around
+EMBEDDED_MODEL_NAME = "sdjax/embedded"
+
+# From AUTOMATIC1111's infotext_utils.py: a key starts with a word character; a value is a JSON string or runs
+# to the next comma.
+_PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+_SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
+
+
+class Progress(Protocol):
+    def __call__(self, stage: str, step: int, total: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageParameters:
+    """Everything that fixes one image: its noise is drawn from `fold_in(PRNGKey(seed), image_index)`."""
+
+    prompt: str
+    negative_prompt: str
+    steps: int
+    sampler: str
+    guidance_scale: float
+    seed: int
+    width: int
+    height: int
+    model: str = ""
+    image_index: int = 0
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, str]:
+        """What fixes the compiled executable: images with equal keys can share a batch."""
+        return (self.steps, self.height, self.width, self.sampler)
+
+    def infotext(self) -> str:
+        return format_parameters(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """A request with every default resolved; `images()` expands it to one `ImageParameters` per image."""
+
+    prompt: str
+    negative_prompt: str = ""
+    num_images: int = 1
+    seed: int = 0
+    steps: int = 50
+    guidance_scale: float = 7.5
+    width: int = 512
+    height: int = 512
+    sampler: str = ""
+    model: str = ""
+
+    def images(self) -> list[ImageParameters]:
+        return [ImageParameters(prompt=self.prompt, negative_prompt=self.negative_prompt, steps=self.steps,
+                                sampler=self.sampler, guidance_scale=float(self.guidance_scale),
+                                seed=(self.seed + i) % (SEED_MAX + 1), width=self.width, height=self.height,
+                                model=self.model)
+                for i in range(self.num_images)]
+
+
+def generate_images(pipeline: Any, images: Sequence[ImageParameters], *, pad_to: int | None = None,
+                    progress: Progress | None = None) -> np.ndarray:
+    """Run images sharing one `shape_key` through `pipeline.generate_arrays` -> uint8 `(N, H, W, 3)`."""
+    keys = {im.shape_key for im in images}
+    if len(keys) != 1:
+        raise ValueError(f"generate_images: images must share steps, size and sampler to share a batch; got {keys}")
+    steps, height, width, sampler = keys.pop()
+    return pipeline.generate_arrays(
+        [im.prompt for im in images], [im.negative_prompt for im in images], [im.seed for im in images],
+        [im.image_index for im in images], [im.guidance_scale for im in images], steps=steps, height=height,
+        width=width, sampler=sampler, pad_to=pad_to, progress=progress)
+
+
+def model_label(model: str | None) -> str:
+    """The `Model:` value: a Hub id as given, a local folder by its name (like AUTOMATIC1111's checkpoint name,
+    and so that the same model gives the same file bytes on any machine), the embedded model by its name."""
+    if not model:
+        return EMBEDDED_MODEL_NAME
+    path = Path(model)
+    if path.exists():
+        try:
+            import sdjax
+
+            if path.resolve() == Path(getattr(sdjax, "EMBEDDED_MODEL", "")).resolve():
+                return EMBEDDED_MODEL_NAME
+        except (ImportError, OSError):
+            pass
+        return path.resolve().name
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- text format
+def _quote(value: str) -> str:
+    if "," not in value and "\n" not in value and ":" not in value:
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _number(x: float) -> str:
+    return str(float(x))
+
+
+def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -> str:
+    """AUTOMATIC1111 infotext for one image. `extra` adds `key: value` pairs after the standard ones."""
+    fields: dict[str, Any] = {
+        "Steps": p.steps,
+        "Sampler": p.sampler,
+        "CFG scale": _number(p.guidance_scale),
+        "Seed": p.seed,
+        "Size": f"{p.width}x{p.height}",
+        "Model": p.model or None,
+        "Image index": p.image_index or None,  # sdjax: the fold_in index; 0 (omitted) for CLI and server images
+        **(extra or {}),
+    }
+    params = ", ".join(f"{k}: {_quote(str(v))}" for k, v in fields.items() if v is not None and v != "")
+    negative = f"\nNegative prompt: {p.negative_prompt}" if p.negative_prompt else ""
+    return f"{p.prompt}{negative}\n{params}".strip()
+
+
+def parse_parameters(text: str) -> dict[str, str]:
+    """Infotext -> `{"Prompt": ..., "Negative prompt": ..., "Steps": "20", "Size-1": "512", "Size-2": "512", ...}`.
+
+    Mirrors AUTOMATIC1111's `parse_generation_parameters`: lines are stripped, the negative prompt starts at a
+    line beginning with `Negative prompt:`, the last line holds the parameters if it has at least three pairs.
+    A `WxH` value `v` of key `K` is also split into `K-1` (width) and `K-2` (height). Values stay strings.
+    """
+    *lines, last = text.strip().split("\n")
+    if len(_PARAM_RE.findall(last)) < 3:
+        lines.append(last)
+        last = ""
+    prompt: list[str] = []
+    negative: list[str] = []
+    in_negative = False
+    for line in lines:
+        line = line.strip()
+        if line.startswith("Negative prompt:"):
+            in_negative = True
+            line = line[len("Negative prompt:"):].strip()
+        (negative if in_negative else prompt).append(line)
+    out = {"Prompt": "\n".join(prompt), "Negative prompt": "\n".join(negative)}
+    for key, value in _PARAM_RE.findall(last):
+        value = _unquote(value.strip())
+        out[key] = value
+        m = _SIZE_RE.match(value)
+        if m:
+            out[f"{key}-1"], out[f"{key}-2"] = m.group(1), m.group(2)
+    return out
+
+
+def parameters_from_text(text: str) -> ImageParameters:
+    """Infotext -> `ImageParameters`; raises ValueError naming a missing or malformed field."""
+    raw = parse_parameters(text)
+    missing = [k for k in ("Steps", "Sampler", "CFG scale", "Seed", "Size") if k not in raw]
+    if missing:
+        raise ValueError(f"infotext lacks the field(s) {missing}; got keys {sorted(raw)}")
+    try:
+        return ImageParameters(
+            prompt=raw["Prompt"], negative_prompt=raw["Negative prompt"], steps=int(raw["Steps"]),
+            sampler=raw["Sampler"], guidance_scale=float(raw["CFG scale"]), seed=int(raw["Seed"]),
+            width=int(raw["Size-1"]), height=int(raw["Size-2"]), model=raw.get("Model", ""),
+            image_index=int(raw.get("Image index", 0)))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None
+
+
+# ---------------------------------------------------------------------------------------------- PNG files
+def png_bytes(image: np.ndarray | Image.Image, parameters: str | None = None) -> bytes:
+    """Encode an image as PNG with the `parameters` text chunk. Deterministic: same pixels and text, same bytes
+    (PIL writes no time chunk; text that is not Latin-1 goes in an iTXt chunk as UTF-8)."""
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(np.ascontiguousarray(image))
+    info = PngImagePlugin.PngInfo()
+    if parameters is not None:
+        info.add_text(PARAMETERS_KEY, parameters)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=info)
+    return buf.getvalue()
+
+
+def read_parameters(source: str | Path | bytes) -> str | None:
+    """The `parameters` text of a PNG file (path or bytes), or None if it has none."""
+    data = io.BytesIO(source) if isinstance(source, bytes) else source
+    with Image.open(data) as im:
+        im.load()
+        return im.info.get(PARAMETERS_KEY) or getattr(im, "text", {}).get(PARAMETERS_KEY)

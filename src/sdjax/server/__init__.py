@@ -1,0 +1,9 @@
+"""HTTP server over a pipeline: OpenAI and AUTOMATIC1111 APIs, dynamic batching, metrics and a web page.
+
+Needs the `serve` extra (`pip install 'sdjax[serve]'`). `sdjax serve` on the command line runs `serve()`.
+"""
+
+from sdjax.server.app import ServerConfig, build_asgi, create_app, serve
+from sdjax.server.schemas import Limits
+
+__all__ = ["Limits", "ServerConfig", "build_asgi", "create_app", "serve"]
