@@ -9,7 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-import pytest  # noqa: E402
+import pytest
 
 
 def _save(pipe, path: pathlib.Path, legacy_tokenizer: bool) -> pathlib.Path:

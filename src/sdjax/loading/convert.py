@@ -82,7 +82,7 @@ def convert_state_dict(
     unexpected: list[str] = []
     misshaped: list[str] = []
     seen: set[Path_] = set()
-    for key in state_dict.keys():
+    for key in state_dict:
         if any(p.fullmatch(key) for p in ignore):
             continue
         name = key

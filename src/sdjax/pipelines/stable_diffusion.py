@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from sdjax.parallel import sharding as sharding_lib
-
 from sdjax import samplers as sampler_lib
+from sdjax.parallel import sharding as sharding_lib
 from sdjax.pipelines import common
 from sdjax.pipelines.common import PipelineOutput, Progress
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil, to_uint8
@@ -287,9 +287,8 @@ class StableDiffusionPipeline:
                  guidance_scales: Sequence[float] | None = None, sampler: str | None = None,
                  num_images: int | None = None) -> None:
         """Check high-level arguments; raises ValueError naming the argument, before anything compiles."""
-        if prompts is not None:
-            if not prompts or not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompt must be a non-empty str or list of str")
+        if prompts is not None and (not prompts or not all(isinstance(p, str) for p in prompts)):
+            raise ValueError("prompt must be a non-empty str or list of str")
         if negative_prompts is not None and prompts is not None and len(negative_prompts) not in (1, len(prompts)):
             raise ValueError(f"negative_prompt: got {len(negative_prompts)} for {len(prompts)} prompts; pass one, "
                              f"or one per prompt")
