@@ -88,7 +88,7 @@ class _Guard:
 
         async def send_status(message):
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
             await send(message)
 
         self.metrics.in_flight.inc()
@@ -111,6 +111,11 @@ class _Guard:
                 await self.app(scope, replay, send_status)
             else:
                 await self.app(scope, receive, send_status)
+        except Exception as e:  # the app's handlers answered already if they could; never let it reach uvicorn
+            if status["code"] == 500 and not status.get("started"):
+                log.exception("unhandled error")
+                await _send_json(send_status, 500, _error_body(f"{type(e).__name__}: {e}", None, "internal_error",
+                                                               kind="server_error"))
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
@@ -185,10 +190,13 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         field = _field_of(first.get("loc", ()))
+        msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
-            message, field = f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}", "body"
+            message, field = f"malformed JSON body: {first.get('ctx', {}).get('error', msg)}", "body"
+        elif field is None:
+            message, field = f"body: {msg}; send a JSON object", "body"
         else:
-            message = f"{field}: {first['msg']}" if field else first["msg"]
+            message = f"{field}: {msg}"
         return JSONResponse(_error_body(message, field, first.get("type", "invalid"),
                                         detail=jsonable_encoder(errors, exclude={"input", "url"})), status_code=422)
 
@@ -225,6 +233,10 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             batcher.cancel(job)
             metrics.rejected.labels("timeout").inc()
             raise _Timeout(config.request_timeout_s) from None
+        except ShuttingDown:
+            raise
+        except Exception as e:  # the pipeline raised for this batch; it was logged by the batcher
+            raise _PipelineError(f"generation failed: {type(e).__name__}: {e}") from None
         metrics.images.inc(len(images))
         pngs = await asyncio.to_thread(_encode, arrays, images)
         return images, pngs
@@ -232,6 +244,10 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.exception_handler(_Timeout)
     async def on_timeout(request: Request, exc: _Timeout):
         return JSONResponse(_error_body(str(exc), None, "timeout", kind="server_error"), status_code=504)
+
+    @app.exception_handler(_PipelineError)
+    async def on_pipeline_error(request: Request, exc: _PipelineError):
+        return JSONResponse(_error_body(str(exc), None, "generation_failed", kind="server_error"), status_code=500)
 
     @app.post("/v1/images/generations", response_model=OpenAIImageResponse,
               summary="Create images (OpenAI images API)")
@@ -289,6 +305,10 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         return _progress(batcher, id_task)
 
     return app
+
+
+class _PipelineError(Exception):
+    pass
 
 
 class _Timeout(Exception):

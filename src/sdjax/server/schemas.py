@@ -75,7 +75,7 @@ class OpenAIImageRequest(BaseModel):
             raise ValueError(f'size must be "WIDTHxHEIGHT" such as "512x512", got {v!r}')
         w, h = int(m.group(1)), int(m.group(2))
         if w % 8 or h % 8 or not w or not h:
-            raise ValueError(f"size {v!r}: width and height must be positive multiples of 8")
+            raise ValueError(f"size {v!r}: width and height must each be a positive multiple of 8")
         return f"{w}x{h}"
 
 

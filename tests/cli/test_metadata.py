@@ -1,0 +1,105 @@
+"""The PNG `parameters` chunk in AUTOMATIC1111's format: writing, parsing, round trips, determinism."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdjax import metadata
+from sdjax.metadata import GenerationRequest, ImageParameters
+
+PARAMS = ImageParameters(prompt="a photo of an astronaut riding a horse", negative_prompt="blurry, low quality",
+                         steps=20, sampler="Euler a", guidance_scale=7.5, seed=1234, width=512, height=768,
+                         model="stable-diffusion-v1-5")
+
+
+def test_format_is_automatic1111s():
+    assert PARAMS.infotext() == (
+        "a photo of an astronaut riding a horse\n"
+        "Negative prompt: blurry, low quality\n"
+        "Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 1234, Size: 512x768, Model: stable-diffusion-v1-5")
+
+
+def test_no_negative_prompt_line_when_empty():
+    text = metadata.format_parameters(ImageParameters("cat", "", 4, "ddim", 7.0, 0, 64, 64))
+    assert text == "cat\nSteps: 4, Sampler: ddim, CFG scale: 7.0, Seed: 0, Size: 64x64"
+
+
+def test_parse_a_file_written_by_automatic1111():
+    # An infotext as the web UI 1.10 writes it, with fields sdjax does not know.
+    text = ("masterpiece, (best quality:1.2), 1girl\nNegative prompt: lowres, bad anatomy\n"
+            'Steps: 28, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 3050862934, '
+            'Size: 512x640, Model hash: 6ce0161689, Model: v1-5-pruned-emaonly, '
+            'Lora hashes: "lora_a: abc123, lora_b: def456", Version: v1.10.1')
+    raw = metadata.parse_parameters(text)
+    assert raw["Prompt"] == "masterpiece, (best quality:1.2), 1girl"
+    assert raw["Negative prompt"] == "lowres, bad anatomy"
+    assert raw["Schedule type"] == "Karras"
+    assert raw["Lora hashes"] == "lora_a: abc123, lora_b: def456"
+    assert (raw["Size-1"], raw["Size-2"]) == ("512", "640")
+    p = metadata.parameters_from_text(text)
+    assert (p.steps, p.sampler, p.guidance_scale, p.seed, p.width, p.height, p.model) == (
+        28, "DPM++ 2M", 6.5, 3050862934, 512, 640, "v1-5-pruned-emaonly")
+
+
+@pytest.mark.parametrize("prompt,negative", [
+    ("plain", ""),
+    ("two\nlines, with commas: and colons", "neg\nacross lines"),
+    ("unicode 猫 ✓ émigré", "ünïcödé"),
+    ("", "only a negative prompt"),
+])
+def test_round_trip(prompt, negative):
+    p = ImageParameters(prompt, negative, 30, "DPM++ 2M Karras", 4.0, 2**32 - 1, 1024, 576, "org/model-name", 3)
+    assert metadata.parameters_from_text(p.infotext()) == p
+
+
+def test_values_with_separators_are_json_quoted():
+    p = ImageParameters("x", "", 1, "Euler a", 1.0, 0, 8, 8, model="a, b: c")
+    text = p.infotext()
+    assert 'Model: "a, b: c"' in text
+    assert metadata.parameters_from_text(text).model == "a, b: c"
+
+
+def test_missing_fields_are_named():
+    with pytest.raises(ValueError, match="Steps"):
+        metadata.parameters_from_text("just a prompt")
+
+
+def test_png_bytes_are_deterministic_and_readable(tmp_path):
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 24, 3), dtype=np.uint8)
+    for prompt in ("latin-1 prompt", "not latin-1: 猫"):  # tEXt and iTXt
+        p = ImageParameters(prompt, "", 2, "ddim", 7.5, 5, 24, 16)
+        a = metadata.png_bytes(pixels, p.infotext())
+        assert a == metadata.png_bytes(Image.fromarray(pixels), p.infotext())
+        path = tmp_path / "x.png"
+        path.write_bytes(a)
+        assert metadata.read_parameters(path) == p.infotext() == metadata.read_parameters(a)
+        with Image.open(path) as im:  # what AUTOMATIC1111's PNG Info reads
+            assert im.info["parameters"] == p.infotext()
+            np.testing.assert_array_equal(np.asarray(im), pixels)
+    assert metadata.read_parameters(metadata.png_bytes(pixels)) is None
+
+
+def test_request_gives_each_image_its_own_seed():
+    r = GenerationRequest("p", "n", num_images=3, seed=2**32 - 2, steps=5, guidance_scale=3.0, width=64,
+                          height=32, sampler="euler", model="m")
+    images = r.images()
+    assert [im.seed for im in images] == [2**32 - 2, 2**32 - 1, 0]
+    assert {im.image_index for im in images} == {0}
+    assert {im.shape_key for im in images} == {(5, 32, 64, "euler")}
+
+
+def test_generate_images_refuses_mixed_shapes():
+    a = ImageParameters("p", "", 4, "euler", 7.5, 0, 64, 64)
+    b = ImageParameters("p", "", 5, "euler", 7.5, 0, 64, 64)
+    with pytest.raises(ValueError, match="share"):
+        metadata.generate_images(object(), [a, b])
+
+
+def test_model_label(tmp_path):
+    assert metadata.model_label(None) == "sdjax/embedded"
+    assert metadata.model_label("org/name") == "org/name"
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert metadata.model_label(str(folder)) == "my-model"

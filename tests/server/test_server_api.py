@@ -1,0 +1,136 @@
+"""Request and response shapes of the OpenAI and AUTOMATIC1111 endpoints and of the service endpoints, against a
+live server on 127.0.0.1 over the fake pipeline."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from conftest import check_image, client, live_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(max_batch=4, warm_sizes=((64, 64), (32, 48))) as s:
+        yield s
+
+
+@pytest.fixture
+def http(server):
+    with client(server.url) as c:
+        yield c
+
+
+def test_openai_minimal_request(http):
+    r = http.post("/v1/images/generations", json={"prompt": "a lighthouse at dusk"})
+    assert r.status_code == 200
+    body = r.json()
+    assert set(body) == {"created", "data"} and isinstance(body["created"], int)
+    (item,) = body["data"]
+    assert set(item) == {"b64_json"}
+    check_image(item["b64_json"], prompt="a lighthouse at dusk", width=64, height=64, steps=4, sampler="euler_a",
+                model="fake-model")
+
+
+def test_openai_full_request(http):
+    r = http.post("/v1/images/generations", json={
+        "prompt": "a cat", "n": 3, "size": "48x32", "response_format": "b64_json", "model": "dall-e-2",
+        "user": "someone", "quality": "standard", "negative_prompt": "dog", "steps": 6, "guidance_scale": 3.5,
+        "seed": 42, "sampler": "ddim"})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert len(data) == 3
+    for k, item in enumerate(data):
+        check_image(item["b64_json"], prompt="a cat", negative_prompt="dog", width=48, height=32, steps=6,
+                    guidance_scale=3.5, seed=42 + k, sampler="ddim")
+
+
+def test_openai_random_seed_when_none_given(http):
+    seeds = set()
+    for _ in range(2):
+        r = http.post("/v1/images/generations", json={"prompt": "x"})
+        seeds.add(check_image(r.json()["data"][0]["b64_json"]).seed)
+    assert len(seeds) == 2
+
+
+def test_openai_python_client_shape(http):
+    """What the `openai` package's `images.generate` sends and reads (`data[i].b64_json`)."""
+    r = http.post("/v1/images/generations", json={"model": "sdjax", "prompt": "p", "n": 1, "size": "64x64",
+                                                  "response_format": "b64_json"},
+                  headers={"Authorization": "Bearer sk-anything"})
+    assert r.status_code == 200 and r.json()["data"][0]["b64_json"]
+
+
+def test_a1111_txt2img(http):
+    body = {"prompt": "a dog", "negative_prompt": "cat", "steps": 5, "cfg_scale": 6, "width": 32, "height": 48,
+            "seed": 7, "batch_size": 2, "n_iter": 2, "sampler_name": "DDIM",
+            # fields existing clients send that sdjax ignores
+            "styles": [], "send_images": True, "save_images": False, "alwayson_scripts": {}, "override_settings": {},
+            "denoising_strength": 0, "enable_hr": False, "restore_faces": False, "tiling": False}
+    r = http.post("/sdapi/v1/txt2img", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"images", "parameters", "info"}
+    assert len(out["images"]) == 4
+    assert out["parameters"]["prompt"] == "a dog" and out["parameters"]["batch_size"] == 2
+    info = json.loads(out["info"])
+    assert info["all_seeds"] == [7, 8, 9, 10] and info["seed"] == 7
+    assert info["all_prompts"] == ["a dog"] * 4 and info["all_negative_prompts"] == ["cat"] * 4
+    assert (info["width"], info["height"], info["steps"], info["cfg_scale"], info["sampler_name"]) == (
+        32, 48, 5, 6.0, "DDIM")
+    assert info["sd_model_name"] == "fake-model" and re.fullmatch(r"\d{14}", info["job_timestamp"])
+    for k, (b64, infotext) in enumerate(zip(out["images"], info["infotexts"])):
+        p = check_image(b64, seed=7 + k, prompt="a dog", negative_prompt="cat", width=32, height=48,
+                        sampler="DDIM", guidance_scale=6.0)
+        assert p.infotext() == infotext
+
+
+def test_a1111_defaults_and_scheduler(http):
+    r = http.post("/sdapi/v1/txt2img", json={"prompt": "", "sampler_name": "DPM++ 2M", "scheduler": "Karras"})
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert info["sampler_name"] == "DPM++ 2M Karras" and info["steps"] == 4 and info["width"] == 64
+    assert 0 <= info["seed"] < 2**32  # -1: random
+    r = http.post("/sdapi/v1/txt2img", json={"prompt": "p", "seed": 1, "send_images": False})
+    assert r.json()["images"] == [] and json.loads(r.json()["info"])["all_seeds"] == [1]
+
+
+def test_both_apis_give_the_same_image_for_the_same_parameters(http):
+    a = http.post("/v1/images/generations", json={"prompt": "same", "seed": 9, "steps": 3, "size": "32x32",
+                                                  "guidance_scale": 2, "sampler": "euler"}).json()
+    b = http.post("/sdapi/v1/txt2img", json={"prompt": "same", "seed": 9, "steps": 3, "width": 32, "height": 32,
+                                             "cfg_scale": 2, "sampler_name": "euler"}).json()
+    assert a["data"][0]["b64_json"] == b["images"][0]
+
+
+def test_service_endpoints(server, http):
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    config = http.get("/v1/config").json()
+    assert config["samplers"] == ["euler", "euler_a", "ddim", "dpmpp_2m"]
+    assert (config["default_width"], config["default_height"], config["default_steps"]) == (64, 64, 4)
+    assert config["limits"]["max_images"] == 8 and config["batch_sizes"] == [1, 2, 4]
+    assert http.get("/sdapi/v1/samplers").json()[0] == {"name": "euler", "aliases": [], "options": {}}
+    assert http.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    progress = http.get("/sdapi/v1/progress").json()
+    assert {"progress", "eta_relative", "state", "current_image", "textinfo"} <= set(progress)
+    assert http.get("/sdapi/v1/progress", params={"id_task": "nope"}).json()["stage"] == "unknown"
+    page = http.get("/")
+    assert page.status_code == 200 and "<title>sdjax</title>" in page.text
+    assert http.get("/docs").status_code == 200 and "/sdapi/v1/txt2img" in http.get("/openapi.json").text
+    # start-up compiled every batch size for each configured size, at the default steps and sampler
+    assert sorted(server.pipeline.warmups) == sorted(
+        (b, h, w, 4, "euler_a") for b in (1, 2, 4) for (w, h) in ((64, 64), (32, 48)))
+
+
+def test_metrics(http):
+    http.post("/v1/images/generations", json={"prompt": "m", "n": 3})
+    text = http.get("/metrics").text
+    for name in ("sdjax_requests_total", "sdjax_request_latency_seconds_bucket", "sdjax_queue_depth_images",
+                 "sdjax_batch_fill_ratio_bucket", "sdjax_batch_images_bucket", "sdjax_batches_total",
+                 "sdjax_images_generated_total", "sdjax_ready 1.0"):
+        assert name in text, name
+    assert re.search(r'sdjax_requests_total\{endpoint="/v1/images/generations",status="200"\} [1-9]', text)
+    # 3 images padded to a compiled batch of 4
+    assert re.search(r'sdjax_batch_fill_ratio_bucket\{le="0.75"\} [1-9]', text)

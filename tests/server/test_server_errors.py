@@ -1,0 +1,161 @@
+"""Bad requests of every kind, overload, timeouts and pipeline failures: each gets its status and a message naming
+the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import pytest
+from conftest import check_image, client, live_server
+from fake_pipeline import FakePipeline
+
+OPENAI = "/v1/images/generations"
+A1111 = "/sdapi/v1/txt2img"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(max_batch=4, max_body_bytes=4096,
+                     limits=__import__("sdjax.server", fromlist=["Limits"]).Limits(max_images=8, max_steps=50,
+                                                                                    max_size=256)) as s:
+        yield s
+
+
+@pytest.fixture
+def http(server):
+    with client(server.url) as c:
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None, words: str = "") -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert words.lower() in error["message"].lower(), error
+    if param not in (None, "body"):
+        assert param in error["message"]
+    return error
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({}, "prompt", "required"),
+    ({"negative_prompt": "x"}, "prompt", "required"),
+    ({"prompt": ""}, "prompt", "at least 1"),
+    ({"prompt": 5}, "prompt", "string"),
+    ({"prompt": "x", "n": 1000}, "n", "at most 8"),
+    ({"prompt": "x", "n": 0}, "n", "greater than"),
+    ({"prompt": "x", "n": 1.5}, "n", "integer"),
+    ({"prompt": "x", "size": "65x64"}, "size", "multiple of 8"),
+    ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
+    ({"prompt": "x", "size": "1024x1024"}, "size", "outside"),
+    ({"prompt": "x", "steps": -3}, "steps", "greater than"),
+    ({"prompt": "x", "steps": 0}, "steps", "greater than"),
+    ({"prompt": "x", "steps": 500}, "steps", "at most 50"),
+    ({"prompt": "x", "sampler": "no-such-sampler"}, "sampler", "unknown sampler"),
+    ({"prompt": "x", "guidance_scale": -1}, "guidance_scale", "greater than"),
+    ({"prompt": "x", "guidance_scale": 1000}, "guidance_scale", "at most"),
+    ({"prompt": "x", "seed": 2**40}, "seed", "less than"),
+    ({"prompt": "x", "response_format": "url"}, "response_format", "b64_json"),
+])
+def test_openai_bad_fields(http, body, param, words):
+    assert_error(http.post(OPENAI, json=body), 422, param, words)
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({}, "prompt", "required"),
+    ({"prompt": "x", "batch_size": 100}, "batch_size", "at most 8"),
+    ({"prompt": "x", "batch_size": 4, "n_iter": 3}, "batch_size", "at most 8"),
+    ({"prompt": "x", "width": 65}, "width", "multiple of 8"),
+    ({"prompt": "x", "height": 0}, "height", "greater than"),
+    ({"prompt": "x", "width": 512}, "width", "outside"),
+    ({"prompt": "x", "steps": -1}, "steps", "greater than"),
+    ({"prompt": "x", "sampler_name": "Nope a"}, "sampler_name", "unknown sampler"),
+    ({"prompt": "x", "cfg_scale": "high"}, "cfg_scale", "number"),
+    ({"prompt": "x", "seed": -5}, "seed", "greater than"),
+    ({"prompt": "x", "enable_hr": True}, "enable_hr", "not supported"),
+    ({"prompt": "x", "subseed_strength": 0.5}, "subseed_strength", "not supported"),
+])
+def test_a1111_bad_fields(http, body, param, words):
+    assert_error(http.post(A1111, json=body), 422, param, words)
+
+
+def test_model_specific_size_rule_is_reported(server):
+    with live_server(FakePipeline(multiple=16)) as s, client(s.url) as c:
+        assert_error(c.post(OPENAI, json={"prompt": "x", "size": "40x48"}), 422, "size", "multiple of 16")
+
+
+@pytest.mark.parametrize("path", [OPENAI, A1111])
+def test_malformed_and_non_object_json(http, path):
+    for raw in (b"{not json", b'{"prompt": "x",}', b""):
+        e = assert_error(http.post(path, content=raw, headers={"content-type": "application/json"}), 422, "body")
+        assert "json" in e["message"].lower() or "required" in e["message"].lower()
+    assert http.post(path, json=["prompt"]).status_code == 422
+    assert http.post(path, json="prompt").status_code == 422
+
+
+def test_oversized_body(http):
+    big = {"prompt": "x" * 10_000}
+    assert_error(http.post(OPENAI, json=big), 413, "body", "exceeds 4096 bytes")
+
+    def chunks():  # no Content-Length: the limit applies to what arrives
+        for _ in range(10):
+            yield b" " * 1000
+
+    assert_error(http.post(A1111, content=chunks(), headers={"content-type": "application/json"}), 413, "body")
+    assert http.post(OPENAI, json={"prompt": "still fine"}).status_code == 200
+
+
+def test_wrong_method_and_path(http):
+    assert http.get(OPENAI).status_code == 405
+    assert http.post("/v1/nope", json={}).status_code == 404
+    assert http.get("/health").status_code == 200
+
+
+def test_queue_full_answers_429_with_retry_after():
+    pipe = FakePipeline(delay_s=0.4)
+    with live_server(pipe, max_batch=2, max_queue_images=3, batch_window_s=0.0) as s:
+        def post(i):
+            with client(s.url) as c:
+                return c.post(OPENAI, json={"prompt": f"p{i}", "n": 2, "seed": i})
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(post, range(8)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) == {200, 429}, codes
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                for k, item in enumerate(r.json()["data"]):
+                    check_image(item["b64_json"])
+        with client(s.url) as c:
+            assert 'sdjax_rejected_total{reason="queue_full"}' in c.get("/metrics").text
+            assert c.post(OPENAI, json={"prompt": "after"}).status_code == 200
+
+
+def test_timeout_answers_504_and_the_server_recovers():
+    pipe = FakePipeline(delay_s=0.6)
+    with live_server(pipe, request_timeout_s=0.2, max_batch=1, batch_window_s=0.0) as s, client(s.url) as c:
+        t0 = time.monotonic()
+        r = c.post(OPENAI, json={"prompt": "slow"})
+        assert r.status_code == 504 and time.monotonic() - t0 < 0.6
+        assert "timeout" in r.json()["error"]["message"]
+        pipe.delay_s = 0.0
+        time.sleep(0.6)  # the running batch finishes; its result is dropped
+        assert c.post(OPENAI, json={"prompt": "fast"}).status_code == 200
+        assert c.get("/health").json()["status"] == "ok"
+        assert 'sdjax_rejected_total{reason="timeout"} 1.0' in c.get("/metrics").text
+
+
+def test_pipeline_failure_answers_500_and_the_server_keeps_serving():
+    pipe = FakePipeline(fail_prompt="boom")
+    with live_server(pipe) as s, client(s.url) as c:
+        r = c.post(OPENAI, json={"prompt": "boom"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "told to fail" in r.json()["error"]["message"]
+        check_image(c.post(OPENAI, json={"prompt": "fine", "seed": 1}).json()["data"][0]["b64_json"], seed=1)
+        assert "sdjax_batch_errors_total 1.0" in c.get("/metrics").text
