@@ -1,0 +1,124 @@
+"""The web page end to end in headless Chromium (Debian's `chromium`, driven by Playwright) against a live server
+on 127.0.0.1: fill the form, generate, watch progress, check the gallery, its parameters and the download."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import live_server
+from fake_pipeline import FakePipeline, expected
+
+from sdjax import metadata
+
+CHROMIUM = os.environ.get("SDJAX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="the test extra installs playwright")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary: `apt-get install -y chromium` "
+                                                         "(Debian) or set SDJAX_CHROMIUM to a Chromium binary")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(accept_downloads=True, viewport={"width": 1100, "height": 800})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    yield page
+    context.close()
+    assert not errors, errors
+
+
+def test_generate_from_the_page(page, tmp_path):
+    pipe = FakePipeline(delay_s=1.2)  # slow enough to see progress
+    with live_server(pipe, model_name="fake-model") as server:
+        page.goto(server.url + "/")
+        page.wait_for_function("!document.getElementById('generate').disabled")
+        assert page.text_content("#model") == "fake-model"
+        assert page.eval_on_selector_all("#sampler option", "os => os.map(o => o.value)") == pipe.sampler_names
+        assert page.input_value("#sampler") == "euler_a"
+        assert page.input_value("#width") == "64" and page.input_value("#steps") == "4"
+
+        page.fill("#prompt", "a lighthouse, at night")
+        page.fill("#negative", "fog")
+        page.fill("#width", "48")
+        page.fill("#height", "32")
+        page.fill("#steps", "6")
+        page.fill("#guidance", "5.5")
+        page.fill("#seed", "77")
+        page.fill("#count", "2")
+        page.select_option("#sampler", "ddim")
+        page.click("#generate")
+
+        # progress: the button is disabled and the bar moves while the batch runs
+        assert page.is_disabled("#generate")
+        page.wait_for_function("document.getElementById('status').textContent.startsWith('step ')", timeout=10_000)
+        assert page.is_visible("#progress")
+        page.wait_for_selector("figure.result >> nth=1", timeout=20_000)
+        page.wait_for_function("!document.getElementById('generate').disabled")
+        assert "2 image(s)" in page.text_content("#status")
+        assert not page.is_visible("#progress")
+
+        figures = page.query_selector_all("figure.result")
+        assert len(figures) == 2
+        for k, fig in enumerate(figures):
+            params = fig.query_selector("pre.params").text_content()
+            assert params == ("a lighthouse, at night\nNegative prompt: fog\nSteps: 6, Sampler: ddim, CFG scale: 5.5, "
+                              f"Seed: {77 + k}, Size: 48x32, Model: fake-model")
+            link = fig.query_selector("a.download")
+            assert link.get_attribute("download") == f"sdjax-{77 + k}.png"
+            # the image is displayed at its size
+            assert fig.query_selector("img").evaluate("im => [im.naturalWidth, im.naturalHeight]") == [48, 32]
+
+        # the download is the PNG with its parameters chunk and the right pixels
+        with page.expect_download() as info:
+            figures[1].query_selector("a.download").click()
+        path = tmp_path / "download.png"
+        info.value.save_as(path)
+        text = metadata.read_parameters(path)
+        assert metadata.parameters_from_text(text).seed == 78
+        from PIL import Image
+
+        with Image.open(path) as im:
+            np.testing.assert_array_equal(np.asarray(im), expected("a lighthouse, at night", "fog", 78, 0, 5.5, 6,
+                                                                   32, 48, "ddim"))
+        page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+        if os.environ.get("SDJAX_SCREENSHOT_DIR"):
+            shutil.copy(tmp_path / "page.png", Path(os.environ["SDJAX_SCREENSHOT_DIR"]) / "web_page.png")
+
+
+def test_page_shows_errors_and_recovers(page):
+    with live_server(FakePipeline(), model_name="fake-model") as server:
+        page.goto(server.url + "/")
+        page.wait_for_function("!document.getElementById('generate').disabled")
+        page.fill("#prompt", "x")
+        # the browser's own form checks: a width that is not a multiple of 8 is refused before sending
+        page.fill("#width", "60")
+        page.click("#generate")
+        assert page.evaluate("document.getElementById('width').validity.stepMismatch")
+        assert page.query_selector_all("figure.result") == []
+        # a server-side refusal is shown with the field's name
+        page.fill("#width", "2048")
+        page.evaluate("document.getElementById('width').removeAttribute('max')")
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('status').classList.contains('error')")
+        assert "422" in page.text_content("#status") and "width" in page.text_content("#status")
+        page.fill("#width", "64")
+        page.click("#generate")
+        page.wait_for_selector("figure.result")
+        img = page.get_attribute("figure.result img", "src")
+        assert metadata.read_parameters(base64.b64decode(img.split(",", 1)[1])).startswith("x\nSteps: 4")
