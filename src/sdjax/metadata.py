@@ -46,7 +46,11 @@ class Progress(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ImageParameters:
-    """Everything that fixes one image: its noise is drawn from `fold_in(PRNGKey(seed), image_index)`."""
+    """Everything that fixes one image: its noise is drawn from `fold_in(PRNGKey(seed), image_index)`.
+
+    `sampler` is a registry name (`sdjax.samplers.available()`) where one exists; infotext shows the
+    AUTOMATIC1111 name ("Euler a"), and parsing maps it back.
+    """
 
     prompt: str
     negative_prompt: str
@@ -85,7 +89,7 @@ class GenerationRequest:
 
     def images(self) -> list[ImageParameters]:
         return [ImageParameters(prompt=self.prompt, negative_prompt=self.negative_prompt, steps=self.steps,
-                                sampler=self.sampler, guidance_scale=float(self.guidance_scale),
+                                sampler=sampler_id(self.sampler), guidance_scale=float(self.guidance_scale),
                                 seed=(self.seed + i) % (SEED_MAX + 1), width=self.width, height=self.height,
                                 model=self.model)
                 for i in range(self.num_images)]
@@ -102,6 +106,42 @@ def generate_images(pipeline: Any, images: Sequence[ImageParameters], *, pad_to:
         [im.prompt for im in images], [im.negative_prompt for im in images], [im.seed for im in images],
         [im.image_index for im in images], [im.guidance_scale for im in images], steps=steps, height=height,
         width=width, sampler=sampler, pad_to=pad_to, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------- sampler names
+def _fold(name: str) -> str:
+    return name.strip().lower().replace("-", "_").replace(" ", "_")
+
+
+def sampler_id(name: str) -> str:
+    """The sampler registry name for any spelling the registry knows ("Euler a", "DPM++ 2M Karras",
+    "euler-a" -> "euler_a", "dpmpp_2m_karras"); other names (diffusers class names, samplers sdjax lacks) unchanged.
+    Requests that name one sampler differently still share batches."""
+    from sdjax import samplers
+
+    if name in samplers.SAMPLERS:
+        return name
+    if name in samplers.ALIASES:
+        return samplers.ALIASES[name]
+    key = _fold(name)
+    for registry in samplers.SAMPLERS:
+        if _fold(registry) == key:
+            return registry
+    for alias, registry in samplers.ALIASES.items():
+        if _fold(alias) == key:
+            return registry
+    return name
+
+
+def sampler_display_name(name: str) -> str:
+    """AUTOMATIC1111's name of a sampler ("euler_a" -> "Euler a"), as written in infotext; else the name."""
+    from sdjax import samplers
+
+    registry = sampler_id(name)
+    for alias, target in samplers.ALIASES.items():
+        if target == registry and (" " in alias or alias.isupper()):
+            return alias
+    return registry
 
 
 def model_label(model: str | None) -> str:
@@ -146,7 +186,7 @@ def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -
     """AUTOMATIC1111 infotext for one image. `extra` adds `key: value` pairs after the standard ones."""
     fields: dict[str, Any] = {
         "Steps": p.steps,
-        "Sampler": p.sampler,
+        "Sampler": sampler_display_name(p.sampler),
         "CFG scale": _number(p.guidance_scale),
         "Seed": p.seed,
         "Size": f"{p.width}x{p.height}",
@@ -165,6 +205,8 @@ def parse_parameters(text: str) -> dict[str, str]:
     Mirrors AUTOMATIC1111's `parse_generation_parameters`: lines are stripped, the negative prompt starts at a
     line beginning with `Negative prompt:`, the last line holds the parameters if it has at least three pairs.
     A `WxH` value `v` of key `K` is also split into `K-1` (width) and `K-2` (height). Values stay strings.
+    A `Schedule type` (AUTOMATIC1111 1.9+, e.g. "Karras") stays a key of its own; `parameters_from_text` joins it
+    to the sampler.
     """
     *lines, last = text.strip().split("\n")
     if len(_PARAM_RE.findall(last)) < 3:
@@ -195,10 +237,14 @@ def parameters_from_text(text: str) -> ImageParameters:
     missing = [k for k in ("Steps", "Sampler", "CFG scale", "Seed", "Size") if k not in raw]
     if missing:
         raise ValueError(f"infotext lacks the field(s) {missing}; got keys {sorted(raw)}")
+    sampler = raw["Sampler"]
+    schedule = raw.get("Schedule type", "")
+    if schedule and schedule.lower() not in ("automatic", "uniform") and not sampler.endswith(schedule):
+        sampler = f"{sampler} {schedule}"
     try:
         return ImageParameters(
             prompt=raw["Prompt"], negative_prompt=raw["Negative prompt"], steps=int(raw["Steps"]),
-            sampler=raw["Sampler"], guidance_scale=float(raw["CFG scale"]), seed=int(raw["Seed"]),
+            sampler=sampler_id(sampler), guidance_scale=float(raw["CFG scale"]), seed=int(raw["Seed"]),
             width=int(raw["Size-1"]), height=int(raw["Size-2"]), model=raw.get("Model", ""),
             image_index=int(raw.get("Image index", 0)))
     except (KeyError, ValueError) as e:

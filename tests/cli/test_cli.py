@@ -47,7 +47,7 @@ def test_generate_writes_pngs_with_parameters(fake, tmp_path):
     assert all(str(p) in r.stdout for p in paths)
     for k, path in enumerate(paths):
         text = metadata.read_parameters(path)
-        assert text == ("a red fox\nNegative prompt: blurry\nSteps: 3, Sampler: ddim, CFG scale: 5.0, "
+        assert text == ("a red fox\nNegative prompt: blurry\nSteps: 3, Sampler: DDIM, CFG scale: 5.0, "
                         f"Seed: {11 + k}, Size: 48x32, Model: org/some-model")
         with Image.open(path) as im:
             np.testing.assert_array_equal(np.asarray(im), expected("a red fox", "blurry", 11 + k, 0, 5.0, 3, 32, 48,

@@ -23,7 +23,7 @@ def test_format_is_automatic1111s():
 
 def test_no_negative_prompt_line_when_empty():
     text = metadata.format_parameters(ImageParameters("cat", "", 4, "ddim", 7.0, 0, 64, 64))
-    assert text == "cat\nSteps: 4, Sampler: ddim, CFG scale: 7.0, Seed: 0, Size: 64x64"
+    assert text == "cat\nSteps: 4, Sampler: DDIM, CFG scale: 7.0, Seed: 0, Size: 64x64"
 
 
 def test_parse_a_file_written_by_automatic1111():
@@ -40,7 +40,7 @@ def test_parse_a_file_written_by_automatic1111():
     assert (raw["Size-1"], raw["Size-2"]) == ("512", "640")
     p = metadata.parameters_from_text(text)
     assert (p.steps, p.sampler, p.guidance_scale, p.seed, p.width, p.height, p.model) == (
-        28, "DPM++ 2M", 6.5, 3050862934, 512, 640, "v1-5-pruned-emaonly")
+        28, "dpmpp_2m_karras", 6.5, 3050862934, 512, 640, "v1-5-pruned-emaonly")
 
 
 @pytest.mark.parametrize("prompt,negative", [
@@ -50,15 +50,30 @@ def test_parse_a_file_written_by_automatic1111():
     ("", "only a negative prompt"),
 ])
 def test_round_trip(prompt, negative):
-    p = ImageParameters(prompt, negative, 30, "DPM++ 2M Karras", 4.0, 2**32 - 1, 1024, 576, "org/model-name", 3)
+    p = ImageParameters(prompt, negative, 30, "dpmpp_2m_karras", 4.0, 2**32 - 1, 1024, 576, "org/model-name", 3)
     assert metadata.parameters_from_text(p.infotext()) == p
 
 
 def test_values_with_separators_are_json_quoted():
-    p = ImageParameters("x", "", 1, "Euler a", 1.0, 0, 8, 8, model="a, b: c")
+    p = ImageParameters("x", "", 1, "euler_a", 1.0, 0, 8, 8, model="a, b: c")
     text = p.infotext()
     assert 'Model: "a, b: c"' in text
     assert metadata.parameters_from_text(text).model == "a, b: c"
+
+
+@pytest.mark.parametrize("spelling,registry,shown", [
+    ("euler_a", "euler_a", "Euler a"), ("Euler a", "euler_a", "Euler a"), ("euler-a", "euler_a", "Euler a"),
+    ("DPM++ 2M Karras", "dpmpp_2m_karras", "DPM++ 2M Karras"), ("dpmpp_2m_sde", "dpmpp_2m_sde", "DPM++ 2M SDE"),
+    ("pndm", "pndm", "PLMS"), ("ddpm", "ddpm", "DDPM"), ("DPM++ SDE", "DPM++ SDE", "DPM++ SDE"),
+])
+def test_sampler_names(spelling, registry, shown):
+    assert metadata.sampler_id(spelling) == registry
+    assert metadata.sampler_display_name(spelling) == shown
+
+
+def test_unknown_sampler_survives_a_round_trip():
+    p = ImageParameters("x", "", 1, "UniPC", 1.0, 0, 8, 8)
+    assert metadata.parameters_from_text(p.infotext()).sampler == "UniPC"
 
 
 def test_missing_fields_are_named():
@@ -83,7 +98,7 @@ def test_png_bytes_are_deterministic_and_readable(tmp_path):
 
 def test_request_gives_each_image_its_own_seed():
     r = GenerationRequest("p", "n", num_images=3, seed=2**32 - 2, steps=5, guidance_scale=3.0, width=64,
-                          height=32, sampler="euler", model="m")
+                          height=32, sampler="Euler", model="m")
     images = r.images()
     assert [im.seed for im in images] == [2**32 - 2, 2**32 - 1, 0]
     assert {im.image_index for im in images} == {0}

@@ -16,9 +16,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_pipeline import FakePipeline  # noqa: E402
+from fake_pipeline import FakePipeline
 
-from sdjax import metadata  # noqa: E402
+from sdjax import metadata
 
 
 class LiveServer:

@@ -13,16 +13,17 @@ import time
 
 import numpy as np
 
-SAMPLERS = ["euler", "euler_a", "ddim", "dpmpp_2m"]
-ALIASES = {"Euler": "euler", "Euler a": "euler_a", "DDIM": "ddim", "DPM++ 2M": "dpmpp_2m",
-           "DPM++ 2M Karras": "dpmpp_2m"}
+from sdjax import samplers
+from sdjax.metadata import sampler_id
+
+SAMPLERS = samplers.available()
 
 
 def expected(prompt: str, negative: str, seed: int, index: int, guidance: float, steps: int, height: int,
              width: int, sampler: str) -> np.ndarray:
     """The uint8 `(H, W, 3)` image the fake makes for these parameters."""
     digest = hashlib.sha256(repr((prompt, negative, int(seed), int(index), float(guidance), int(steps),
-                                  ALIASES.get(sampler, sampler))).encode()).digest()
+                                  sampler_id(sampler))).encode()).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
     base = rng.integers(0, 256, size=(1, 1, 3))
     noise = rng.integers(0, 32, size=(height, width, 3))
@@ -61,8 +62,8 @@ class FakePipeline:
                 raise ValueError(f"{name}={v} must be a positive multiple of {self.multiple}")
         if guidance_scales is not None and not all(np.isfinite(g) for g in guidance_scales):
             raise ValueError("guidance_scale must be finite")
-        if sampler is not None and sampler not in SAMPLERS and sampler not in ALIASES:
-            raise ValueError(f"unknown sampler {sampler!r}; known: {SAMPLERS}")
+        if sampler is not None and sampler_id(sampler) not in SAMPLERS:
+            raise samplers.UnknownSamplerError(f"unknown sampler {sampler!r}; valid: {SAMPLERS}")
 
     def generate_arrays(self, prompts, negative_prompts, seeds, image_indices, guidance_scales, *, steps, height,
                         width, sampler=None, pad_to=None, progress=None) -> np.ndarray:

@@ -9,6 +9,8 @@ import re
 import pytest
 from conftest import check_image, client, live_server
 
+from sdjax import samplers
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -82,7 +84,7 @@ def test_a1111_txt2img(http):
     assert info["sd_model_name"] == "fake-model" and re.fullmatch(r"\d{14}", info["job_timestamp"])
     for k, (b64, infotext) in enumerate(zip(out["images"], info["infotexts"])):
         p = check_image(b64, seed=7 + k, prompt="a dog", negative_prompt="cat", width=32, height=48,
-                        sampler="DDIM", guidance_scale=6.0)
+                        sampler="ddim", guidance_scale=6.0)
         assert p.infotext() == infotext
 
 
@@ -91,6 +93,8 @@ def test_a1111_defaults_and_scheduler(http):
     assert r.status_code == 200, r.text
     info = json.loads(r.json()["info"])
     assert info["sampler_name"] == "DPM++ 2M Karras" and info["steps"] == 4 and info["width"] == 64
+    assert "Sampler: DPM++ 2M Karras," in info["infotexts"][0]
+    check_image(r.json()["images"][0], sampler="dpmpp_2m_karras")
     assert 0 <= info["seed"] < 2**32  # -1: random
     r = http.post("/sdapi/v1/txt2img", json={"prompt": "p", "seed": 1, "send_images": False})
     assert r.json()["images"] == [] and json.loads(r.json()["info"])["all_seeds"] == [1]
@@ -98,9 +102,9 @@ def test_a1111_defaults_and_scheduler(http):
 
 def test_both_apis_give_the_same_image_for_the_same_parameters(http):
     a = http.post("/v1/images/generations", json={"prompt": "same", "seed": 9, "steps": 3, "size": "32x32",
-                                                  "guidance_scale": 2, "sampler": "euler"}).json()
+                                                  "guidance_scale": 2, "sampler": "euler_a"}).json()
     b = http.post("/sdapi/v1/txt2img", json={"prompt": "same", "seed": 9, "steps": 3, "width": 32, "height": 32,
-                                             "cfg_scale": 2, "sampler_name": "euler"}).json()
+                                             "cfg_scale": 2, "sampler_name": "Euler a"}).json()
     assert a["data"][0]["b64_json"] == b["images"][0]
 
 
@@ -108,10 +112,12 @@ def test_service_endpoints(server, http):
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     config = http.get("/v1/config").json()
-    assert config["samplers"] == ["euler", "euler_a", "ddim", "dpmpp_2m"]
+    assert config["samplers"] == samplers.available()
+    assert config["sampler_labels"]["euler_a"] == "Euler a" and config["sampler_labels"]["pndm"] == "PLMS"
     assert (config["default_width"], config["default_height"], config["default_steps"]) == (64, 64, 4)
     assert config["limits"]["max_images"] == 8 and config["batch_sizes"] == [1, 2, 4]
-    assert http.get("/sdapi/v1/samplers").json()[0] == {"name": "euler", "aliases": [], "options": {}}
+    a1111 = {s["name"]: s for s in http.get("/sdapi/v1/samplers").json()}
+    assert a1111["DPM++ 2M Karras"] == {"name": "DPM++ 2M Karras", "aliases": ["dpmpp_2m_karras"], "options": {}}
     assert http.get("/v1/models").json()["data"][0]["id"] == "fake-model"
     progress = http.get("/sdapi/v1/progress").json()
     assert {"progress", "eta_relative", "state", "current_image", "textinfo"} <= set(progress)

@@ -130,7 +130,7 @@ def test_queue_full_answers_429_with_retry_after():
                 assert int(r.headers["Retry-After"]) >= 1
                 assert r.json()["error"]["type"] == "rate_limit_error"
             else:
-                for k, item in enumerate(r.json()["data"]):
+                for item in r.json()["data"]:
                     check_image(item["b64_json"])
         with client(s.url) as c:
             assert 'sdjax_rejected_total{reason="queue_full"}' in c.get("/metrics").text

@@ -145,14 +145,17 @@ def test_sigterm_finishes_in_flight_requests():
         def post(i):
             try:
                 results[i] = httpx.post(url + OPENAI, json={"prompt": f"in flight {i}", "seed": i}, timeout=30)
-            except Exception as e:  # noqa: BLE001 - recorded and asserted on below
+            except Exception as e:
                 results[i] = e
 
         threads = [threading.Thread(target=post, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        time.sleep(0.4)  # all three are queued or running (1 s per batch of 2)
-        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while _metric(httpx.get(url + "/metrics").text, "sdjax_requests_in_flight") < 4:  # 3 + this one
+            assert time.monotonic() < deadline, "the requests did not reach the server"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # all three are queued or running (1 s per batch of 2)
         for t in threads:
             t.join(timeout=30)
         for i in range(3):

@@ -51,6 +51,7 @@ def test_generate_from_the_page(page, tmp_path):
         assert page.text_content("#model") == "fake-model"
         assert page.eval_on_selector_all("#sampler option", "os => os.map(o => o.value)") == pipe.sampler_names
         assert page.input_value("#sampler") == "euler_a"
+        assert page.text_content("#sampler option:checked") == "Euler a"
         assert page.input_value("#width") == "64" and page.input_value("#steps") == "4"
 
         page.fill("#prompt", "a lighthouse, at night")
@@ -77,7 +78,7 @@ def test_generate_from_the_page(page, tmp_path):
         assert len(figures) == 2
         for k, fig in enumerate(figures):
             params = fig.query_selector("pre.params").text_content()
-            assert params == ("a lighthouse, at night\nNegative prompt: fog\nSteps: 6, Sampler: ddim, CFG scale: 5.5, "
+            assert params == ("a lighthouse, at night\nNegative prompt: fog\nSteps: 6, Sampler: DDIM, CFG scale: 5.5, "
                               f"Seed: {77 + k}, Size: 48x32, Model: fake-model")
             link = fig.query_selector("a.download")
             assert link.get_attribute("download") == f"sdjax-{77 + k}.png"

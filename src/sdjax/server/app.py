@@ -31,7 +31,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from sdjax.metadata import GenerationRequest, ImageParameters, png_bytes
+from sdjax.metadata import GenerationRequest, ImageParameters, png_bytes, sampler_display_name
 from sdjax.server.batching import Batcher, QueueFull, ShuttingDown
 from sdjax.server.metrics import Metrics
 from sdjax.server.schemas import (
@@ -229,7 +229,7 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         job = batcher.submit(images, task_id)
         try:
             arrays = await asyncio.wait_for(asyncio.shield(job.future), config.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             batcher.cancel(job)
             metrics.rejected.labels("timeout").inc()
             raise _Timeout(config.request_timeout_s) from None
@@ -286,6 +286,7 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     async def server_config():
         dw, dh = pipeline.default_size[1], pipeline.default_size[0]
         return {"model": config.model_name, "samplers": list(pipeline.sampler_names),
+                "sampler_labels": {name: sampler_display_name(name) for name in pipeline.sampler_names},
                 "default_sampler": pipeline.default_sampler, "default_steps": pipeline.default_steps,
                 "default_guidance_scale": 7.5, "default_width": dw, "default_height": dh,
                 "limits": dataclasses.asdict(config.limits), "max_batch": config.max_batch,
@@ -298,7 +299,8 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():
-        return [{"name": name, "aliases": [], "options": {}} for name in pipeline.sampler_names]
+        return [{"name": sampler_display_name(name), "aliases": [name], "options": {}}
+                for name in pipeline.sampler_names]
 
     @app.get("/sdapi/v1/progress", summary="Progress of the running batch or of one task (AUTOMATIC1111 API)")
     async def progress(id_task: str | None = None):
@@ -344,7 +346,8 @@ def _a1111_info(request: GenerationRequest, images: list[ImageParameters], body:
         "prompt": request.prompt, "all_prompts": [im.prompt for im in images],
         "negative_prompt": request.negative_prompt, "all_negative_prompts": [im.negative_prompt for im in images],
         "seed": request.seed, "all_seeds": [im.seed for im in images], "subseed": -1, "all_subseeds": [-1] * n,
-        "subseed_strength": 0, "width": request.width, "height": request.height, "sampler_name": request.sampler,
+        "subseed_strength": 0, "width": request.width, "height": request.height,
+        "sampler_name": sampler_display_name(request.sampler),
         "cfg_scale": request.guidance_scale, "steps": request.steps, "batch_size": body.batch_size,
         "restore_faces": False, "face_restoration_model": None, "sd_model_name": request.model,
         "sd_model_hash": None, "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1,

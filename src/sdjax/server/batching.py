@@ -131,7 +131,7 @@ class Batcher:
         if self._collector is not None:
             try:
                 await asyncio.wait_for(self._collector, timeout_s)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 self._collector.cancel()
         for job in list(self._jobs.values()):
             if not job.future.done():
@@ -251,7 +251,7 @@ class Batcher:
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             if not self._pending or self._pending[0] is not head:  # the head was cancelled meanwhile
                 continue
