@@ -126,6 +126,8 @@ class Batcher:
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Finish queued and running work (up to `timeout_s`), then stop the worker."""
         self.stopping = True
+        if self._warmup is not None and not self._warmup.done():
+            self._warmup.cancel()  # a compilation already running finishes on the worker thread, unwaited
         if self._wakeup is not None:
             self._wakeup.set()
         if self._collector is not None:
@@ -143,6 +145,8 @@ class Batcher:
         t0 = time.perf_counter()
         for steps, height, width, sampler in self.warm_shapes:
             for size in self.batch_sizes:
+                if self.stopping:
+                    return
                 log.info("compiling batch %d, %dx%d, %d steps, sampler %s", size, width, height, steps, sampler)
                 try:
                     await loop.run_in_executor(self._executor, self.pipeline.warmup, size, height, width, steps,
