@@ -390,7 +390,11 @@ def serve(
                                  param_hint="--batch-sizes") from None
     if any(b < 1 or b > max_batch for b in batch):
         raise typer.BadParameter(f"sizes must lie in 1..--max-batch ({max_batch})", param_hint="--batch-sizes")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("sdjax")
+    logger.addHandler(handler)
+    logger.setLevel(log_level.upper())
     err = Console(stderr=True)
     t0 = time.perf_counter()
     with err.status(f"Loading {model or 'the embedded model'}"):
@@ -400,8 +404,10 @@ def serve(
             err.print(f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}", highlight=False,
                       soft_wrap=True)
             raise typer.Exit(1) from None
-    err.print(f"Loaded in {time.perf_counter() - t0:.1f} s; compiling {len(sizes) or 1} size(s) before serving "
-              f"at http://{host}:{port}/", highlight=False)
+    warming = "" if no_warm else (f"; compiling {len(sizes) or 1} size(s) first (GET /health answers 503 until "
+                                  f"then, requests wait)")
+    err.print(f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{host}:{port}/{warming}",
+              highlight=False)
     config = server.ServerConfig(
         model_name=metadata.model_label(model), max_batch=max_batch, batch_sizes=batch,
         batch_window_s=batch_window_ms / 1000, max_queue_images=max_queue, request_timeout_s=request_timeout,

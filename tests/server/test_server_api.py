@@ -8,6 +8,7 @@ import re
 
 import pytest
 from conftest import check_image, client, live_server
+from fake_pipeline import FakePipeline
 
 from sdjax import samplers
 
@@ -46,6 +47,11 @@ def test_openai_full_request(http):
     for k, item in enumerate(data):
         check_image(item["b64_json"], prompt="a cat", negative_prompt="dog", width=48, height=32, steps=6,
                     guidance_scale=3.5, seed=42 + k, sampler="ddim")
+
+
+def test_openai_size_auto(http):
+    r = http.post("/v1/images/generations", json={"prompt": "x", "size": "auto", "seed": 3})
+    check_image(r.json()["data"][0]["b64_json"], width=64, height=64, seed=3)
 
 
 def test_openai_random_seed_when_none_given(http):
@@ -119,6 +125,8 @@ def test_service_endpoints(server, http):
     a1111 = {s["name"]: s for s in http.get("/sdapi/v1/samplers").json()}
     assert a1111["DPM++ 2M Karras"] == {"name": "DPM++ 2M Karras", "aliases": ["dpmpp_2m_karras"], "options": {}}
     assert http.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    assert http.get("/sdapi/v1/sd-models").json()[0]["model_name"] == "fake-model"
+    assert http.get("/sdapi/v1/options").json()["sd_model_checkpoint"] == "fake-model"
     progress = http.get("/sdapi/v1/progress").json()
     assert {"progress", "eta_relative", "state", "current_image", "textinfo"} <= set(progress)
     assert http.get("/sdapi/v1/progress", params={"id_task": "nope"}).json()["stage"] == "unknown"
@@ -140,3 +148,32 @@ def test_metrics(http):
     assert re.search(r'sdjax_requests_total\{endpoint="/v1/images/generations",status="200"\} [1-9]', text)
     # 3 images padded to a compiled batch of 4
     assert re.search(r'sdjax_batch_fill_ratio_bucket\{le="0.75"\} [1-9]', text)
+
+
+def test_progress_of_a_task():
+    import threading
+    import time
+
+    with live_server(FakePipeline(delay_s=1.0), max_batch=1, batch_window_s=0.0) as s, client(s.url) as c:
+        results = {}
+        threads = [threading.Thread(target=lambda i=i: results.update({i: c.post("/sdapi/v1/txt2img", json={
+            "prompt": f"p{i}", "steps": 10, "force_task_id": f"task-{i}"})})) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.2)
+        seen = set()
+        deadline = time.monotonic() + 10
+        while len(results) < 2 and time.monotonic() < deadline:
+            for i in range(2):
+                p = c.get("/sdapi/v1/progress", params={"id_task": f"task-{i}"}).json()
+                seen.add((i, p["stage"]))
+                if p["stage"] == "denoise":
+                    assert 0 <= p["progress"] <= 1 and p["state"]["sampling_steps"] == 10
+                if p["stage"] == "queued":
+                    assert p["queue_position"] == 0 and p["textinfo"].startswith("queued")
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert (0, "denoise") in seen and (1, "queued") in seen and (1, "denoise") in seen, seen
+        assert all(r.status_code == 200 for r in results.values())
+        assert c.get("/sdapi/v1/progress", params={"id_task": "task-0"}).json()["stage"] == "unknown"

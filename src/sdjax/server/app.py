@@ -4,7 +4,8 @@ Endpoints:
 - `GET /` the web page; `GET /health` (200 ready, 503 while compiling at start-up or draining);
   `GET /metrics` Prometheus text; `GET /v1/config` what the page needs (defaults, limits, samplers);
 - `POST /v1/images/generations` (OpenAI images API), `GET /v1/models`;
-- `POST /sdapi/v1/txt2img`, `GET /sdapi/v1/samplers`, `GET /sdapi/v1/progress` (AUTOMATIC1111 API).
+- `POST /sdapi/v1/txt2img`, `GET /sdapi/v1/samplers`, `GET /sdapi/v1/progress`, `GET /sdapi/v1/sd-models`,
+  `GET /sdapi/v1/options` (AUTOMATIC1111 API).
 
 Errors: invalid input 422 naming the field (`{"error": {"message", "type", "param", "code"}, "detail": [...]}`,
 OpenAI's error shape plus FastAPI's `detail`), body over the limit 413, queue full 429 with `Retry-After`, no result
@@ -48,7 +49,8 @@ from sdjax.server.schemas import (
 log = logging.getLogger("sdjax.server")
 
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/config", "/v1/models", "/v1/images/generations",
-             "/sdapi/v1/txt2img", "/sdapi/v1/samplers", "/sdapi/v1/progress")
+             "/sdapi/v1/txt2img", "/sdapi/v1/samplers", "/sdapi/v1/progress", "/sdapi/v1/sd-models",
+             "/sdapi/v1/options")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +303,15 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     async def samplers():
         return [{"name": sampler_display_name(name), "aliases": [name], "options": {}}
                 for name in pipeline.sampler_names]
+
+    @app.get("/sdapi/v1/sd-models", summary="The served model (AUTOMATIC1111 API)")
+    async def sd_models():
+        return [{"title": config.model_name, "model_name": config.model_name, "hash": None, "sha256": None,
+                 "filename": config.model_name, "config": None}]
+
+    @app.get("/sdapi/v1/options", summary="Current options (AUTOMATIC1111 API; read-only here)")
+    async def options():
+        return {"sd_model_checkpoint": config.model_name, "samples_format": "png"}
 
     @app.get("/sdapi/v1/progress", summary="Progress of the running batch or of one task (AUTOMATIC1111 API)")
     async def progress(id_task: str | None = None):

@@ -55,7 +55,8 @@ class OpenAIImageRequest(BaseModel):
 
     prompt: str = Field(min_length=1, description="What to draw")
     n: int = Field(1, ge=1, description="Number of images")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT", each a multiple of 8; default: the model\'s size')
+    size: str | None = Field(None, description='"WIDTHxHEIGHT", each a multiple of 8; "auto" or none: the '
+                                                 "model's size")
     response_format: Literal["b64_json"] = Field(
         "b64_json", description='Only "b64_json": images come back base64-encoded in the response')
     model: str | None = Field(None, description="Accepted for compatibility; the server serves one model")
@@ -68,8 +69,8 @@ class OpenAIImageRequest(BaseModel):
     @field_validator("size")
     @classmethod
     def _size(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
+        if v is None or v.strip() == "auto":  # "auto" (newer OpenAI models): the model's size
+            return None
         m = _SIZE_RE.match(v.strip())
         if not m:
             raise ValueError(f'size must be "WIDTHxHEIGHT" such as "512x512", got {v!r}')

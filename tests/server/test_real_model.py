@@ -1,0 +1,94 @@
+"""The CLI and the server on a real (tiny) pipeline: the diffusers folder of tests/conftest.py's `sd1_dir`.
+
+Checks what the fake cannot: the real pipeline's `validate`, `warmup` and `generate_arrays` behind both adapters;
+images from the CLI, from a batched server request and from a direct call agree; metadata is read back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+from conftest import client, live_server
+from PIL import Image
+from typer.testing import CliRunner
+
+from sdjax import cli, metadata
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def pipe(sd1_dir):
+    return cli.load_pipeline(str(sd1_dir), "float32")
+
+
+def direct(pipe, prompt: str, seed: int, sampler: str = "euler_a") -> np.ndarray:
+    h, w = pipe.default_size
+    request = metadata.GenerationRequest(prompt, num_images=1, seed=seed, steps=STEPS, width=w, height=h,
+                                         sampler=sampler)
+    return metadata.generate_images(pipe, request.images())[0]
+
+
+def pixels(png: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(png)) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path):
+    args = ["generate", "a red square", "--model", str(sd1_dir), "--steps", str(STEPS), "--seed", "5", "-N", "2",
+            "--sampler", "Euler a", "--out", str(tmp_path)]
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 0, r.output
+    assert "Denoising" in r.stderr and "compile" in r.stderr
+    first = sorted(tmp_path.glob("*.png"))
+    assert [p.name for p in first] == ["00000-5.png", "00001-6.png"]
+    h, w = pipe.default_size
+    for k, path in enumerate(first):
+        p = metadata.parameters_from_text(metadata.read_parameters(path))
+        assert p == metadata.ImageParameters("a red square", "", STEPS, "euler_a", 7.5, 5 + k, w, h,
+                                             model=sd1_dir.name)
+        assert f"Sampler: Euler a, CFG scale: 7.5, Seed: {5 + k}, Size: {w}x{h}" in metadata.read_parameters(path)
+        # the CLI's image is the pipeline's for that seed alone (it does not depend on the batch)
+        np.testing.assert_allclose(pixels(path.read_bytes()), direct(pipe, "a red square", 5 + k), atol=2)
+    r = CliRunner().invoke(cli.app, args)
+    assert r.exit_code == 0, r.output
+    again = sorted(tmp_path.glob("*.png"))[2:]
+    assert [p.read_bytes() for p in again] == [p.read_bytes() for p in first]  # same settings, same bytes
+
+
+def test_server_batches_real_requests(pipe):
+    h, w = pipe.default_size
+    with live_server(pipe, max_batch=4, batch_sizes=(4,), batch_window_s=0.2, model_name="tiny") as s:
+        assert pipe.default_steps != STEPS  # so the first request below compiles a new shape: it must still work
+
+        async def send():
+            async with httpx.AsyncClient(base_url=s.url, timeout=600) as c:
+                return await asyncio.gather(
+                    c.post("/v1/images/generations", json={"prompt": "a cat", "seed": 1, "steps": STEPS, "n": 2}),
+                    c.post("/sdapi/v1/txt2img", json={"prompt": "a dog", "seed": 9, "steps": STEPS,
+                                                       "sampler_name": "Euler a"}))
+
+        openai, a1111 = asyncio.run(send())
+        assert openai.status_code == 200 and a1111.status_code == 200, (openai.text, a1111.text)
+        got = [base64.b64decode(d["b64_json"]) for d in openai.json()["data"]] + [
+            base64.b64decode(a1111.json()["images"][0])]
+        want = [("a cat", 1), ("a cat", 2), ("a dog", 9)]
+        for png, (prompt, seed) in zip(got, want):
+            p = metadata.parameters_from_text(metadata.read_parameters(png))
+            assert (p.prompt, p.seed, p.steps, p.width, p.height, p.model) == (prompt, seed, STEPS, w, h, "tiny")
+            np.testing.assert_allclose(pixels(png), direct(pipe, prompt, seed), atol=2)
+        assert json.loads(a1111.json()["info"])["sampler_name"] == "Euler a"
+        with client(s.url) as c:
+            metrics = c.get("/metrics").text
+            assert "sdjax_batch_images_bucket" in metrics
+            # both requests shared one batch of the compiled size 4
+            assert "sdjax_batch_fill_ratio_bucket{le=\"0.75\"} 1.0" in metrics
+            r = c.post("/v1/images/generations", json={"prompt": "x", "size": "72x64"})
+            assert r.status_code == 422 and r.json()["error"]["param"] == "size"
+            assert c.get("/health").json()["status"] == "ok"
