@@ -139,9 +139,26 @@ def choose_weight_name(names: Iterable[str], *, variant: str | None = None, wher
         raise MissingWeightsError(f"{where}: no weights of variant {variant!r} (looked for e.g. "
                                   f"{_candidates(variant)[0][1]}, {_candidates(variant)[2][1]}); files present: "
                                   f"{_describe(names)}")
+    found = sorted(_variants_present(names))
+    hint = f"; this folder has weights of variant(s) {found}: pass variant=" if found else ""
     raise MissingWeightsError(f"{where}: no weight file found (looked for diffusion_pytorch_model.safetensors, "
                               f"model.safetensors, their sharded *.safetensors.index.json, diffusion_flax_model.msgpack, "
-                              f"flax_model.msgpack, *.bin); files present: {_describe(names)}")
+                              f"flax_model.msgpack, *.bin){hint}; files present: {_describe(names)}")
+
+
+_VARIANT_RE = re.compile(r"(?:diffusion_pytorch_model|model|pytorch_model|diffusion_flax_model|flax_model)"
+                         r"(?:\.(?P<a>[^.\-]+)(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin|msgpack)"
+                         r"|\.(?:safetensors|bin)\.index\.(?P<b>[^.]+)\.json)")
+
+
+def _variants_present(names: Iterable[str]) -> set[str]:
+    """The variant names that weight files in `names` carry (`model.fp16.safetensors` -> fp16)."""
+    out = set()
+    for n in names:
+        m = _VARIANT_RE.fullmatch(n)
+        if m:
+            out.add(m.group("a") or m.group("b"))
+    return out
 
 
 def select_weight_files(folder: str | Path, *, variant: str | None = None) -> WeightFiles:

@@ -1,0 +1,263 @@
+"""Load every component of a diffusers pipeline folder (or Hub repo id) into sdjax objects and params.
+
+`model_index.json` names each component's `[library, class]`; one table, `COMPONENT_LOADERS`, maps that pair to
+the sdjax loader (class names of the old Flax pipelines, `FlaxUNet2DConditionModel` etc., are read without their
+`Flax` prefix). A model component is built from its `config.json`, its weights are chosen by
+`files.select_weight_files` and converted tensor by tensor, each cast to `dtype` as it is converted, so peak host
+memory stays near one copy of the checkpoint plus the params. The scheduler state is always float32.
+
+Optional components (`safety_checker`, `feature_extractor`, `image_encoder`) whose class sdjax does not implement
+are skipped with a logged warning; any other unknown `[library, class]` is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax.loading import files
+from sdjax.loading.config import config_from_dict, read_json
+from sdjax.loading.convert import WeightLoadError
+
+logger = logging.getLogger(__name__)
+
+OPTIONAL_COMPONENTS = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where the sdjax implementation of one model class lives (imported only when that class is loaded).
+
+    `module` provides `config` (a config dataclass, built with its `from_dict` if it has one, else
+    `config_from_dict`), the flax module class `model` (with `init_params_shape(config)`) and the converter
+    `convert(state_dict, config, *, cast, **convert_kwargs)`. `flax_family` picks the old-Flax rename table
+    (`files.FLAX_RENAMES`) for `*.msgpack` weights.
+    """
+
+    module: str
+    config: str
+    model: str
+    convert: str
+    flax_family: str
+    convert_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+CLIP_TEXT = ModelSpec("sdjax.models.clip", "CLIPTextConfig", "CLIPTextModel", "convert_clip_text", "clip",
+                      (("with_projection", False),))
+CLIP_TEXT_PROJ = ModelSpec("sdjax.models.clip", "CLIPTextConfig", "CLIPTextModelWithProjection", "convert_clip_text",
+                           "clip", (("with_projection", True),))
+UNET = ModelSpec("sdjax.models.unet", "UNet2DConditionConfig", "UNet2DConditionModel", "convert_unet", "unet")
+VAE = ModelSpec("sdjax.models.vae", "AutoencoderKLConfig", "AutoencoderKL", "convert_vae", "vae")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """What every component loader gets: its folder and the load-wide options."""
+
+    name: str
+    folder: Path
+    variant: str | None
+    dtype: Any
+
+
+def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
+    """Build one model from `req.folder/config.json` and load its weights -> `(module, params)`."""
+    mod = importlib.import_module(spec.module)
+    config_cls, model_cls, convert = getattr(mod, spec.config), getattr(mod, spec.model), getattr(mod, spec.convert)
+    config_path = req.folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{req.folder}: component {req.name!r} has no config.json (files present: "
+                                f"{sorted(p.name for p in req.folder.iterdir())})")
+    raw = read_json(config_path)
+    if hasattr(config_cls, "from_dict"):
+        config = config_cls.from_dict(raw, source=str(config_path))
+    else:
+        config = config_from_dict(config_cls, raw, source=str(config_path))
+    weights = files.select_weight_files(req.folder, variant=req.variant)
+    cast = make_cast(req.dtype)
+    component = f"{req.name} ({req.folder})"
+    if weights.format == "flax":
+        tree = files.read_flax_msgpack(weights.files[0])
+        params = files.flax_params_to_sdjax(tree, model_cls.init_params_shape(config), family=spec.flax_family,
+                                            component=component, cast=cast)
+    else:
+        state_dict = files.read_weights(weights)
+        try:
+            params = convert(state_dict, config, cast=cast, **dict(spec.convert_kwargs))
+        except WeightLoadError as e:  # the same report, naming the component folder
+            raise WeightLoadError(component, e.missing, e.unexpected, e.misshaped) from None
+    return model_cls(config=config, dtype=req.dtype), params
+
+
+def make_cast(dtype: Any) -> Callable[[np.ndarray], Any]:
+    """Floating tensors -> jnp arrays of `dtype`; other tensors keep their dtype. Runs one tensor at a time."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x: np.ndarray):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x, dtype=dtype)
+        return jnp.asarray(x)
+
+    return cast
+
+
+def load_tokenizer(req: LoadRequest) -> tuple[Any, None]:
+    from sdjax.text.tokenizer import CLIPTokenizer
+
+    return CLIPTokenizer.from_folder(req.folder), None
+
+
+def load_scheduler(class_name: str, req: LoadRequest) -> tuple[Any, Any]:
+    """A diffusers scheduler folder -> `(sampler, float32 state)`. The class comes from `model_index.json`
+    (`FlaxPNDMScheduler` reads as `PNDMScheduler`), the settings from `scheduler_config.json`."""
+    from sdjax import samplers
+    from sdjax.loading.config import ConfigError
+
+    path = req.folder / "scheduler_config.json"
+    raw = read_json(path)
+    raw["_class_name"] = class_name
+    try:
+        sampler = samplers.get_sampler(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    return sampler, sampler.create_state()
+
+
+def _model(spec: ModelSpec):
+    return lambda req: load_model(spec, req)
+
+
+# (library, class) -> loader(LoadRequest) -> (object, params or None). Schedulers: `find_loader`.
+COMPONENT_LOADERS: dict[tuple[str, str], Callable[[LoadRequest], tuple[Any, Any]]] = {
+    ("transformers", "CLIPTextModel"): _model(CLIP_TEXT),
+    ("transformers", "CLIPTextModelWithProjection"): _model(CLIP_TEXT_PROJ),
+    ("diffusers", "UNet2DConditionModel"): _model(UNET),
+    ("diffusers", "AutoencoderKL"): _model(VAE),
+    ("transformers", "CLIPTokenizer"): load_tokenizer,
+    ("transformers", "CLIPTokenizerFast"): load_tokenizer,
+}
+
+
+def find_loader(library: str, class_name: str) -> Callable[[LoadRequest], tuple[Any, Any]] | None:
+    """The loader for a model_index `[library, class]`, or None. `FlaxX` reads as `X`; any diffusers
+    scheduler class that `sdjax.samplers.CLASSES` implements goes to `load_scheduler`."""
+    name = class_name[4:] if class_name.startswith("Flax") else class_name
+    if (library, name) in COMPONENT_LOADERS:
+        return COMPONENT_LOADERS[(library, name)]
+    if library == "diffusers" and name.endswith("Scheduler"):
+        from sdjax import samplers
+
+        if name in samplers.CLASSES:
+            return lambda req: load_scheduler(name, req)
+    return None
+
+
+def _normalize_class(name: str | None) -> str | None:
+    return name[4:] if name and name.startswith("Flax") else name
+
+
+def _plan(model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: str
+          ) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """Which components to load from disk -> ({name: (library, class)}, warnings for skipped optional ones)."""
+    entries = files.component_entries(model_index)
+    todo: dict[str, tuple[str, str]] = {}
+    skipped: list[str] = []
+    unknown: list[str] = []
+    for name, (library, cls) in entries.items():
+        if library is None or cls is None or name in overrides:
+            continue
+        if find_loader(library, cls) is not None:
+            todo[name] = (library, cls)
+        elif name in OPTIONAL_COMPONENTS:
+            skipped.append(f"{name} [{library}, {cls}]")
+        else:
+            unknown.append(f"{name}: [{library!r}, {cls!r}]")
+    if unknown:
+        from sdjax import samplers
+
+        known = sorted(f"[{lib!r}, {cls!r}]" for lib, cls in COMPONENT_LOADERS)
+        known += [f"['diffusers', {c!r}]" for c in samplers.CLASSES]
+        raise ValueError(f"{where}/{files.MODEL_INDEX}: sdjax cannot load component(s) {'; '.join(unknown)} "
+                         f"(known: {', '.join(known)})")
+    return todo, skipped
+
+
+def load_pipeline_components(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    expected_class: str | None = None,
+    revision: str | None = None,
+    variant: str | None = None,
+    dtype: Any = jnp.float32,
+    local_files_only: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Load a diffusers pipeline folder or Hub repo id -> `(components, params, model_index)`.
+
+    - `components`: name -> sdjax object (flax module with `.config`, `CLIPTokenizer`, sampler); components that
+      are `[null, null]` in `model_index.json`, disabled by an override of `None`, or optional and unknown to sdjax
+      are absent.
+    - `params`: name -> params pytree for each model component loaded from disk (cast to `dtype`), and
+      `params["scheduler"]` = the sampler's `create_state()`, float32 whatever `dtype` is.
+    - `model_index`: the parsed `model_index.json` (pipeline settings such as `force_zeros_for_empty_prompt`
+      included).
+
+    `overrides` maps a component name to an object that replaces it (a sampler gets its state put in `params`;
+    any other object's params are the caller's to supply) or to `None` to leave it out. An override for a name
+    that `model_index.json` does not list is an error unless it is an optional component. `expected_class`
+    (e.g. "StableDiffusionPipeline") must equal `_class_name` (a `Flax` prefix is ignored); pass None to skip the
+    check. `dtype` is the dtype of the stored params and the compute dtype given to the modules.
+    """
+    overrides = dict(overrides or {})
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+
+    def wanted(model_index: dict[str, Any]) -> list[str]:
+        return list(_plan(model_index, overrides, str(path_or_repo_id))[0])
+
+    folder = files.resolve_model_dir(path_or_repo_id, revision=revision, variant=variant,
+                                     local_files_only=local_files_only, components=wanted, cache_dir=cache_dir,
+                                     token=token)
+    model_index = files.read_model_index(folder)
+    found = _normalize_class(model_index["_class_name"])
+    if expected_class is not None and found != _normalize_class(expected_class):
+        raise ValueError(f"{folder}: {files.MODEL_INDEX} describes a {model_index['_class_name']}, not a "
+                         f"{expected_class}; load it with the matching pipeline class")
+    entries = files.component_entries(model_index)
+    stray = sorted(n for n in overrides if n not in entries and n not in OPTIONAL_COMPONENTS)
+    if stray:
+        raise ValueError(f"{folder}: override(s) {stray} name no component of this pipeline "
+                         f"(components: {sorted(entries)})")
+    todo, skipped = _plan(model_index, overrides, str(folder))
+    for s in skipped:
+        logger.warning("%s: skipping optional component %s: sdjax has no implementation of it", folder, s)
+
+    components: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    for name, (library, cls) in todo.items():
+        sub = folder / name
+        if not sub.is_dir():
+            raise FileNotFoundError(f"{folder}: component folder {name}/ named in {files.MODEL_INDEX} "
+                                    f"([{library}, {cls}]) does not exist")
+        obj, p = find_loader(library, cls)(LoadRequest(name, sub, variant, dtype))
+        components[name] = obj
+        if p is not None:
+            params[name] = p
+    for name, obj in overrides.items():
+        if obj is None:
+            continue
+        components[name] = obj
+        if hasattr(obj, "create_state"):
+            params[name] = obj.create_state()
+    return components, params, model_index
