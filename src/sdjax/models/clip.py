@@ -139,7 +139,8 @@ class CLIPTextEmbeddings(nn.Module):
 
 
 class CLIPAttention(nn.Module):
-    """Multi-head self-attention with a causal (and optional key-padding) mask; softmax in float32."""
+    """Multi-head self-attention; `mask_bqk` (True = attend) is the text tower's causal (and key-padding) mask, None
+    for the vision tower. Softmax in float32."""
 
     config: CLIPTextConfig
     dtype: Any = jnp.float32
@@ -156,7 +157,8 @@ class CLIPAttention(nn.Module):
         q_bthd, k_bthd, v_bthd = proj("q_proj"), proj("k_proj"), proj("v_proj")
         logits_bhqk = jnp.einsum("bqhd,bkhd->bhqk", q_bthd, k_bthd, preferred_element_type=jnp.float32)
         logits_bhqk = logits_bhqk * head_dim**-0.5
-        logits_bhqk = jnp.where(mask_bqk[:, None], logits_bhqk, jnp.finfo(jnp.float32).min)
+        if mask_bqk is not None:
+            logits_bhqk = jnp.where(mask_bqk[:, None], logits_bhqk, jnp.finfo(jnp.float32).min)
         probs_bhqk = jax.nn.softmax(logits_bhqk, axis=-1).astype(self.dtype)
         out_bthd = jnp.einsum("bhqk,bkhd->bqhd", probs_bhqk, v_bthd)
         out_btd = out_bthd.reshape(out_bthd.shape[:-2] + (c.hidden_size,))
