@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sdjax.loading.config import ConfigError
+from sdjax.loading.config import ConfigError, config_from_dict
 from sdjax.loading.convert import convert_state_dict
 from sdjax.models.layers import (
     ACTIVATIONS,
@@ -113,6 +113,11 @@ class UNet2DConditionConfig:
     mid_block_only_cross_attention: bool | None = None
     cross_attention_norm: str | None = None
     addition_embed_type_num_heads: int = 64
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, source: str = "config.json") -> UNet2DConditionConfig:
+        """Build from a parsed `config.json`; unknown keys raise `ConfigError` naming `source`."""
+        return config_from_dict(cls, dict(raw), source=source)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):  # lists (from JSON or callers) -> tuples: configs are jit-static

@@ -26,7 +26,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sdjax.loading.config import ConfigError
+from sdjax.loading.config import ConfigError, config_from_dict
 from sdjax.loading.convert import convert_state_dict
 from sdjax.models.layers import (
     ACTIVATIONS,
@@ -74,6 +74,11 @@ class AutoencoderKLConfig:
     use_quant_conv: bool = True
     use_post_quant_conv: bool = True
     mid_block_add_attention: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, source: str = "config.json") -> AutoencoderKLConfig:
+        """Build from a parsed `config.json`; unknown keys raise `ConfigError` naming `source`."""
+        return config_from_dict(cls, dict(raw), source=source)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
