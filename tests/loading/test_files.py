@@ -295,9 +295,9 @@ def old_flax_clip_tree(state_dict: dict) -> dict:
 
 def test_msgpack_roundtrip_clip(tmp_path):
     import flax.serialization
+    import reference
     from flax.traverse_util import flatten_dict
 
-    import reference
     from sdjax.models import clip
 
     torch_model = reference.text_encoder(reference.CLIP_SDXL_2, with_projection=True)

@@ -102,8 +102,8 @@ def make_cast(dtype: Any) -> Callable[[np.ndarray], Any]:
     dtype = jnp.dtype(dtype)
 
     def cast(x: np.ndarray):
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.asarray(x, dtype=dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            x = x.astype(dtype)  # rounded on the host, one tensor at a time
         return jnp.asarray(x)
 
     return cast

@@ -93,8 +93,8 @@ def _candidates(variant: str | None) -> list[tuple[str, str, bool]]:
     out: list[tuple[str, str, bool]] = []
     out += [("safetensors", f"{s}.{v}.safetensors" if v else f"{s}.safetensors", False) for s in SAFETENSORS_STEMS]
     for s in SAFETENSORS_STEMS:
-        names = ([f"{s}.safetensors.index.{v}.json", f"{s}.safetensors.{v}.index.json", f"{s}.{v}.safetensors.index.json"]
-                 if v else [f"{s}.safetensors.index.json"])
+        names = ([f"{s}.safetensors.index.{v}.json", f"{s}.safetensors.{v}.index.json",
+                  f"{s}.{v}.safetensors.index.json"] if v else [f"{s}.safetensors.index.json"])
         out += [("safetensors", n, True) for n in names]
     out += [("flax", f"{s}.{v}.msgpack" if v else f"{s}.msgpack", False) for s in FLAX_STEMS]
     out += [("torch", f"{s}.{v}.bin" if v else f"{s}.bin", False) for s in TORCH_STEMS]
@@ -142,8 +142,9 @@ def choose_weight_name(names: Iterable[str], *, variant: str | None = None, wher
     found = sorted(_variants_present(names))
     hint = f"; this folder has weights of variant(s) {found}: pass variant=" if found else ""
     raise MissingWeightsError(f"{where}: no weight file found (looked for diffusion_pytorch_model.safetensors, "
-                              f"model.safetensors, their sharded *.safetensors.index.json, diffusion_flax_model.msgpack, "
-                              f"flax_model.msgpack, *.bin){hint}; files present: {_describe(names)}")
+                              f"model.safetensors, their sharded *.safetensors.index.json, "
+                              f"diffusion_flax_model.msgpack, flax_model.msgpack, *.bin){hint}; files present: "
+                              f"{_describe(names)}")
 
 
 _VARIANT_RE = re.compile(r"(?:diffusion_pytorch_model|model|pytorch_model|diffusion_flax_model|flax_model)"
@@ -453,7 +454,7 @@ def flax_params_to_sdjax(tree: Mapping[str, Any], expected: Mapping[str, Any], *
 def read_torch_bin(paths: Iterable[str | Path]) -> Mapping[str, np.ndarray]:
     """Read PyTorch pickle weights (`*.bin`) as numpy arrays. The one place sdjax imports torch, and only when a
     folder holds nothing else; `torch.load(weights_only=True, mmap=True)` keeps arbitrary pickles out."""
-    import torch  # noqa: PLC0415 - optional, see docstring
+    import torch
 
     out: dict[str, np.ndarray] = {}
     for path in paths:
@@ -579,8 +580,15 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike, *, revision: str | Non
     `HF_HUB_OFFLINE=1` the snapshot comes from the HF cache without any network access.
     """
     from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.utils import (EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                       RepositoryNotFoundError, RevisionNotFoundError, validate_repo_id)
+    from huggingface_hub.utils import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+        validate_repo_id,
+    )
 
     text = os.fspath(path_or_repo_id)
     local = Path(text).expanduser()
