@@ -4,6 +4,8 @@ Tolerance: images in [0, 1] agree to 2e-4 absolute (float32). A wrong sigma, tim
 moves these tiny-model images by 1e-2 or more.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +56,10 @@ def test_swapped_sampler_matches_diffusers(sampler, torch_cls, extra, torch_sd1,
     pipe, params = StableDiffusionPipeline.from_pretrained(str(sd1_dir), scheduler=sampler)
     latents = np.random.default_rng(1).standard_normal((2, 4, 8, 8)).astype(np.float32)
     steps = 5
-    torch_sched = getattr(diffusers, torch_cls).from_config(torch_sd1.scheduler.config, **extra)
+    # Swap from the config on disk, as a user of diffusers would after from_pretrained (an in-memory config
+    # marks keys left at their defaults in `_use_default_values`, which from_config then drops).
+    on_disk = json.loads((sd1_dir / "scheduler" / "scheduler_config.json").read_text())
+    torch_sched = getattr(diffusers, torch_cls).from_config(on_disk, **extra)
     saved = torch_sd1.scheduler
     torch_sd1.scheduler = torch_sched
     try:

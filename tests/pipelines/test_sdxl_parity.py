@@ -3,6 +3,8 @@
 Tolerance: images in [0, 1] agree to 2e-4 absolute.
 """
 
+import json
+
 import diffusers
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,8 @@ def test_sdxl_matches_diffusers(sampler, loaded, torch_sdxl, sdxl_dir):
     torch_sched = None
     if sampler != "euler":
         pipe, params = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir), scheduler=sampler)
-        torch_sched = diffusers.DPMSolverMultistepScheduler.from_config(torch_sdxl.scheduler.config)
+        on_disk = json.loads((sdxl_dir / "scheduler" / "scheduler_config.json").read_text())
+        torch_sched = diffusers.DPMSolverMultistepScheduler.from_config(on_disk)
     ref = run_torch(torch_sdxl, latents, steps, NEGATIVE, torch_sched)
     out = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.PRNGKey(0), num_inference_steps=steps,
                guidance_scale=5.0, latents=jnp.asarray(latents), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE))
