@@ -1,0 +1,72 @@
+"""`python -m sdjax.training`: train the embedded text-to-image model from scratch and write it as a diffusers
+folder.
+
+    python -m sdjax.training --out src/sdjax/assets/embedded            # the shipped model
+    python -m sdjax.training --preset tiny --out /tmp/tiny-sd           # a seconds-long smoke run
+
+Every step count is fixed by the preset (the run is reproducible from `--seed`); `--steps`, `--vae-steps` and
+`--batch` override it for experiments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from sdjax.training.train import PRESETS, save, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sdjax.training", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder to write the diffusers pipeline to")
+    parser.add_argument("--preset", default="embedded", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="diffusion (text encoder + UNet) steps")
+    parser.add_argument("--vae-steps", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="diffusion batch size")
+    parser.add_argument("--log", default=None, help="also append the log lines to this file")
+    parser.add_argument("--vae-from", default=None,
+                        help="reuse the VAE of this diffusers folder instead of training one (experiments)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="write the EMA weights to --out every N diffusion steps (0: only at the end)")
+    args = parser.parse_args(argv)
+
+    cfg = PRESETS[args.preset]
+    overrides = {k: v for k, v in (("seed", args.seed), ("steps", args.steps), ("vae_steps", args.vae_steps),
+                                   ("batch", args.batch)) if v is not None}
+    cfg = cfg.replace(**overrides)
+    log_file = open(args.log, "a", encoding="utf-8") if args.log else None
+
+    def log(line: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {line}"
+        print(line, flush=True)
+        if log_file:
+            log_file.write(line + "\n")
+            log_file.flush()
+
+    log(f"training preset {args.preset!r}: {json.dumps({k: v for k, v in vars(cfg).items() if k not in ('text_encoder', 'unet', 'vae', 'scheduler')})}")
+    vae = None
+    if args.vae_from:
+        from sdjax.loading.components import VAE, LoadRequest, load_model
+
+        module, params = load_model(VAE, LoadRequest("vae", Path(args.vae_from) / "vae", None, "float32"))
+        vae = (module.config, params)
+
+    def checkpoint(step, result):
+        save(result, cfg, args.out)
+        log(f"checkpoint: step {step} written to {args.out}")
+
+    result = train(cfg, log, vae=vae, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+    save(result, cfg, args.out)
+    out = Path(args.out)
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    log(f"wrote {out} ({total / 1e6:.1f} MB) in {result.seconds / 60:.1f} min of training")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
