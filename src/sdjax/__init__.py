@@ -9,9 +9,11 @@ from sdjax import compilation_cache
 from sdjax.compilation_cache import enable_compilation_cache
 from sdjax.parallel import replicate, shard, unreplicate
 from sdjax.pipelines import (
+    EMBEDDED_MODEL,
     PipelineOutput,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
+    load_pipeline,
     make_image_grid,
     numpy_to_pil,
 )
@@ -24,6 +26,7 @@ FlaxStableDiffusionXLPipeline = StableDiffusionXLPipeline
 __version__ = "0.1.0"
 
 __all__ = [
+    "EMBEDDED_MODEL",
     "FlaxStableDiffusionPipeline",
     "FlaxStableDiffusionXLPipeline",
     "PipelineOutput",
@@ -32,6 +35,7 @@ __all__ = [
     "cast_params",
     "compilation_cache",
     "enable_compilation_cache",
+    "load_pipeline",
     "make_image_grid",
     "numpy_to_pil",
     "replicate",

@@ -1,9 +1,17 @@
 """Text-to-image pipelines with the API of Diffusers' Flax pipelines."""
 
+from sdjax.pipelines.auto import EMBEDDED_MODEL, load_pipeline
 from sdjax.pipelines.common import PipelineOutput
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil
 from sdjax.pipelines.stable_diffusion import StableDiffusionPipeline
 from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
 
-__all__ = ["PipelineOutput", "StableDiffusionPipeline", "StableDiffusionXLPipeline", "make_image_grid",
-           "numpy_to_pil"]
+__all__ = [
+    "EMBEDDED_MODEL",
+    "PipelineOutput",
+    "StableDiffusionPipeline",
+    "StableDiffusionXLPipeline",
+    "load_pipeline",
+    "make_image_grid",
+    "numpy_to_pil",
+]

@@ -66,12 +66,15 @@ class StableDiffusionPipeline:
 
         `dtype` is the dtype of the stored params and of the computation (the scheduler state stays float32).
         A keyword named like a component (`scheduler=`, `safety_checker=None`, ...) replaces or disables it;
-        `scheduler` may also be a sampler name such as `"euler_a"` or `"DPM++ 2M Karras"`. `from_pt` is accepted
+        `scheduler` may also be a sampler name such as `"euler_a"` or `"DPM++ 2M Karras"`. `"sdjax/embedded"` names
+        the small model shipped with the package. `from_pt` is accepted
         for compatibility and has no effect: PyTorch-format weights are always converted.
         """
         from sdjax.loading.components import load_pipeline_components
+        from sdjax.pipelines.auto import resolve_alias
 
         del from_pt
+        pretrained_model_name_or_path = resolve_alias(pretrained_model_name_or_path)
         scheduler = components.pop("scheduler", None)
         loaded, params, model_index = load_pipeline_components(
             pretrained_model_name_or_path, expected_class=cls.model_index_class, revision=revision, variant=variant,

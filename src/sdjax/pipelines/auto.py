@@ -1,0 +1,48 @@
+"""Pick the pipeline class from a model's `model_index.json`, and the names sdjax knows without a download."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# The small model shipped inside the package (trained by sdjax itself, see sdjax.training).
+EMBEDDED_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "embedded")
+ALIASES = {"sdjax/embedded": EMBEDDED_MODEL, "embedded": EMBEDDED_MODEL}
+
+
+def resolve_alias(name: str | os.PathLike) -> str:
+    """`"sdjax/embedded"` -> the shipped model's folder; anything else unchanged."""
+    return ALIASES.get(str(name), str(name))
+
+
+def pipeline_class_name(path_or_repo_id: str, **resolve_kwargs: Any) -> str:
+    """The `_class_name` of a local folder's or Hub repo's `model_index.json`."""
+    from sdjax.loading.files import resolve_model_dir
+
+    folder = Path(resolve_alias(path_or_repo_id))
+    if not folder.is_dir():
+        folder = Path(resolve_model_dir(str(path_or_repo_id), components=[], **resolve_kwargs))
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{folder}: no model_index.json; is this a diffusers pipeline folder?")
+    return json.loads(index.read_text()).get("_class_name", "")
+
+
+def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: Any):
+    """Load SD 1.x/2.x or SDXL by what the model says it is -> `(pipeline, params)`; `None` is the embedded model.
+
+    `dtype` may be a string ("bf16", "float32", ...) or a jnp dtype.
+    """
+    from sdjax.pipelines.stable_diffusion import StableDiffusionPipeline
+    from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
+    from sdjax.precision import resolve_dtype
+
+    model = resolve_alias(model or EMBEDDED_MODEL)
+    resolve_kwargs = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
+    name = pipeline_class_name(model, **resolve_kwargs)
+    classes = {cls.model_index_class: cls for cls in (StableDiffusionPipeline, StableDiffusionXLPipeline)}
+    if name not in classes:
+        raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; sdjax loads {sorted(classes)}")
+    return classes[name].from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)
