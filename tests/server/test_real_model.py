@@ -40,12 +40,15 @@ def pixels(png: bytes) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
-def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path):
+def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path, monkeypatch):
+    loads = []
+    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: loads.append((model, dtype.value)) or pipe)
     args = ["generate", "a red square", "--model", str(sd1_dir), "--steps", str(STEPS), "--seed", "5", "-N", "2",
             "--sampler", "Euler a", "--out", str(tmp_path)]
     r = CliRunner().invoke(cli.app, args)
     assert r.exit_code == 0, r.output
     assert "Denoising" in r.stderr and "compile" in r.stderr
+    assert loads == [(str(sd1_dir), "float32")]  # the module's pipeline: its compiled executables are reused
     first = sorted(tmp_path.glob("*.png"))
     assert [p.name for p in first] == ["00000-5.png", "00001-6.png"]
     h, w = pipe.default_size
@@ -64,13 +67,14 @@ def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path):
 
 def test_server_batches_real_requests(pipe):
     h, w = pipe.default_size
-    with live_server(pipe, max_batch=4, batch_sizes=(4,), batch_window_s=0.2, model_name="tiny") as s:
-        assert pipe.default_steps != STEPS  # so the first request below compiles a new shape: it must still work
+    # No start-up compilation (it would be for the default 50 steps); the shape below is the CLI test's.
+    with live_server(pipe, max_batch=4, batch_sizes=(4,), batch_window_s=1.0, model_name="tiny", warm=False) as s:
 
         async def send():
             async with httpx.AsyncClient(base_url=s.url, timeout=600) as c:
                 return await asyncio.gather(
-                    c.post("/v1/images/generations", json={"prompt": "a cat", "seed": 1, "steps": STEPS, "n": 2}),
+                    c.post("/v1/images/generations", json={"prompt": "a cat", "seed": 1, "steps": STEPS, "n": 2,
+                                                           "sampler": "euler_a"}),
                     c.post("/sdapi/v1/txt2img", json={"prompt": "a dog", "seed": 9, "steps": STEPS,
                                                        "sampler_name": "Euler a"}))
 
@@ -81,7 +85,8 @@ def test_server_batches_real_requests(pipe):
         want = [("a cat", 1), ("a cat", 2), ("a dog", 9)]
         for png, (prompt, seed) in zip(got, want):
             p = metadata.parameters_from_text(metadata.read_parameters(png))
-            assert (p.prompt, p.seed, p.steps, p.width, p.height, p.model) == (prompt, seed, STEPS, w, h, "tiny")
+            assert (p.prompt, p.seed, p.steps, p.width, p.height, p.model, p.sampler) == (
+                prompt, seed, STEPS, w, h, "tiny", "euler_a")
             np.testing.assert_allclose(pixels(png), direct(pipe, prompt, seed), atol=2)
         assert json.loads(a1111.json()["info"])["sampler_name"] == "Euler a"
         with client(s.url) as c:
