@@ -1,0 +1,103 @@
+"""The same sampling loop in diffusers (PyTorch, float32) and in sdjax (one jitted `lax.fori_loop`).
+
+The model is a deterministic stand-in, `eps = 0.3 x cos(t / 300) + 0.1 sin(x)`, evaluated identically in both
+frameworks on the scaled model input and the timestep the sampler feeds it. Stochastic samplers get prescribed
+noise: in diffusers by replacing the scheduler module's `randn_tensor` with a function that returns the noise
+of the current step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAPE = (2, 4, 8, 8)
+
+
+def fake_model_torch(x, t):
+    import torch
+
+    t = torch.as_tensor(t).to(torch.float32)
+    return 0.3 * x * torch.cos(t / 300) + 0.1 * torch.sin(x)
+
+
+def fake_model_jax(x, t):
+    t = jnp.asarray(t, jnp.float32)
+    return 0.3 * x * jnp.cos(t / 300) + 0.1 * jnp.sin(x)
+
+
+def inputs(calls: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Initial latents and one noise array per model call, float32."""
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal(SHAPE).astype(np.float32)
+    noises = rng.standard_normal((calls,) + SHAPE).astype(np.float32)
+    return x0, noises
+
+
+@contextlib.contextmanager
+def prescribed_noise(scheduler):
+    """Make `randn_tensor` inside the scheduler's module return `current[0]` (set before each step)."""
+    import torch
+
+    module = importlib.import_module(type(scheduler).__module__)
+    current = [None]
+    original = getattr(module, "randn_tensor", None)
+
+    def fake_randn(shape, *args, dtype=None, **kwargs):
+        assert tuple(shape) == tuple(current[0].shape), (shape, current[0].shape)
+        return torch.from_numpy(current[0].copy()).to(dtype or torch.float32)
+
+    module.randn_tensor = fake_randn
+    try:
+        yield current
+    finally:
+        module.randn_tensor = original
+
+
+def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, **step_kwargs):
+    """diffusers' loop -> (timesteps, init_noise_sigma, trajectory (calls, *shape)), float32 numpy."""
+    import torch
+
+    scheduler.set_timesteps(num_inference_steps)
+    if hasattr(scheduler, "set_begin_index"):
+        # Step by position, as sdjax does. Without it diffusers finds the first step by value and takes the
+        # second match when the first timestep repeats (Karras schedules on a cosine beta schedule), then
+        # runs past the end of its sigmas.
+        scheduler.set_begin_index(0)
+    x = torch.from_numpy(x0.copy()) * scheduler.init_noise_sigma
+    out = []
+    with prescribed_noise(scheduler) as current:
+        for i, t in enumerate(scheduler.timesteps):
+            current[0] = noises[i]
+            x_in = scheduler.scale_model_input(x, t)
+            eps = fake_model_torch(x_in, t)
+            x = scheduler.step(eps, t, x, **step_kwargs).prev_sample
+            out.append(x.numpy().copy())
+    init_sigma = float(scheduler.init_noise_sigma)
+    return scheduler.timesteps.numpy().copy(), init_sigma, np.stack(out)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def run_jax(sampler, num_inference_steps: int, x0, noises, state=None):
+    """sdjax's loop (jitted, traced step index) -> (timesteps, init_noise_sigma, trajectory (calls, *shape))."""
+    state = sampler.create_state() if state is None else state
+    state = sampler.set_timesteps(state, num_inference_steps, x0.shape)
+    x = x0 * sampler.init_noise_sigma(state)
+    calls = sampler.num_model_calls(num_inference_steps)
+
+    def body(i, carry):
+        x, st, traj = carry
+        t = st.timesteps[i]
+        x_in = sampler.scale_model_input(st, x, i)
+        eps = fake_model_jax(x_in, t)
+        x, st = sampler.step(st, eps, i, x, noise=noises[i] if sampler.stochastic else None)
+        return x, st, traj.at[i].set(x)
+
+    traj = jnp.zeros((calls,) + x0.shape, jnp.float32)
+    _, _, traj = jax.lax.fori_loop(0, calls, body, (x, state, traj))
+    return state.timesteps, sampler.init_noise_sigma(state), traj

@@ -1,0 +1,379 @@
+"""Samplers against the diffusers schedulers of the same name and config (PyTorch, float32).
+
+Full sampling loops run in diffusers (Python loop) and in sdjax (one jitted `lax.fori_loop`, traced step index)
+with the same stand-in model, initial latents and, for stochastic samplers, the same noise (see `loops.py`).
+Every intermediate sample is compared.
+
+Tolerance (float32): |sdjax - diffusers| <= 1e-5 * max(1, max |diffusers trajectory|) elementwise, plus
+rtol 1e-5. Measured: at most ~1.2e-6 of the trajectory's scale. The stand-in model does not denoise, so
+trajectories grow to |x| ~ 100 with epsilon prediction; float32 rounding errors scale with that, hence the
+atol relative to the trajectory's scale. Schedules are built in numpy to match diffusers' float32 torch
+arithmetic (betas and alphas_cumprod bit for bit; sigmas within one ulp, as torch's CPU float32 sqrt is not
+correctly rounded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import loops
+from sdjax import samplers
+from sdjax.loading.config import ConfigError
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy 2 `__array__` notes from diffusers
+
+diffusers = pytest.importorskip("diffusers")
+torch = pytest.importorskip("torch")
+
+# Stable Diffusion 1.x's scheduler_config.json (PNDM, scaled_linear, epsilon, leading spacing, steps_offset 1).
+SD1 = {"_class_name": "PNDMScheduler", "_diffusers_version": "0.6.0", "beta_end": 0.012,
+       "beta_schedule": "scaled_linear", "beta_start": 0.00085, "num_train_timesteps": 1000,
+       "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
+       "clip_sample": False}
+# Stable Diffusion 2.x (768, v-prediction): a DDIM config.
+SD2 = {"_class_name": "DDIMScheduler", "_diffusers_version": "0.8.0", "beta_end": 0.012,
+       "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False, "num_train_timesteps": 1000,
+       "prediction_type": "v_prediction", "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+       "trained_betas": None}
+# Stable Diffusion XL: EulerDiscrete, with leftovers of other schedulers' keys.
+SDXL = {"_class_name": "EulerDiscreteScheduler", "_diffusers_version": "0.19.0.dev0", "beta_end": 0.012,
+        "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False,
+        "interpolation_type": "linear", "num_train_timesteps": 1000, "prediction_type": "epsilon",
+        "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
+        "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False}
+V = {"prediction_type": "v_prediction"}
+ZERO_SNR = {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing", "prediction_type": "v_prediction"}
+
+
+def case(name, base, n=10, **extra):
+    options = {k: extra.pop(k) for k in list(extra) if k == "eta"}
+    label = "-".join([name, base["_class_name"][:4], str(n)] + [f"{k}={v}" for k, v in {**extra, **options}.items()])
+    return pytest.param(name, base, n, extra, options, id=label)
+
+
+PARITY = [
+    # PNDM / PLMS (SD1 default) and with Runge-Kutta warm-up.
+    case("pndm", SD1), case("pndm", SD1, 25), case("pndm", SD2), case("pndm", SD1, timestep_spacing="linspace"),
+    case("pndm", SD1, timestep_spacing="trailing"), case("pndm_prk", SD1), case("pndm_prk", SD2, 25),
+    # DDIM
+    case("ddim", SD1), case("ddim", SD2), case("ddim", SD1, 25, timestep_spacing="linspace"),
+    case("ddim", SD1, **ZERO_SNR), case("ddim", SD1, eta=0.7, clip_sample=True, set_alpha_to_one=True),
+    case("ddim", SD1, beta_schedule="squaredcos_cap_v2", prediction_type="sample"),
+    # DDPM
+    case("ddpm", SD1), case("ddpm", SD2, timestep_spacing="trailing"),
+    case("ddpm", SD1, variance_type="fixed_small_log", clip_sample=True),
+    case("ddpm", SD1, variance_type="fixed_large", beta_schedule="linear", beta_start=0.0001, beta_end=0.02),
+    # Euler (SDXL default)
+    case("euler", SDXL), case("euler", SDXL, 25), case("euler", SD2), case("euler", SDXL, **ZERO_SNR),
+    case("euler_karras", SDXL), case("euler", SDXL, timestep_spacing="linspace", final_sigmas_type="sigma_min"),
+    case("euler", SDXL, interpolation_type="log_linear", timestep_type="continuous", prediction_type="v_prediction"),
+    case("euler", SDXL, use_exponential_sigmas=True, sigma_min=0.1, sigma_max=10.0),
+    # Euler ancestral
+    case("euler_a", SD1), case("euler_a", SD2, timestep_spacing="trailing"), case("euler_a", SD1, 25, **ZERO_SNR),
+    # LMS
+    case("lms", SD1), case("lms", SD1, 25, timestep_spacing="linspace"), case("lms_karras", SD2),
+    case("lms", SD1, use_exponential_sigmas=True),
+    # DPM-Solver++
+    case("dpmpp_2m", SD1), case("dpmpp_2m", SD1, 25), case("dpmpp_2m", SD2, timestep_spacing="trailing"),
+    case("dpmpp_2m_karras", SD1), case("dpmpp_2m_karras", SD1, beta_schedule="squaredcos_cap_v2"),
+    case("dpmpp_2m", SD1, 16, solver_type="heun", final_sigmas_type="sigma_min", lower_order_final=False),
+    case("dpmpp_2m", SD1, solver_order=3, euler_at_final=True, timestep_spacing="leading"),
+    case("dpmpp_2m", SD1, **ZERO_SNR, lambda_min_clipped=-5.1),
+    case("dpmpp_2m_sde", SD1), case("dpmpp_2m_sde_karras", SD2, 25),
+    case("dpmpp_2m_sde", SD1, solver_type="heun", solver_order=3, use_exponential_sigmas=True),
+]
+
+
+def torch_scheduler(sampler):
+    """The diffusers scheduler with the sampler's config (what `name` resolved to)."""
+    return getattr(diffusers, sampler.diffusers_class).from_config(sampler.config)
+
+
+def assert_trajectory_close(ours, ref, what=""):
+    scale = max(1.0, float(np.abs(ref).max()))
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * scale, err_msg=what)
+
+
+@pytest.mark.parametrize("name, base, n, extra, options", PARITY)
+def test_full_loop_matches_diffusers(name, base, n, extra, options):
+    sampler = samplers.get_sampler(name, base, **extra, **options)
+    x0, noises = loops.inputs(sampler.num_model_calls(n))
+    t_ref, sigma_ref, traj_ref = loops.run_torch(torch_scheduler(sampler), n, x0, noises, **options)
+    t_ours, sigma_ours, traj_ours = jax.device_get(loops.run_jax(sampler, n, x0, noises))
+
+    assert len(t_ours) == len(t_ref) == sampler.num_model_calls(n)
+    # Integer timesteps exactly; fractional ones (Karras/exponential/continuous) to float32 rounding.
+    np.testing.assert_allclose(t_ours, t_ref.astype(np.float32), rtol=1e-6, atol=0)
+    if t_ref.dtype == np.int64:
+        np.testing.assert_array_equal(t_ours, t_ref.astype(np.float32))
+    np.testing.assert_allclose(sigma_ours, sigma_ref, rtol=1e-6)
+    assert np.isfinite(traj_ours).all()
+    assert_trajectory_close(traj_ours, traj_ref, f"{name} {extra}")
+
+
+@pytest.mark.parametrize("name", ["pndm", "pndm_prk", "ddim", "ddpm", "euler", "euler_karras", "euler_a", "lms",
+                                  "lms_karras", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde"])
+@pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
+def test_timesteps_and_sigmas_match_diffusers(name, spacing):
+    """Schedules only (numpy, no loop) over many step counts, including ones where trailing spacing yields an
+    extra timestep in diffusers."""
+    sampler = samplers.get_sampler(name, SD1, timestep_spacing=spacing)
+    for n in (1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 61, 100):
+        if name == "pndm_prk" and n < 4:
+            continue  # diffusers' PRK warm-up needs at least 4 grid points
+        ref = torch_scheduler(sampler)
+        ref.set_timesteps(n)
+        tables = sampler._tables(n)
+        assert sampler.num_model_calls(n) == len(ref.timesteps), n
+        np.testing.assert_allclose(tables["timesteps"], ref.timesteps.numpy().astype(np.float32), rtol=1e-6,
+                                   err_msg=str(n))
+        if "sigmas" in tables:
+            np.testing.assert_allclose(tables["sigmas"], ref.sigmas.numpy(), rtol=3e-7, err_msg=str(n))
+
+
+def test_num_model_calls():
+    assert samplers.get_sampler("pndm", SD1).num_model_calls(50) == 51  # PLMS: one more call than steps
+    assert samplers.get_sampler("pndm_prk", SD1).num_model_calls(50) == 59  # 12 RK calls replace 3 steps
+    for name in ("ddim", "ddpm", "euler", "euler_a", "lms", "dpmpp_2m", "dpmpp_2m_sde"):
+        assert samplers.get_sampler(name, SD1).num_model_calls(30) == 30
+
+
+def test_train_schedule_matches_diffusers():
+    for extra in [{}, {"beta_schedule": "linear"}, {"beta_schedule": "squaredcos_cap_v2"}]:
+        ours = samplers.get_sampler("ddim", SD1, **extra)
+        ref = torch_scheduler(ours)
+        np.testing.assert_array_equal(ours._train_schedule[0], ref.betas.numpy())  # bit for bit
+        np.testing.assert_array_equal(ours.alphas_cumprod, ref.alphas_cumprod.numpy())
+    # Zero-SNR rescaling takes square roots, where torch's CPU float32 sqrt is off by an ulp at times; the
+    # rescaled betas amplify that (1 - a ratio close to 1), alphas_cumprod does not.
+    ours = samplers.get_sampler("ddim", SD1, rescale_betas_zero_snr=True)
+    ref = torch_scheduler(ours).alphas_cumprod.numpy()
+    assert ours.alphas_cumprod[-1] == ref[-1] == 0
+    np.testing.assert_allclose(ours.alphas_cumprod, ref, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ add_noise
+@pytest.mark.parametrize("name, extra", [("pndm", {}), ("ddim", {}), ("ddpm", {}), ("euler", {}),
+                                         ("euler_karras", {}), ("euler_a", {}), ("lms", {}), ("dpmpp_2m", {}),
+                                         ("dpmpp_2m_karras", {}), ("euler", ZERO_SNR)])
+def test_add_noise_matches_diffusers(name, extra):
+    sampler = samplers.get_sampler(name, SD1, **extra)
+    ref = torch_scheduler(sampler)
+    ref.set_timesteps(20)
+    x0, noises = loops.inputs(1, seed=3)
+    noise = noises[0]
+    state = sampler.set_timesteps(sampler.create_state(), 20, x0.shape)
+    # One timestep per sample, taken from the schedule (img2img start points), including the last one where
+    # Karras schedules repeat a rounded timestep.
+    for idx in ([3, 7], [0, 19], [19, 18]):
+        t = ref.timesteps[idx]
+        expect = ref.add_noise(torch.from_numpy(x0), torch.from_numpy(noise), t).numpy()
+        ours = jax.jit(sampler.add_noise)(state, x0, noise, jnp.asarray(t.numpy().astype(np.float32)))
+        # atol relative to the largest term: with zero SNR sigma_max = 4096 and x0 + sigma eps cancels.
+        atol = 1e-6 * max(1.0, float(np.abs(noise).max() * ref.sigmas.max()) if hasattr(ref, "sigmas") else 1.0)
+        np.testing.assert_allclose(np.asarray(ours), expect, rtol=1e-6, atol=atol, err_msg=str(idx))
+        # The sampler's own timesteps (what a pipeline passes) find the same steps.
+        ours = sampler.add_noise(state, x0, noise, state.timesteps[jnp.asarray(idx)])
+        np.testing.assert_allclose(np.asarray(ours), expect, rtol=1e-6, atol=atol, err_msg=str(idx))
+
+
+def test_add_noise_sigma_space_is_unscaled_img2img_start():
+    """For sigma-space samplers add_noise returns x0 + sigma eps: the loop continues from it without another
+    init_noise_sigma factor (the old Flax img2img pipeline multiplied by it again)."""
+    sampler = samplers.get_sampler("euler", SDXL)
+    state = sampler.set_timesteps(sampler.create_state(), 10, (1, 4, 2, 2))
+    x0, eps = jnp.zeros((1, 4, 2, 2)), jnp.ones((1, 4, 2, 2))
+    noisy = sampler.add_noise(state, x0, eps, state.timesteps[:1])
+    np.testing.assert_allclose(np.asarray(noisy), np.full((1, 4, 2, 2), float(state.sigmas[0])), rtol=1e-6)
+
+
+# -------------------------------------------------------------------------------------- state, dtype, jit
+def _bf16(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x).astype(jnp.bfloat16), tree)
+
+
+@pytest.mark.parametrize("name", ["pndm", "euler", "dpmpp_2m"])
+def test_bf16_cast_state_is_restored(name):
+    """A user who casts every param (scheduler state included) to bf16 still samples exactly: set_timesteps
+    rebuilds the schedule from the config in float32."""
+    sampler = samplers.get_sampler(name, SD1)
+    x0, noises = loops.inputs(sampler.num_model_calls(10))
+    state_bf16 = _bf16(sampler.create_state())
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state_bf16)} == {jnp.dtype(jnp.bfloat16)}
+    reference = loops.run_jax(sampler, 10, x0, noises)
+    recast = loops.run_jax(sampler, 10, x0, noises, state_bf16)
+    for a, b in zip(jax.device_get(reference), jax.device_get(recast)):
+        np.testing.assert_array_equal(a, b)
+    # A state cast after set_timesteps is cast back to float32 inside every method.
+    state = sampler.set_timesteps(sampler.create_state(), 10, x0.shape)
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(state))
+    out, new_state = sampler.step(_bf16(state), jnp.asarray(x0), 1, jnp.asarray(x0))
+    assert out.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(new_state))
+    assert sampler.scale_model_input(_bf16(state), jnp.asarray(x0), 0).dtype == jnp.float32
+
+
+def test_step_with_traced_index_and_sampler_as_static_argument():
+    sampler = samplers.get_sampler("dpmpp_2m_karras", SD1)
+    assert hash(sampler) == hash(samplers.get_sampler("DPM++ 2M Karras", SD1))
+    x = jnp.ones((1, 4, 2, 2))
+
+    @jax.jit
+    def one(state, i, x):
+        return sampler.step(state, x * 0.1, i, x)
+
+    state = sampler.set_timesteps(sampler.create_state(), 10, x.shape)
+    for i in range(3):  # one compilation for every index
+        x, state = one(state, jnp.int32(i), x)
+    assert one._cache_size() == 1
+    assert float(state.lower_order_nums) == 2
+
+
+def test_stochastic_samplers_require_noise():
+    x = jnp.ones((1, 4, 2, 2))
+    for name, stochastic in [("euler_a", True), ("ddpm", True), ("dpmpp_2m_sde", True), ("euler", False),
+                             ("dpmpp_2m", False), ("ddim", False), ("pndm", False), ("lms", False)]:
+        sampler = samplers.get_sampler(name, SD1)
+        assert sampler.stochastic is stochastic, name
+        state = sampler.set_timesteps(sampler.create_state(), 5, x.shape)
+        if stochastic:
+            with pytest.raises(ValueError, match="noise"):
+                sampler.step(state, x, 0, x)
+            with pytest.raises(ValueError, match="shape"):
+                sampler.step(state, x, 0, x, noise=jnp.ones((4, 2, 2)))
+        else:
+            sampler.step(state, x, 0, x)
+    assert samplers.get_sampler("ddim", SD1, eta=0.5).stochastic
+
+
+def test_step_before_set_timesteps_raises():
+    sampler = samplers.get_sampler("pndm", SD1)
+    with pytest.raises(ValueError, match="set_timesteps"):
+        sampler.step(sampler.create_state(), jnp.ones(3), 0, jnp.ones(3))
+    with pytest.raises(TypeError, match="PNDMState"):
+        sampler.step(samplers.get_sampler("euler", SD1).create_state(), jnp.ones(3), 0, jnp.ones(3))
+
+
+# --------------------------------------------------------------------------------------- names and configs
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(samplers.UnknownSamplerError) as info:
+        samplers.get_sampler("euler_b", SD1)
+    message = str(info.value)
+    for valid in ("euler_a", "dpmpp_2m_karras", "DPM++ 2M Karras", "Euler a", "EulerDiscreteScheduler"):
+        assert valid in message
+    assert isinstance(info.value, ConfigError)
+
+
+@pytest.mark.parametrize("alias, expected", [
+    ("Euler a", ("euler_a", "EulerAncestralDiscreteScheduler")), ("DPM++ 2M Karras", ("dpmpp_2m_karras", None)),
+    ("DDIM", ("ddim", None)), ("PLMS", ("pndm", None)), ("LMS", ("lms", None)), ("Euler", ("euler", None)),
+    ("DPM++ 2M", ("dpmpp_2m", None)), ("DPM++ 2M SDE", ("dpmpp_2m_sde", None)), ("dpm++ 2m karras", ("dpmpp_2m_karras", None)),
+    ("EulerDiscreteScheduler", ("euler", None)), ("DPMSolverMultistepScheduler", ("dpmpp_2m", None)),
+])
+def test_names_resolve(alias, expected):
+    sampler = samplers.get_sampler(alias, SD1)
+    assert samplers.name_of(sampler) == expected[0]
+    if expected[1]:
+        assert sampler.diffusers_class == expected[1]
+
+
+def test_registry_round_trip():
+    assert samplers.available()[:3] == ["pndm", "pndm_prk", "ddim"]
+    for name in samplers.available():
+        assert samplers.name_of(samplers.get_sampler(name, SD1)) == name
+    assert samplers.name_of(samplers.get_sampler("dpmpp_2m", SD1, solver_order=3)) == "DPMSolverMultistepScheduler"
+
+
+@pytest.mark.parametrize("base", [SD1, SD2, SDXL], ids=["sd1", "sd2", "sdxl"])
+@pytest.mark.parametrize("name", ["pndm", "ddim", "ddpm", "euler", "euler_karras", "euler_a", "lms",
+                                  "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde"])
+def test_swap_config_like_diffusers_from_config(base, name):
+    """get_sampler(name, pipe_config) == diffusers' Scheduler.from_config(pipe.scheduler.config, **fixed)."""
+    ours = samplers.get_sampler(name, base)
+    _, fixed = samplers.SAMPLERS[name]
+    ref = getattr(diffusers, ours.diffusers_class).from_config(base, **fixed)
+    for key in ours.config_keys():
+        assert getattr(ours, key) == ref.config[key] or (ours.trained_betas is None and key == "trained_betas"), key
+
+
+def test_swap_respects_use_default_values():
+    """A config loaded by diffusers lists keys it did not contain in `_use_default_values`; they do not carry over
+    (PNDM's default leading spacing must not replace Euler's linspace)."""
+    base = dict(SD1, timestep_spacing="leading", prediction_type="epsilon",
+                _use_default_values=["timestep_spacing", "prediction_type"])
+    assert samplers.get_sampler("euler", base).timestep_spacing == "linspace"
+    assert samplers.get_sampler("euler", dict(SD1, timestep_spacing="leading")).timestep_spacing == "leading"
+
+
+def test_get_sampler_from_config_dict_and_sampler():
+    euler = samplers.get_sampler(SDXL)
+    assert isinstance(euler, samplers.Euler) and euler.timestep_spacing == "leading" and euler.steps_offset == 1
+    assert samplers.get_sampler(euler) is euler
+    assert samplers.get_sampler(euler, use_karras_sigmas=True).use_karras_sigmas
+    assert samplers.get_sampler("euler_a", euler).beta_schedule == "scaled_linear"
+    assert samplers.get_sampler(samplers.get_sampler("ddim", SD1, eta=0.3), clip_sample=True).eta == 0.3
+    with pytest.raises(samplers.UnknownSamplerError, match="HeunDiscreteScheduler"):
+        samplers.get_sampler(dict(SDXL, _class_name="HeunDiscreteScheduler"))
+
+
+def test_unknown_config_key_raises():
+    with pytest.raises(ConfigError, match="frobnicate"):
+        samplers.Euler.from_config(dict(SDXL, frobnicate=1))
+    with pytest.raises(ConfigError, match="frobnicate"):
+        samplers.get_sampler(dict(SD1, frobnicate=True))
+    with pytest.raises(ConfigError, match="frobnicate"):
+        samplers.get_sampler("ddim", dict(SDXL, frobnicate=1))
+    with pytest.raises(ConfigError, match="eta"):
+        samplers.DDIM.from_config(SD1, etaa=0.1)
+
+
+@pytest.mark.parametrize("cls, raw, key", [
+    (samplers.DDIM, {"thresholding": True}, "thresholding"),
+    (samplers.Euler, {"use_beta_sigmas": True}, "use_beta_sigmas"),
+    (samplers.DPMSolverMultistep, {"algorithm_type": "dpmsolver"}, "algorithm_type"),
+    (samplers.DPMSolverMultistep, {"use_lu_lambdas": True}, "use_lu_lambdas"),
+    (samplers.DPMSolverMultistep, {"variance_type": "learned_range"}, "variance_type"),
+    (samplers.PNDM, {"prediction_type": "sample"}, "prediction_type"),
+    (samplers.PNDM, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+    (samplers.LMS, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+    (samplers.EulerAncestral, {"prediction_type": "sample"}, "prediction_type"),
+    (samplers.DDPM, {"variance_type": "learned"}, "variance_type"),
+    (samplers.Euler, {"timestep_spacing": "uniform"}, "timestep_spacing"),
+    (samplers.DDIM, {"beta_schedule": "sigmoid"}, "beta_schedule"),
+])
+def test_unsupported_values_raise(cls, raw, key):
+    with pytest.raises(ConfigError, match=key):
+        cls.from_config(dict(SD1, **raw))
+
+
+def test_swapping_zero_snr_config_to_sampler_without_it_raises():
+    base = samplers.get_sampler("ddim", SD1, **ZERO_SNR)
+    assert samplers.get_sampler("euler", base).rescale_betas_zero_snr
+    with pytest.raises(ConfigError, match="rescale_betas_zero_snr"):
+        samplers.get_sampler("pndm", base)
+
+
+def test_trained_betas_and_config_round_trip():
+    betas = list(np.linspace(0.0001, 0.02, 1000))
+    sampler = samplers.get_sampler("ddim", dict(SD1, trained_betas=betas))
+    assert isinstance(sampler.trained_betas, tuple) and hash(sampler)
+    ref = torch_scheduler(sampler)
+    np.testing.assert_array_equal(sampler.alphas_cumprod, ref.alphas_cumprod.numpy())
+    for name in samplers.available():
+        sampler = samplers.get_sampler(name, SD1)
+        assert type(sampler).from_config(sampler.config, **{k: getattr(sampler, k) for k in sampler.options}) == \
+            sampler
+        assert dataclasses.replace(sampler) == sampler
+
+
+def test_runtime_never_imports_torch_or_diffusers():
+    for module in ("common", "pndm", "ddim", "ddpm", "euler", "lms", "dpm_solver"):
+        source = importlib.util.find_spec(f"sdjax.samplers.{module}").origin
+        text = open(source, encoding="utf-8").read()
+        assert "import torch" not in text and "diffusers import" not in text and "import diffusers" not in text
