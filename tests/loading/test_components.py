@@ -229,6 +229,44 @@ def test_expected_class_mismatch(sd1_dir):
         load_pipeline_components(sd1_dir, expected_class="StableDiffusionXLPipeline")
 
 
+def test_hub_repo_downloads_only_what_is_loaded(sd1_dir, torch_sd1, tmp_path, monkeypatch):
+    """A repo id goes through `snapshot_download` with the exact files to load: no safety checker weights (sdjax
+    has no safety checker), no `.bin` twins; checks that need only model_index.json fail before any download."""
+    import huggingface_hub
+
+    snap = copy_folder(sd1_dir, tmp_path / "snap")
+    edit_json(snap / "model_index.json", safety_checker=["stable_diffusion", "StableDiffusionSafetyChecker"])
+    (snap / "safety_checker").mkdir()
+    (snap / "safety_checker" / "config.json").write_text("{}")
+    (snap / "safety_checker" / "model.safetensors").write_bytes(b"not downloaded")
+    repo_files = [str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()]
+    repo_files += ["unet/diffusion_pytorch_model.bin", "text_encoder/pytorch_model.bin",
+                   "vae/diffusion_flax_model.msgpack"]
+    calls = []
+    monkeypatch.setattr(files, "_list_repo_files", lambda repo_id, revision, token: repo_files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, name, **kw: str(snap / name))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kw: calls.append(kw["allow_patterns"]) or str(snap))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    components, params, _ = load_pipeline_components("org/tiny-sd1", expected_class="StableDiffusionPipeline")
+    tokenizer_files = {f for f in repo_files if f.startswith("tokenizer/")}
+    assert tokenizer_files >= {"tokenizer/vocab.json", "tokenizer/merges.txt"}
+    assert set(calls[0]) == tokenizer_files | {
+        "model_index.json", "scheduler/scheduler_config.json", "text_encoder/config.json",
+        "text_encoder/model.safetensors", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+        "vae/config.json", "vae/diffusion_pytorch_model.safetensors"}
+    assert not any(p.startswith("safety_checker") or p.endswith((".bin", ".msgpack")) for p in calls[0])
+    assert_same_params(params["unet"], converted(torch_sd1, "unet"))
+    calls.clear()
+    with pytest.raises(ValueError, match="describes a StableDiffusionPipeline, not a StableDiffusionXLPipeline"):
+        load_pipeline_components("org/tiny-sd1", expected_class="StableDiffusionXLPipeline")
+    edit_json(snap / "model_index.json", unet=["diffusers", "UNet3DConditionModel"])
+    with pytest.raises(ValueError, match="cannot load component"):
+        load_pipeline_components("org/tiny-sd1")
+    assert calls == []
+
+
 # ------------------------------------------------------------------------------------------ bad input
 @pytest.fixture
 def damaged(sd1_dir, tmp_path):
@@ -277,7 +315,8 @@ BAD_INPUT = {
     "missing model_index": (lambda f: (f / "model_index.json").unlink(), {},
                             FileNotFoundError, r"/p: not a diffusers pipeline folder: model_index\.json not found"),
     "missing component folder": (lambda f: shutil.rmtree(f / "vae"), {},
-                                 FileNotFoundError, r"/p: component folder vae/ named in model_index\.json"),
+                                 FileNotFoundError, r"/p: component folder\(s\) vae/ \(\[diffusers, AutoencoderKL\]\) "
+                                                    r"named in model_index\.json do not exist"),
     "missing weight file": (lambda f: _unet_weights(f).unlink(), {},
                             MissingWeightsError, r"/p/unet: no weight file found.*files present: config\.json"),
     "unknown variant": (lambda f: None, {"variant": "fp16"},

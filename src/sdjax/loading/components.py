@@ -223,34 +223,35 @@ def load_pipeline_components(
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
 
-    def wanted(model_index: dict[str, Any]) -> list[str]:
-        return list(_plan(model_index, overrides, str(path_or_repo_id))[0])
+    def check(model_index: dict[str, Any], where: str) -> dict[str, tuple[str, str]]:
+        """Everything that can be checked from `model_index.json` alone; on the Hub, before any download."""
+        found = _normalize_class(model_index["_class_name"])
+        if expected_class is not None and found != _normalize_class(expected_class):
+            raise ValueError(f"{where}: {files.MODEL_INDEX} describes a {model_index['_class_name']}, not a "
+                             f"{expected_class}; load it with the matching pipeline class")
+        entries = files.component_entries(model_index)
+        stray = sorted(n for n in overrides if n not in entries and n not in OPTIONAL_COMPONENTS)
+        if stray:
+            raise ValueError(f"{where}: override(s) {stray} name no component of this pipeline "
+                             f"(components: {sorted(entries)})")
+        return _plan(model_index, overrides, where)[0]
 
-    folder = files.resolve_model_dir(path_or_repo_id, revision=revision, variant=variant,
-                                     local_files_only=local_files_only, components=wanted, cache_dir=cache_dir,
-                                     token=token)
+    folder = files.resolve_model_dir(
+        path_or_repo_id, revision=revision, variant=variant, local_files_only=local_files_only,
+        components=lambda index: list(check(index, str(path_or_repo_id))), cache_dir=cache_dir, token=token)
     model_index = files.read_model_index(folder)
-    found = _normalize_class(model_index["_class_name"])
-    if expected_class is not None and found != _normalize_class(expected_class):
-        raise ValueError(f"{folder}: {files.MODEL_INDEX} describes a {model_index['_class_name']}, not a "
-                         f"{expected_class}; load it with the matching pipeline class")
-    entries = files.component_entries(model_index)
-    stray = sorted(n for n in overrides if n not in entries and n not in OPTIONAL_COMPONENTS)
-    if stray:
-        raise ValueError(f"{folder}: override(s) {stray} name no component of this pipeline "
-                         f"(components: {sorted(entries)})")
-    todo, skipped = _plan(model_index, overrides, str(folder))
-    for s in skipped:
+    todo = check(model_index, str(folder))
+    for s in _plan(model_index, overrides, str(folder))[1]:
         logger.warning("%s: skipping optional component %s: sdjax has no implementation of it", folder, s)
+    absent = [f"{name}/ ([{lib}, {cls}])" for name, (lib, cls) in todo.items() if not (folder / name).is_dir()]
+    if absent:
+        raise FileNotFoundError(f"{folder}: component folder(s) {', '.join(absent)} named in {files.MODEL_INDEX} "
+                                f"do not exist")
 
     components: dict[str, Any] = {}
     params: dict[str, Any] = {}
     for name, (library, cls) in todo.items():
-        sub = folder / name
-        if not sub.is_dir():
-            raise FileNotFoundError(f"{folder}: component folder {name}/ named in {files.MODEL_INDEX} "
-                                    f"([{library}, {cls}]) does not exist")
-        obj, p = find_loader(library, cls)(LoadRequest(name, sub, variant, dtype))
+        obj, p = find_loader(library, cls)(LoadRequest(name, folder / name, variant, dtype))
         components[name] = obj
         if p is not None:
             params[name] = p
