@@ -245,7 +245,7 @@ def test_sharded_variant_saved_by_diffusers(tmp_path):
 def test_bin_without_torch_says_convert(tmp_path, monkeypatch):
     d = touch(tmp_path / "unet", "diffusion_pytorch_model.bin", "config.json")
     monkeypatch.setattr(files, "torch_available", lambda: False)
-    with pytest.raises(MissingWeightsError, match=r"unet: the only weights are PyTorch pickles "
+    with pytest.raises(MissingWeightsError, match=r"unet: the weights to load are PyTorch pickles "
                                                   r"\(diffusion_pytorch_model\.bin\).*safetensors"):
         files.select_weight_files(d)
 

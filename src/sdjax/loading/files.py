@@ -128,8 +128,8 @@ def choose_weight_name(names: Iterable[str], *, variant: str | None = None, wher
                 continue
             if fmt == "torch" and not allow_torch:
                 raise MissingWeightsError(
-                    f"{where}: the only weights are PyTorch pickles ({name}) and torch is not installed; sdjax reads "
-                    f"them only through torch. Convert them to safetensors (e.g. load and `save_pretrained("
+                    f"{where}: the weights to load are PyTorch pickles ({name}) and torch is not installed; sdjax "
+                    f"reads them only through torch. Convert them to safetensors (e.g. load and `save_pretrained("
                     f"safe_serialization=True)` with diffusers once) or install torch. Files: {_describe(names)}")
             if v != variant:
                 logger.warning("%s: no %s variant of the weights; using %s and rounding to the requested dtype "
