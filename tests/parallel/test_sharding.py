@@ -27,7 +27,9 @@ def test_partition_specs_of_named_params(sd):
     assert specs["unet"]["conv_norm_out"]["scale"] == P()
     layer = specs["text_encoder"]["text_model"]["encoder"]["layers_0"]
     assert layer["self_attn"]["k_proj"]["kernel"] == P(None, "model")
-    assert layer["mlp"]["fc2"]["kernel"] == P("model", None)
+    assert layer["self_attn"]["out_proj"]["kernel"] == P("model", None)
+    # The tiny CLIP MLP has 37 hidden units: not divisible by 2, so fc1/fc2 stay replicated.
+    assert layer["mlp"]["fc1"]["kernel"] == P() and layer["mlp"]["fc2"]["kernel"] == P()
     assert all(s == P() for s in jax.tree_util.tree_leaves(specs["scheduler"],
                                                            is_leaf=lambda x: isinstance(x, P)))
     # conv_out has 4 output channels: divisible by 2, so it splits; with model=8 nothing of width 4 can.

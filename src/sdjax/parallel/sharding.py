@@ -14,7 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA, MODEL = "data", "model"
@@ -60,16 +59,28 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_RULES)
     return PartitionSpec()
 
 
-def param_specs(params: dict, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
-    """The tree of PartitionSpecs for `params` (same structure)."""
-    flat = flatten_dict(params)
-    return unflatten_dict({k: spec_for("/".join(k), tuple(np.shape(v)), mesh, rules) for k, v in flat.items()})
+def _path_str(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+    return "/".join(parts)
 
 
-def shard_params(params: dict, mesh: Mesh, rules=DEFAULT_RULES) -> dict:
+def param_specs(params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
+    """The tree of PartitionSpecs for `params` (same structure; state dataclasses such as the scheduler's
+    are walked into, their fields named like dict keys)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: spec_for(_path_str(path), tuple(np.shape(x)), mesh, rules), params)
+
+
+def shard_params(params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     """Place `params` on `mesh` by the rules table (replicated where no rule splits them)."""
-    specs = param_specs(params, mesh, rules)
-    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(_path_str(path), tuple(np.shape(x)), mesh,
+                                                                       rules))), params)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
