@@ -167,17 +167,23 @@ def test_odd_latent_size_and_scalar_timestep():
     np.testing.assert_allclose(out, c.expected, atol=ATOL, rtol=RTOL)
 
 
-def test_less_common_options_match_diffusers():
+LESS_COMMON = {
     # LCM's timestep_cond, only_cross_attention per block, center_input_sample, mid_block_scale_factor,
     # downsample_padding=0, other conv kernels, sin/cos order and frequency shift, per-block layer counts.
-    raw = {**reference.UNET_SD1, "time_cond_proj_dim": 16, "only_cross_attention": (True, False),
-           "center_input_sample": True, "mid_block_scale_factor": 1.5, "downsample_padding": 0, "conv_in_kernel": 1,
-           "conv_out_kernel": 5, "flip_sin_to_cos": False, "freq_shift": 1, "norm_eps": 1e-6,
-           "layers_per_block": (1, 2), "transformer_layers_per_block": (2, 1), "act_fn": "gelu",
-           "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")}
-    c = Case(raw, timesteps=(999, 0))
+    "lcm_and_more": {**reference.UNET_SD1, "time_cond_proj_dim": 16, "only_cross_attention": (True, False),
+                     "center_input_sample": True, "mid_block_scale_factor": 1.5, "downsample_padding": 0,
+                     "conv_in_kernel": 1, "conv_out_kernel": 5, "flip_sin_to_cos": False, "freq_shift": 1,
+                     "norm_eps": 1e-6, "layers_per_block": (1, 2), "transformer_layers_per_block": (2, 1),
+                     "act_fn": "gelu", "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")},
+    "no_mid_block": {**reference.UNET_SD1, "mid_block_type": None, "only_cross_attention": True},
+}
+
+
+@pytest.mark.parametrize("name", list(LESS_COMMON))
+def test_less_common_options_match_diffusers(name):
+    c = Case(LESS_COMMON[name], timesteps=(999, 0))
     out = c.run()
-    print(f"options: max abs err {max_err(out, c.expected):.2e}")
+    print(f"{name}: max abs err {max_err(out, c.expected):.2e}")
     np.testing.assert_allclose(out, c.expected, atol=ATOL, rtol=RTOL)
 
 

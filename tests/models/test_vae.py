@@ -1,7 +1,7 @@
 """AutoencoderKL vs diffusers on the tiny reference configs (float32), plus loading of both checkpoint namings.
 
 Images are uniform in [-1, 1] (B, 3, 16, 16); latents ~ N(0, 1) (B, 4, 4, 4) decode to (B, 3, 32, 32).
-Measured max abs errors: encoder mean/logvar ~2e-6, decoder ~1e-5 on outputs of magnitude ~2.
+Measured max abs errors: encoder mean/logvar <= 2e-6, decoder <= 8.1e-6 on outputs of magnitude ~2.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from sdjax.models import vae as V
 
 torch = pytest.importorskip("torch")
 
-# float32 parity, max abs error vs diffusers (outputs of magnitude ~2; measured: encoder ~2e-6, decoder ~1e-5).
-ATOL, RTOL = 3e-5, 1e-5
+# float32 parity, max abs error vs diffusers (outputs of magnitude ~2; measured: encoder <= 2e-6, decoder
+# <= 8.1e-6).
+ATOL, RTOL = 2e-5, 1e-5
 OPTION_ATOL = 1e-5
 
 
