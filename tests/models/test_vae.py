@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import reference
+
 from sdjax.loading.config import ConfigError, config_from_dict
 from sdjax.loading.convert import WeightLoadError
 from sdjax.models import vae as V
