@@ -161,7 +161,8 @@ def test_conversion_reports_bad_keys_by_name():
     assert err.unexpected == ["text_model.encoder.layers.9.mlp.fc2.bias"]
     assert len(err.misshaped) == 2
     assert any(m.startswith("text_model.final_layer_norm.weight: checkpoint (7,)") for m in err.misshaped)
-    assert any(m.startswith("text_projection.weight: checkpoint (48, 40) (as Flax (40, 48)) vs model (48, 40)") for m in err.misshaped)
+    want = "text_projection.weight: checkpoint (48, 40) (as Flax (40, 48)) vs model (48, 40)"
+    assert any(m.startswith(want) for m in err.misshaped)
     assert "text_encoder_2" in str(err)
     # A projection head fed to the plain encoder is unexpected; its absence is missing the other way round.
     with pytest.raises(WeightLoadError, match="unexpected.*text_projection.weight"):
