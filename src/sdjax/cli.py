@@ -142,8 +142,9 @@ class _Reporter:
         self.compile_task = self.denoise_task = self.decode_task = None
         if progress is not None:
             self.compile_task = progress.add_task("Compiling / starting", total=None)
-            self.denoise_task = progress.add_task("Denoising", total=None, visible=False)
-            self.decode_task = progress.add_task("Decoding", total=num_batches, visible=False)
+            # started (their clocks running) when the pipeline first reports them
+            self.denoise_task = progress.add_task("Denoising", total=None, visible=False, start=False)
+            self.decode_task = progress.add_task("Decoding", total=num_batches, visible=False, start=False)
 
     def start_batch(self, index: int) -> None:
         self.batch, self.step, self.total = index, 0, 0
@@ -158,6 +159,7 @@ class _Reporter:
                 self.first_step_time = now
                 if self.progress is not None and self.batch == 0:
                     self.progress.update(self.compile_task, total=1, completed=1)
+                    self.progress.start_task(self.denoise_task)
             self.last_step_time = now
             if self.progress is not None:
                 self.progress.update(self.denoise_task, total=total * self.num_batches, visible=True,
@@ -174,6 +176,7 @@ class _Reporter:
         if self.progress is not None:
             if self.batch == 0:
                 self.progress.update(self.compile_task, total=1, completed=1)
+                self.progress.start_task(self.decode_task)
             self.progress.update(self.decode_task, visible=True, completed=self.batch + 1)
 
 
