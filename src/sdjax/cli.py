@@ -66,19 +66,13 @@ def _jnp_dtype(name: str | DType):
     return getattr(jnp, name)
 
 
-def load_pipeline(model: str | None, dtype: str) -> Any:
-    """The pipeline for a folder or Hub id (None: the embedded model). Returns the pipeline; its `.params` holds
-    the weights."""
-    import sdjax
-    from sdjax import pipelines
+def load_pipeline(model: str | None, dtype: str | DType) -> Any:
+    """The pipeline (SD or SDXL, from its `model_index.json`) for a folder or Hub id; None: the embedded model.
+    Its `.params` holds the weights."""
+    from sdjax.pipelines import load_pipeline as load
 
-    name = model or getattr(sdjax, "EMBEDDED_MODEL", metadata.EMBEDDED_MODEL_NAME)
-    loader = getattr(pipelines, "load_pipeline", None)
-    if loader is not None:
-        loaded = loader(name, dtype=_jnp_dtype(dtype))
-    else:
-        loaded = sdjax.StableDiffusionPipeline.from_pretrained(name, dtype=_jnp_dtype(dtype))
-    return loaded[0] if isinstance(loaded, tuple) else loaded
+    pipe, _ = load(model, dtype=_jnp_dtype(dtype))
+    return pipe
 
 
 # ---------------------------------------------------------------------------------------------- progress

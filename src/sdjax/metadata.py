@@ -147,19 +147,12 @@ def sampler_display_name(name: str) -> str:
 def model_label(model: str | None) -> str:
     """The `Model:` value: a Hub id as given, a local folder by its name (like AUTOMATIC1111's checkpoint name,
     and so that the same model gives the same file bytes on any machine), the embedded model by its name."""
-    if not model:
+    from sdjax.pipelines.auto import ALIASES, EMBEDDED_MODEL
+
+    if not model or model in ALIASES or Path(model).resolve() == Path(EMBEDDED_MODEL).resolve():
         return EMBEDDED_MODEL_NAME
     path = Path(model)
-    if path.exists():
-        try:
-            import sdjax
-
-            if path.resolve() == Path(getattr(sdjax, "EMBEDDED_MODEL", "")).resolve():
-                return EMBEDDED_MODEL_NAME
-        except (ImportError, OSError):
-            pass
-        return path.resolve().name
-    return model
+    return path.resolve().name if path.exists() else model
 
 
 # ---------------------------------------------------------------------------------------------- text format

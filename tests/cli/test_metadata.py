@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import sdjax
 from sdjax import metadata
 from sdjax.metadata import GenerationRequest, ImageParameters
 
@@ -114,6 +115,8 @@ def test_generate_images_refuses_mixed_shapes():
 
 def test_model_label(tmp_path):
     assert metadata.model_label(None) == "sdjax/embedded"
+    assert metadata.model_label("embedded") == "sdjax/embedded"
+    assert metadata.model_label(sdjax.EMBEDDED_MODEL) == "sdjax/embedded"
     assert metadata.model_label("org/name") == "org/name"
     folder = tmp_path / "my-model"
     folder.mkdir()
