@@ -59,8 +59,12 @@ def prescribed_noise(scheduler):
         module.randn_tensor = original
 
 
-def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, **step_kwargs):
-    """diffusers' loop -> (timesteps, init_noise_sigma, trajectory (calls, *shape)), float32 numpy."""
+def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, init_sigma=None,
+              **step_kwargs):
+    """diffusers' loop -> (timesteps, init_noise_sigma, trajectory (calls, *shape)), float32 numpy.
+
+    `init_sigma` (if given) replaces the scheduler's `init_noise_sigma` as the factor on `x0`, so that both loops
+    start from the same sample (compare the two init sigmas separately)."""
     import torch
 
     scheduler.set_timesteps(num_inference_steps)
@@ -69,7 +73,8 @@ def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.nd
         # second match when the first timestep repeats (Karras schedules on a cosine beta schedule), then
         # runs past the end of its sigmas.
         scheduler.set_begin_index(0)
-    x = torch.from_numpy(x0.copy()) * scheduler.init_noise_sigma
+    factor = scheduler.init_noise_sigma if init_sigma is None else torch.tensor(init_sigma, dtype=torch.float32)
+    x = torch.from_numpy(x0.copy()) * factor
     out = []
     with prescribed_noise(scheduler) as current:
         for i, t in enumerate(scheduler.timesteps):

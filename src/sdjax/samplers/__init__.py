@@ -23,7 +23,7 @@ from sdjax.samplers.pndm import PNDM, PNDMState
 __all__ = [
     "DDIM", "DDIMState", "DDPM", "DDPMState", "DPMSolverMultistep", "DPMSolverState", "Euler", "EulerAncestral",
     "LMS", "LMSState", "PNDM", "PNDMState", "Sampler", "SigmaState", "UnknownSamplerError", "available",
-    "get_sampler", "name_of", "SAMPLERS", "CLASSES", "ALIASES",
+    "get_sampler", "name_of", "SAMPLERS", "CLASSES", "ALIASES", "A1111_NAMES",
 ]
 
 # diffusers class name -> sampler class.
@@ -51,13 +51,15 @@ SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
                                                  "use_karras_sigmas": True}),
 }
 
-# Other spellings -> registry name: AUTOMATIC1111's sampler names and a few common ones.
-ALIASES: dict[str, str] = {
-    "PLMS": "pndm", "plms": "pndm", "DDIM": "ddim", "DDPM": "ddpm", "Euler": "euler", "Euler Karras": "euler_karras",
-    "Euler a": "euler_a", "euler_ancestral": "euler_a", "LMS": "lms", "LMS Karras": "lms_karras",
+# AUTOMATIC1111's sampler names -> registry name.
+A1111_NAMES: dict[str, str] = {
+    "PLMS": "pndm", "DDIM": "ddim", "Euler": "euler", "Euler a": "euler_a", "LMS": "lms", "LMS Karras": "lms_karras",
     "DPM++ 2M": "dpmpp_2m", "DPM++ 2M Karras": "dpmpp_2m_karras", "DPM++ 2M SDE": "dpmpp_2m_sde",
     "DPM++ 2M SDE Karras": "dpmpp_2m_sde_karras",
 }
+# Every other spelling -> registry name (names also match case-insensitively, with spaces or hyphens for "_").
+ALIASES: dict[str, str] = {**A1111_NAMES, "plms": "pndm", "DDPM": "ddpm", "Euler Karras": "euler_karras",
+                           "euler_ancestral": "euler_a"}
 
 
 class UnknownSamplerError(ConfigError, KeyError):
@@ -73,8 +75,8 @@ def available() -> list[str]:
 
 
 def _valid_names() -> str:
-    return (f"registry names {list(SAMPLERS)}, AUTOMATIC1111 names {[a for a in ALIASES if ' ' in a or a.isupper()]}"
-            f" or diffusers classes {list(CLASSES)}")
+    return (f"registry names {list(SAMPLERS)}, AUTOMATIC1111 names {list(A1111_NAMES)} or diffusers classes "
+            f"{list(CLASSES)}")
 
 
 def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:
