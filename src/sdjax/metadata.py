@@ -138,8 +138,11 @@ def sampler_display_name(name: str) -> str:
     from sdjax import samplers
 
     registry = sampler_id(name)
-    for alias, target in samplers.ALIASES.items():
-        if target == registry and (" " in alias or alias.isupper()):
+    for a1111, target in samplers.A1111_NAMES.items():
+        if target == registry:
+            return a1111
+    for alias, target in samplers.ALIASES.items():  # samplers AUTOMATIC1111 lacks: an upper-case spelling
+        if target == registry and alias.isupper():
             return alias
     return registry
 
