@@ -1,0 +1,37 @@
+"""The installed `sdjax` command, as a user runs it: a real process on the embedded model (the default)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sdjax
+from sdjax import metadata
+
+pytestmark = pytest.mark.skipif(not (Path(sdjax.EMBEDDED_MODEL) / "model_index.json").is_file(),
+                                reason=f"the embedded model is not in this checkout ({sdjax.EMBEDDED_MODEL})")
+
+
+def sdjax_command() -> list[str]:
+    script = Path(sys.executable).parent / "sdjax"  # the [project.scripts] entry point
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "sdjax.cli"]
+
+
+def test_generate_with_the_embedded_model(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device, as a user has
+    args = [*sdjax_command(), "generate", "a red circle", "--steps", "2", "--seed", "4", "--out", str(tmp_path)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    (path,) = tmp_path.glob("*.png")
+    assert r.stdout.strip() == str(path)
+    assert "Denoising" in r.stderr and "total" in r.stderr
+    p = metadata.parameters_from_text(metadata.read_parameters(path))
+    assert (p.prompt, p.steps, p.seed, p.model) == ("a red circle", 2, 4, "sdjax/embedded")
+    info = subprocess.run([*sdjax_command(), "pnginfo", str(path)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert info.returncode == 0 and info.stdout.startswith("a red circle\nSteps: 2")
