@@ -368,6 +368,9 @@ def serve(
         help="WIDTHxHEIGHT to compile at start-up, for each batch size (repeatable). Default: the model's size.")]
     = None,
     no_warm: Annotated[bool, typer.Option("--no-warm", help="Compile nothing at start-up.")] = False,
+    only_warm_sizes: Annotated[bool, typer.Option(
+        "--only-warm-sizes", help="Refuse (422) sizes other than the --warm-size ones, so that no request "
+                                  "stalls the server compiling a new shape.")] = False,
     max_size: Annotated[int, typer.Option(min=8, help="Largest width or height a request may ask for.")] = 1024,
     max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
     max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
@@ -405,11 +408,15 @@ def serve(
                                   f"then, requests wait)")
     err.print(f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{host}:{port}/{warming}",
               highlight=False)
+    allowed = None
+    if only_warm_sizes:
+        h, w = pipe.default_size
+        allowed = sizes or ((w, h),)
     config = server.ServerConfig(
         model_name=metadata.model_label(model), max_batch=max_batch, batch_sizes=batch,
         batch_window_s=batch_window_ms / 1000, max_queue_images=max_queue, request_timeout_s=request_timeout,
         max_body_bytes=max_body_kb * 1024, warm_sizes=sizes, warm=not no_warm,
-        limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size))
+        limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size, sizes=allowed))
     server.serve(pipe, config, host=host, port=port, log_level=log_level)
 
 

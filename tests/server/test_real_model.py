@@ -14,8 +14,8 @@ import json
 import httpx
 import numpy as np
 import pytest
-from conftest import client, live_server
 from PIL import Image
+from server_helpers import client, live_server
 from typer.testing import CliRunner
 
 from sdjax import cli, metadata

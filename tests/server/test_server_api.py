@@ -7,8 +7,8 @@ import json
 import re
 
 import pytest
-from conftest import check_image, client, live_server
 from fake_pipeline import FakePipeline
+from server_helpers import check_image, client, live_server
 
 from sdjax import samplers
 

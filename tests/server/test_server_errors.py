@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import check_image, client, live_server
 from fake_pipeline import FakePipeline
+from server_helpers import check_image, client, live_server
 
 OPENAI = "/v1/images/generations"
 A1111 = "/sdapi/v1/txt2img"
@@ -80,6 +80,16 @@ def test_openai_bad_fields(http, body, param, words):
 ])
 def test_a1111_bad_fields(http, body, param, words):
     assert_error(http.post(A1111, json=body), 422, param, words)
+
+
+def test_only_served_sizes():
+    from sdjax.server import Limits
+
+    with live_server(limits=Limits(sizes=((64, 64), (32, 48)))) as s, client(s.url) as c:
+        assert c.post(OPENAI, json={"prompt": "x", "size": "32x48"}).status_code == 200
+        e = assert_error(c.post(OPENAI, json={"prompt": "x", "size": "48x32"}), 422, "size", "not served")
+        assert "64x64, 32x48" in e["message"]
+        assert_error(c.post(A1111, json={"prompt": "x", "width": 40}), 422, "width", "not served")
 
 
 def test_model_specific_size_rule_is_reported(server):

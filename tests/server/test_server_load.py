@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import check_image, client, live_server
 from fake_pipeline import FakePipeline
+from server_helpers import check_image, client, live_server
 
 OPENAI = "/v1/images/generations"
 A1111 = "/sdapi/v1/txt2img"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import live_server
 from fake_pipeline import FakePipeline, expected
+from server_helpers import live_server
 
 from sdjax import metadata
 

@@ -45,6 +45,7 @@ class Limits:
     max_size: int = 1024
     min_size: int = 8
     max_guidance: float = 50.0
+    sizes: tuple[tuple[int, int], ...] | None = None  # (width, height) allowed; None: any within the bounds
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
@@ -140,6 +141,10 @@ def check_common(pipeline: Any, limits: Limits, *, fields: dict[str, str], num_i
     for name, v in (("width", width), ("height", height)):
         if not limits.min_size <= v <= limits.max_size:
             raise FieldError(fields[name], f"{name} {v} is outside {limits.min_size}..{limits.max_size}")
+    if limits.sizes is not None and (width, height) not in limits.sizes:
+        served = ", ".join(f"{w}x{h}" for w, h in limits.sizes)
+        raise FieldError(fields["size"], f"{width}x{height} is not served here (each size is compiled ahead); "
+                                         f"choose one of {served}")
     checks = (
         ("prompt", dict(prompts=[prompt], negative_prompts=[negative_prompt])),
         ("steps", dict(steps=steps)),

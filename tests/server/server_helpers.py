@@ -1,0 +1,93 @@
+"""Helpers of the server tests: a live sdjax server on 127.0.0.1 (uvicorn in a thread, a free port) over the fake
+pipeline, and checks that an image is exactly the fake's image for the parameters it carries."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_pipeline import FakePipeline
+
+from sdjax import metadata
+
+
+class LiveServer:
+    def __init__(self, pipeline, config):
+        import uvicorn
+
+        from sdjax.server import build_asgi
+
+        self.pipeline = pipeline
+        self.app = build_asgi(pipeline, config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def batcher(self):
+        return self.app.state.batcher
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        while not self.batcher.ready:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def live_server(pipeline=None, **config):
+    from sdjax.server import ServerConfig
+
+    config.setdefault("model_name", "fake-model")
+    with LiveServer(pipeline or FakePipeline(), ServerConfig(**config)) as server:
+        yield server
+
+
+def decode_png(b64: str) -> tuple[np.ndarray, str | None]:
+    """base64 PNG -> (pixels, `parameters` text)."""
+    data = base64.b64decode(b64)
+    with Image.open(__import__("io").BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB")), im.info.get("parameters")
+
+
+def expected_for(params: metadata.ImageParameters) -> np.ndarray:
+    from fake_pipeline import expected
+
+    return expected(params.prompt, params.negative_prompt, params.seed, params.image_index, params.guidance_scale,
+                    params.steps, params.height, params.width, params.sampler)
+
+
+def check_image(b64: str, **want) -> metadata.ImageParameters:
+    """The PNG carries its parameters, and its pixels are the fake's image for exactly those parameters."""
+    pixels, text = decode_png(b64)
+    assert text, "the PNG has no parameters chunk"
+    params = metadata.parameters_from_text(text)
+    for k, v in want.items():
+        assert getattr(params, k) == v, (k, getattr(params, k), v, text)
+    np.testing.assert_array_equal(pixels, expected_for(params))
+    return params
+
+
+def client(url: str, timeout: float = 30.0) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=timeout)
