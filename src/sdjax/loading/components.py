@@ -56,6 +56,8 @@ CLIP_TEXT_PROJ = ModelSpec("sdjax.models.clip", "CLIPTextConfig", "CLIPTextModel
                            "clip", (("with_projection", True),))
 UNET = ModelSpec("sdjax.models.unet", "UNet2DConditionConfig", "UNet2DConditionModel", "convert_unet", "unet")
 VAE = ModelSpec("sdjax.models.vae", "AutoencoderKLConfig", "AutoencoderKL", "convert_vae", "vae")
+SAFETY_CHECKER = ModelSpec("sdjax.models.safety_checker", "SafetyCheckerConfig", "StableDiffusionSafetyChecker",
+                           "convert_safety_checker", "safety_checker")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,10 @@ def load_scheduler(class_name: str, req: LoadRequest) -> tuple[Any, Any]:
     return sampler, sampler.create_state()
 
 
+def load_image_processor(req: LoadRequest) -> tuple[Any, None]:
+    return read_json(req.folder / "preprocessor_config.json"), None
+
+
 def _model(spec: ModelSpec):
     return lambda req: load_model(spec, req)
 
@@ -143,6 +149,11 @@ COMPONENT_LOADERS: dict[tuple[str, str], Callable[[LoadRequest], tuple[Any, Any]
     ("diffusers", "AutoencoderKL"): _model(VAE),
     ("transformers", "CLIPTokenizer"): load_tokenizer,
     ("transformers", "CLIPTokenizerFast"): load_tokenizer,
+    ("stable_diffusion", "StableDiffusionSafetyChecker"): _model(SAFETY_CHECKER),
+    # The safety checker preprocesses images itself (CLIP's 224 px resize, crop and normalization); the
+    # processor's settings are kept for reference only.
+    ("transformers", "CLIPImageProcessor"): load_image_processor,
+    ("transformers", "CLIPFeatureExtractor"): load_image_processor,
 }
 
 

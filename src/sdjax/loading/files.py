@@ -401,6 +401,9 @@ FLAX_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
             (r"/attentions_(\d+)/key/", r"/attentions_\1/to_k/"),
             (r"/attentions_(\d+)/value/", r"/attentions_\1/to_v/"),
             (r"/attentions_(\d+)/proj_attn/", r"/attentions_\1/to_out_0/")),
+    # diffusers FlaxStableDiffusionSafetyChecker: a transformers CLIP vision tower, layers named "0", "1", ...
+    "safety_checker": ((r"^vision_model/vision_model/encoder/layers/(\d+)/",
+                        r"vision_model/vision_model/encoder/layers_\1/"),),
 }
 
 
