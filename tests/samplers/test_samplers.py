@@ -6,12 +6,11 @@ Every intermediate sample is compared.
 
 Tolerance (float32), every element of every step: |sdjax - diffusers| <= 1e-5 |diffusers| + 1e-5 * scale +
 1e-7 * (largest scale so far), where scale = max(1, largest |value| going into or out of that step). Measured:
-at most 9e-7 of the scale, except 1.1e-5 for zero-SNR Euler (rounding noise of the first step at 4096 x latents). The stand-in
-model does not denoise, so trajectories grow to |x| ~ 100 with epsilon prediction, and zero-SNR sigma-space
-samplers start from sigma_max = 4096; float32 rounding scales with the values a step subtracts, hence the
-per-step scale. Schedules are built in numpy to match diffusers' float32 torch
-arithmetic (betas and alphas_cumprod bit for bit; sigmas within one ulp, as torch's CPU float32 sqrt is not
-correctly rounded).
+at most 9e-7 of the scale, except 1.1e-5 for zero-SNR Euler (rounding noise of the first step at 4096 x latents).
+The stand-in model does not denoise, so trajectories grow to |x| ~ 100 with epsilon prediction, and zero-SNR
+sigma-space samplers start from sigma_max = 4096; float32 rounding scales with the values a step subtracts, hence
+the per-step scale. Schedules are built in numpy to match diffusers' float32 torch arithmetic (betas and
+alphas_cumprod bit for bit; sigmas within one ulp, as torch's CPU float32 sqrt is not correctly rounded).
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
+import loops
 import numpy as np
 import pytest
 
-import loops
 from sdjax import samplers
 from sdjax.loading.config import ConfigError
 
@@ -100,7 +99,8 @@ def torch_scheduler(sampler):
 def step_scales(ref, initial):
     """Per step: max(1, largest |value| going into or out of the step), shape (calls, 1, 1, 1, 1)."""
     inputs = np.concatenate([initial[None], ref[:-1]])
-    scale = np.maximum(np.abs(inputs).max(axis=tuple(range(1, ref.ndim))), np.abs(ref).max(axis=tuple(range(1, ref.ndim))))
+    axes = tuple(range(1, ref.ndim))
+    scale = np.maximum(np.abs(inputs).max(axis=axes), np.abs(ref).max(axis=axes))
     return np.maximum(1.0, scale).reshape((-1,) + (1,) * (ref.ndim - 1))
 
 
@@ -111,7 +111,8 @@ def assert_trajectory_close(ours, ref, initial, what=""):
     scales = step_scales(ref, initial)
     seen = np.maximum.accumulate(scales, axis=0)
     err = np.abs(ours - ref) - 1e-5 * np.abs(ref) - 1e-5 * scales - 1e-7 * seen
-    assert err.max() <= 0, f"{what}: exceeds tolerance by {err.max():.3g} at {np.unravel_index(err.argmax(), err.shape)}"
+    where = np.unravel_index(err.argmax(), err.shape)
+    assert err.max() <= 0, f"{what}: exceeds tolerance by {err.max():.3g} at {where}"
 
 
 @pytest.mark.parametrize("name, base, n, extra, options", PARITY)
@@ -226,7 +227,7 @@ def test_bf16_cast_state_is_restored(name, base):
     assert {x.dtype for x in jax.tree_util.tree_leaves(state_bf16)} == {jnp.dtype(jnp.bfloat16)}
     reference = loops.run_jax(sampler, 10, x0, noises)
     recast = loops.run_jax(sampler, 10, x0, noises, state_bf16)
-    for a, b in zip(jax.device_get(reference), jax.device_get(recast)):
+    for a, b in zip(jax.device_get(reference), jax.device_get(recast), strict=True):
         np.testing.assert_array_equal(a, b)
     # A state cast after set_timesteps is cast back to float32 inside every method.
     state = sampler.set_timesteps(sampler.create_state(), 10, x0.shape)
@@ -292,7 +293,8 @@ def test_unknown_name_lists_valid_names():
 @pytest.mark.parametrize("alias, expected", [
     ("Euler a", ("euler_a", "EulerAncestralDiscreteScheduler")), ("DPM++ 2M Karras", ("dpmpp_2m_karras", None)),
     ("DDIM", ("ddim", None)), ("PLMS", ("pndm", None)), ("LMS", ("lms", None)), ("Euler", ("euler", None)),
-    ("DPM++ 2M", ("dpmpp_2m", None)), ("DPM++ 2M SDE", ("dpmpp_2m_sde", None)), ("dpm++ 2m karras", ("dpmpp_2m_karras", None)),
+    ("DPM++ 2M", ("dpmpp_2m", None)), ("DPM++ 2M SDE", ("dpmpp_2m_sde", None)),
+    ("dpm++ 2m karras", ("dpmpp_2m_karras", None)),
     ("EulerDiscreteScheduler", ("euler", None)), ("DPMSolverMultistepScheduler", ("dpmpp_2m", None)),
 ])
 def test_names_resolve(alias, expected):
@@ -394,5 +396,6 @@ def test_trained_betas_and_config_round_trip():
 def test_runtime_never_imports_torch_or_diffusers():
     for module in ("common", "pndm", "ddim", "ddpm", "euler", "lms", "dpm_solver"):
         source = importlib.util.find_spec(f"sdjax.samplers.{module}").origin
-        text = open(source, encoding="utf-8").read()
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
         assert "import torch" not in text and "diffusers import" not in text and "import diffusers" not in text

@@ -14,8 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.samplers.common import (ANY, F32, Sampler, alpha_space_x0_eps, per_sample, require_noise,
-                                   spaced_timesteps, state_class, to_index)
+from sdjax.samplers.common import (
+    ANY,
+    F32,
+    Sampler,
+    alpha_space_x0_eps,
+    per_sample,
+    require_noise,
+    spaced_timesteps,
+    state_class,
+    to_index,
+)
 
 
 @state_class

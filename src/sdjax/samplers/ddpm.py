@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.samplers.common import (ANY, F32, Sampler, alpha_space_x0_eps, require_noise, spaced_timesteps,
-                                   state_class)
+from sdjax.samplers.common import ANY, F32, Sampler, alpha_space_x0_eps, require_noise, spaced_timesteps, state_class
 from sdjax.samplers.ddim import add_noise_vp
 
 

@@ -17,9 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.samplers.common import (ANY, F32, Sampler, alpha_sigma_x0, exponential_sigmas, karras_sigmas,
-                                   match_step_index, per_sample, push, require_noise, select, shape_tuple, sigma_to_t,
-                                   state_class, train_sigmas)
+from sdjax.samplers.common import (
+    ANY,
+    F32,
+    Sampler,
+    alpha_sigma_x0,
+    exponential_sigmas,
+    karras_sigmas,
+    match_step_index,
+    per_sample,
+    push,
+    require_noise,
+    select,
+    shape_tuple,
+    sigma_to_t,
+    state_class,
+    train_sigmas,
+)
 from sdjax.samplers.euler import _zero_snr_alphas_cumprod
 
 

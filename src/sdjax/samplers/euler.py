@@ -17,10 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.samplers.common import (F32, Sampler, exponential_sigmas, karras_sigmas, linspace_f32, match_step_index,
-                                   per_sample,
-                                   require_noise, sigma_space_x0, sigma_to_t, spaced_timesteps, state_class,
-                                   train_sigmas)
+from sdjax.samplers.common import (
+    F32,
+    Sampler,
+    exponential_sigmas,
+    karras_sigmas,
+    linspace_f32,
+    match_step_index,
+    per_sample,
+    require_noise,
+    sigma_space_x0,
+    sigma_to_t,
+    spaced_timesteps,
+    state_class,
+    train_sigmas,
+)
 
 
 @state_class

@@ -16,8 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.samplers.common import (F32, exponential_sigmas, karras_sigmas, push, shape_tuple, sigma_space_x0,
-                                   sigma_to_t, state_class)
+from sdjax.samplers.common import (
+    F32,
+    exponential_sigmas,
+    karras_sigmas,
+    push,
+    shape_tuple,
+    sigma_space_x0,
+    sigma_to_t,
+    state_class,
+)
 from sdjax.samplers.euler import _SigmaSampler
 
 ORDER = 4  # diffusers' default `order` argument of `step`
