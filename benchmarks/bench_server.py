@@ -168,6 +168,8 @@ def main(argv=None) -> dict:
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds per server phase at most")
     p.add_argument("--fake-delay", type=float, default=None,
                    help="use the tests' fake pipeline taking this many seconds per batch (measures the server)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="serve without per-step progress callbacks (the direct phases never use them)")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     args.size = tuple(int(x) for x in args.size.split("x")) if args.size else (64, 64)
@@ -188,10 +190,9 @@ def main(argv=None) -> dict:
                    sampler=sampler)]
     config = ServerConfig(model_name=model_name, max_batch=args.max_batch, batch_window_s=args.window_ms / 1000,
                           max_queue_images=max(64, 4 * args.max_batch), request_timeout_s=args.time_limit,
-                          warm_sizes=((width, height),), limits=Limits(max_size=max(1024, width, height)))
+                          warm_sizes=((width, height),), limits=Limits(max_size=max(1024, width, height)),
+                          progress=not args.no_progress, default_steps=steps, default_sampler=sampler)
     body = {"n": 1, "size": f"{width}x{height}", "steps": steps, "sampler": sampler}
-    if config.warm and steps != pipe.default_steps:
-        config = ServerConfig(**{**config.__dict__, "warm": False})
     with Server(pipe, config) as server:
         for c in [int(x) for x in args.concurrency.split(",")]:
             asyncio.run(load_test(server.url, concurrency=c, requests=min(args.max_batch, args.requests), body=body,
@@ -201,6 +202,7 @@ def main(argv=None) -> dict:
     result = {
         "model": model_name, "size": f"{width}x{height}", "steps": steps, "sampler": sampler, "dtype": args.dtype,
         "max_batch": args.max_batch, "window_ms": args.window_ms, "requests_per_phase": args.requests,
+        "server_progress_callbacks": not args.no_progress,
         "load_s": load_s, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
         "host": f"{platform.machine()}, {os.cpu_count()} cpus", "rows": rows,
     }

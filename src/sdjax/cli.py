@@ -261,7 +261,7 @@ def generate(
         t0 = time.perf_counter()
         for index, batch in enumerate(batches):
             reporter.start_batch(index)
-            arrays.extend(metadata.generate_images(pipe, batch, pad_to=size, progress=reporter))
+            arrays.extend(metadata.generate_images(pipe, batch, pad_to=size, progress=None if quiet else reporter))
             reporter.end_batch()
         timings.generate = time.perf_counter() - t0
         timings.compile = clock.seconds - compile_before
@@ -367,6 +367,10 @@ def serve(
     warm_size: Annotated[list[str] | None, typer.Option(
         help="WIDTHxHEIGHT to compile at start-up, for each batch size (repeatable). Default: the model's size.")]
     = None,
+    steps: Annotated[int | None, typer.Option(
+        min=1, help="Steps of requests that give none, compiled at start-up. Default: the pipeline's.")] = None,
+    sampler: Annotated[str | None, typer.Option(
+        help="Sampler of requests that give none, compiled at start-up. Default: the model's scheduler.")] = None,
     no_warm: Annotated[bool, typer.Option("--no-warm", help="Compile nothing at start-up.")] = False,
     only_warm_sizes: Annotated[bool, typer.Option(
         "--only-warm-sizes", help="Refuse (422) sizes other than the --warm-size ones, so that no request "
@@ -375,6 +379,9 @@ def serve(
     max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
     max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
     max_body_kb: Annotated[int, typer.Option(min=1, help="Largest request body in KiB (413 above).")] = 64,
+    no_progress: Annotated[bool, typer.Option(
+        "--no-progress", help="No per-step progress from the pipeline (a host callback per step; "
+                              "/sdapi/v1/progress then shows only queued/running).")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the OpenAI and AUTOMATIC1111 image APIs, /metrics and a web page at / (FastAPI + uvicorn)."""
@@ -408,6 +415,11 @@ def serve(
                                   f"then, requests wait)")
     err.print(f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{host}:{port}/{warming}",
               highlight=False)
+    if sampler is not None:
+        try:
+            pipe.validate(sampler=sampler)
+        except (ValueError, KeyError) as e:
+            raise typer.BadParameter(str(e.args[0] if e.args else e), param_hint="--sampler") from None
     allowed = None
     if only_warm_sizes:
         h, w = pipe.default_size
@@ -415,7 +427,8 @@ def serve(
     config = server.ServerConfig(
         model_name=metadata.model_label(model), max_batch=max_batch, batch_sizes=batch,
         batch_window_s=batch_window_ms / 1000, max_queue_images=max_queue, request_timeout_s=request_timeout,
-        max_body_bytes=max_body_kb * 1024, warm_sizes=sizes, warm=not no_warm,
+        max_body_bytes=max_body_kb * 1024, warm_sizes=sizes, warm=not no_warm, progress=not no_progress,
+        default_steps=steps, default_sampler=sampler,
         limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size, sizes=allowed))
     server.serve(pipe, config, host=host, port=port, log_level=log_level)
 

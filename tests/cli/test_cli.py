@@ -146,8 +146,9 @@ def test_help_is_complete():
         "generate": ["--negative-prompt", "--model", "--sampler", "--steps", "--guidance-scale", "--width",
                      "--height", "--seed", "--num-images", "--batch-size", "--dtype", "--out", "--grid", "--quiet"],
         "serve": ["--model", "--host", "--port", "--dtype", "--max-batch", "--batch-sizes", "--batch-window-ms",
-                  "--max-queue", "--request-timeout", "--warm-size", "--no-warm", "--only-warm-sizes", "--max-size",
-                  "--max-steps", "--max-images", "--max-body-kb", "--log-level"],
+                  "--max-queue", "--request-timeout", "--warm-size", "--steps", "--sampler", "--no-warm",
+                  "--only-warm-sizes", "--max-size", "--max-steps", "--max-images", "--max-body-kb", "--no-progress",
+                  "--log-level"],
         "pnginfo": ["--json"],
     }
     for command, names in options.items():

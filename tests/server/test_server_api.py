@@ -177,3 +177,16 @@ def test_progress_of_a_task():
         assert (0, "denoise") in seen and (1, "queued") in seen and (1, "denoise") in seen, seen
         assert all(r.status_code == 200 for r in results.values())
         assert c.get("/sdapi/v1/progress", params={"id_task": "task-0"}).json()["stage"] == "unknown"
+
+
+def test_configured_defaults_are_served_and_compiled_ahead():
+    pipe = FakePipeline()
+    with live_server(pipe, default_steps=6, default_sampler="DDIM", warm_sizes=((32, 32),), max_batch=2) as s, \
+            client(s.url) as c:
+        assert sorted(pipe.warmups) == [(1, 32, 32, 6, "ddim"), (2, 32, 32, 6, "ddim")]
+        config = c.get("/v1/config").json()
+        assert (config["default_steps"], config["default_sampler"], config["warm_sizes"]) == (6, "ddim", [[32, 32]])
+        r = c.post("/v1/images/generations", json={"prompt": "x", "seed": 1})
+        check_image(r.json()["data"][0]["b64_json"], steps=6, sampler="ddim", width=64)
+        r = c.post("/sdapi/v1/txt2img", json={"prompt": "x", "seed": 1})
+        check_image(r.json()["images"][0], steps=6, sampler="ddim", width=64)

@@ -32,12 +32,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from sdjax.metadata import GenerationRequest, ImageParameters, png_bytes, sampler_display_name
+from sdjax.metadata import GenerationRequest, ImageParameters, png_bytes, sampler_display_name, sampler_id
 from sdjax.server.batching import Batcher, QueueFull, ShuttingDown
 from sdjax.server.metrics import Metrics
 from sdjax.server.schemas import (
     A1111Txt2ImgRequest,
     A1111Txt2ImgResponse,
+    Defaults,
     FieldError,
     Limits,
     OpenAIImageRequest,
@@ -68,6 +69,8 @@ class ServerConfig:
     warm: bool = True
     limits: Limits = Limits()
     progress: bool = True  # per-step progress from the pipeline (for /sdapi/v1/progress)
+    default_steps: int | None = None  # for requests without steps, and compiled at start-up; None: the pipeline's
+    default_sampler: str | None = None  # likewise for the sampler
 
 
 # ---------------------------------------------------------------------------------------------- middleware
@@ -161,9 +164,9 @@ def _field_of(loc: Sequence[Any]) -> str | None:
 def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     """A FastAPI app serving `pipeline`. Its batcher starts and stops with the app's lifespan."""
     metrics = Metrics(config.max_batch)
-    steps, sampler = pipeline.default_steps, pipeline.default_sampler
-    h, w = pipeline.default_size
-    warm_shapes = [(steps, hh, ww, sampler) for ww, hh in (config.warm_sizes or ((w, h),))] if config.warm else []
+    defaults = Defaults.of(pipeline, steps=config.default_steps, sampler=config.default_sampler)
+    warm_sizes = config.warm_sizes or ((defaults.width, defaults.height),)
+    warm_shapes = [(defaults.steps, hh, ww, defaults.sampler) for ww, hh in warm_sizes] if config.warm else []
     batcher = Batcher(pipeline, metrics=metrics, max_batch=config.max_batch, batch_sizes=config.batch_sizes,
                       window_s=config.batch_window_s, max_queue_images=config.max_queue_images,
                       warm_shapes=warm_shapes, progress=config.progress)
@@ -254,14 +257,14 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.post("/v1/images/generations", response_model=OpenAIImageResponse,
               summary="Create images (OpenAI images API)")
     async def openai_generations(body: OpenAIImageRequest) -> dict:
-        request = resolve_openai(body, pipeline, config.limits, config.model_name)
+        request = resolve_openai(body, pipeline, config.limits, defaults, config.model_name)
         _, pngs = await run(request)
         return {"created": int(time.time()), "data": [{"b64_json": _b64(p)} for p in pngs]}
 
     @app.post("/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse,
               summary="Text to image (AUTOMATIC1111 web UI API)")
     async def a1111_txt2img(body: A1111Txt2ImgRequest) -> dict:
-        request = resolve_a1111(body, pipeline, config.limits, config.model_name)
+        request = resolve_a1111(body, pipeline, config.limits, defaults, config.model_name)
         images, pngs = await run(request, body.force_task_id)
         info = _a1111_info(request, images, body)
         return {"images": [_b64(p) for p in pngs] if body.send_images else [],
@@ -286,14 +289,13 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.get("/v1/config", summary="Defaults, limits and samplers (used by the web page)")
     async def server_config():
-        dw, dh = pipeline.default_size[1], pipeline.default_size[0]
         return {"model": config.model_name, "samplers": list(pipeline.sampler_names),
                 "sampler_labels": {name: sampler_display_name(name) for name in pipeline.sampler_names},
-                "default_sampler": pipeline.default_sampler, "default_steps": pipeline.default_steps,
-                "default_guidance_scale": 7.5, "default_width": dw, "default_height": dh,
-                "limits": dataclasses.asdict(config.limits), "max_batch": config.max_batch,
-                "batch_sizes": list(batcher.batch_sizes),
-                "warm_sizes": [list(s) for s in (config.warm_sizes or ((dw, dh),))]}
+                "default_sampler": sampler_id(defaults.sampler), "default_steps": defaults.steps,
+                "default_guidance_scale": defaults.guidance_scale, "default_width": defaults.width,
+                "default_height": defaults.height, "limits": dataclasses.asdict(config.limits),
+                "max_batch": config.max_batch, "batch_sizes": list(batcher.batch_sizes),
+                "warm_sizes": [list(s) for s in warm_sizes] if config.warm else []}
 
     @app.get("/v1/models", summary="The served model (OpenAI models API)")
     async def models():

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sdjax.metadata import SEED_MAX, GenerationRequest
+from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_id
 
 _SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -46,6 +46,23 @@ class Limits:
     min_size: int = 8
     max_guidance: float = 50.0
     sizes: tuple[tuple[int, int], ...] | None = None  # (width, height) allowed; None: any within the bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a field out gets (and what start-up compiles)."""
+
+    steps: int
+    sampler: str
+    width: int
+    height: int
+    guidance_scale: float = 7.5
+
+    @classmethod
+    def of(cls, pipeline: Any, *, steps: int | None = None, sampler: str | None = None) -> Defaults:
+        height, width = pipeline.default_size
+        return cls(steps=steps or pipeline.default_steps, sampler=sampler_id(sampler or pipeline.default_sampler),
+                   width=int(width), height=int(height))
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
@@ -160,47 +177,42 @@ def check_common(pipeline: Any, limits: Limits, *, fields: dict[str, str], num_i
             raise FieldError(fields.get(name, name), str(message)) from None
 
 
-def default_size(pipeline: Any) -> tuple[int, int]:
-    """(width, height) of the model."""
-    h, w = pipeline.default_size
-    return int(w), int(h)
-
-
-def resolve_openai(body: OpenAIImageRequest, pipeline: Any, limits: Limits, model_name: str) -> GenerationRequest:
+def resolve_openai(body: OpenAIImageRequest, pipeline: Any, limits: Limits, defaults: Defaults,
+                   model_name: str) -> GenerationRequest:
     if body.size is None:
-        width, height = default_size(pipeline)
+        width, height = defaults.width, defaults.height
     else:
         width, height = (int(x) for x in body.size.split("x"))
     request = GenerationRequest(
         prompt=body.prompt, negative_prompt=body.negative_prompt, num_images=body.n,
-        seed=_random_seed() if body.seed in (None, -1) else body.seed,
-        steps=body.steps or pipeline.default_steps,
-        guidance_scale=7.5 if body.guidance_scale is None else body.guidance_scale,
-        width=width, height=height, sampler=body.sampler or pipeline.default_sampler, model=model_name)
+        seed=_random_seed() if body.seed in (None, -1) else body.seed, steps=body.steps or defaults.steps,
+        guidance_scale=defaults.guidance_scale if body.guidance_scale is None else body.guidance_scale,
+        width=width, height=height, sampler=body.sampler or defaults.sampler, model=model_name)
     fields = dict(num_images="n", steps="steps", guidance_scale="guidance_scale", width="size", height="size",
                   size="size", sampler="sampler", prompt="prompt")
     _check(request, pipeline, limits, fields)
     return request
 
 
-def a1111_sampler(body: A1111Txt2ImgRequest, pipeline: Any) -> str:
-    name = body.sampler_name or body.sampler_index or pipeline.default_sampler
+def a1111_sampler(body: A1111Txt2ImgRequest, defaults: Defaults) -> str:
+    name = body.sampler_name or body.sampler_index or defaults.sampler
     if body.scheduler and body.scheduler.lower() not in ("automatic", "auto", ""):
         name = f"{name} {body.scheduler}"
     return name
 
 
-def resolve_a1111(body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, model_name: str) -> GenerationRequest:
+def resolve_a1111(body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults,
+                  model_name: str) -> GenerationRequest:
     for field, value, default in (("enable_hr", body.enable_hr, False), ("restore_faces", body.restore_faces, None),
                                   ("tiling", body.tiling, None), ("subseed_strength", body.subseed_strength, 0.0)):
         if value and value != default:
             raise FieldError(field, f"{field}={value!r} is not supported by sdjax; leave it out")
-    dw, dh = default_size(pipeline)
     request = GenerationRequest(
         prompt=body.prompt, negative_prompt=body.negative_prompt, num_images=body.batch_size * body.n_iter,
-        seed=_random_seed() if body.seed == -1 else body.seed, steps=body.steps or pipeline.default_steps,
-        guidance_scale=7.5 if body.cfg_scale is None else body.cfg_scale, width=body.width or dw,
-        height=body.height or dh, sampler=a1111_sampler(body, pipeline), model=model_name)
+        seed=_random_seed() if body.seed == -1 else body.seed, steps=body.steps or defaults.steps,
+        guidance_scale=defaults.guidance_scale if body.cfg_scale is None else body.cfg_scale,
+        width=body.width or defaults.width, height=body.height or defaults.height,
+        sampler=a1111_sampler(body, defaults), model=model_name)
     fields = dict(num_images="batch_size", steps="steps", guidance_scale="cfg_scale", width="width",
                   height="height", size="width", sampler="sampler_name", prompt="prompt")
     _check(request, pipeline, limits, fields)
