@@ -69,3 +69,13 @@ def test_num_images_per_prompt_are_distinct(sd):
     assert len({a.tobytes() for a in arrays}) == 3
     again = pipe.generate("a cat", num_images=3, seed=0, steps=3)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(arrays, again))
+
+
+def test_other_sampler_than_the_loaded_one(sd):
+    """The high-level path builds the requested sampler's own state (not the loaded scheduler's)."""
+    pipe, _ = sd
+    a = pipe.generate("a cat", seed=4, steps=3, sampler="euler_a")
+    b = pipe.generate("a cat", seed=4, steps=3, sampler="Euler a")
+    c = pipe.generate("a cat", seed=4, steps=3)
+    assert np.array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    assert np.abs(np.asarray(a[0], np.int16) - np.asarray(c[0], np.int16)).max() > 2

@@ -328,6 +328,13 @@ class StableDiffusionPipeline:
             self._placed = (key, sharding_lib.shard_params(params, mesh))
         return self._placed[1]
 
+    def _with_sampler_state(self, placed, sampler: str | None, mesh: Mesh):
+        """Params whose scheduler state belongs to `sampler` (the loaded one's state serves only the loaded one)."""
+        chosen = self._sampler(sampler)
+        if chosen == self.scheduler:
+            return placed
+        return {**placed, "scheduler": sharding_lib.shard_params(chosen.create_state(), mesh)}
+
     def _mesh(self) -> Mesh:
         """`self.mesh` if set, else a data-parallel mesh over `self.devices` (default: every device)."""
         if self.mesh is not None:
@@ -367,7 +374,7 @@ class StableDiffusionPipeline:
         extra = self._batch_extra(list(negative_prompts) + [""] * pad, height, width, **conditioning)
         ids, neg, keys, g, extra = jax.tree_util.tree_map(lambda x: sharding_lib.put_global_batch(x, mesh),
                                                           (ids, neg, keys, g, extra))
-        params = self._placed_params(params, mesh)
+        params = self._with_sampler_state(self._placed_params(params, mesh), sampler, mesh)
         self._progress = progress
         try:
             if progress:
@@ -424,7 +431,8 @@ class StableDiffusionPipeline:
         if batch_size % mesh.shape[sharding_lib.DATA]:
             raise ValueError(f"batch_size={batch_size} must be a multiple of the mesh's data axis "
                              f"({mesh.shape[sharding_lib.DATA]} devices)")
-        placed = self._placed_params(self.params if params is None else params, mesh)
+        placed = self._with_sampler_state(self._placed_params(self.params if params is None else params, mesh),
+                                          sampler, mesh)
         batch = sharding_lib.batch_sharding(mesh)
         extra = self._batch_extra([""] * batch_size, height, width)
 
