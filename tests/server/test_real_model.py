@@ -98,8 +98,6 @@ def test_server_batches_real_requests(pipe):
             assert c.get("/health").json()["status"] == "ok"
 
 
-@pytest.mark.xfail(reason="StableDiffusionPipeline._sample feeds the loaded scheduler's state (params['scheduler']) "
-                          "to a different requested sampler: TypeError for any sampler other than the default")
 def test_another_sampler_than_the_models(pipe):
     with live_server(pipe, max_batch=1, model_name="tiny", warm=False) as s, client(s.url, timeout=600) as c:
         r = c.post("/sdapi/v1/txt2img", json={"prompt": "a dog", "seed": 9, "steps": STEPS, "sampler_name": "Euler a"})
