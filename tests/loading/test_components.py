@@ -198,19 +198,29 @@ def test_old_flax_pipeline_folder(sd1_dir, torch_sd1, tmp_path):
 
 # ------------------------------------------------------------------------------------------ components and overrides
 def test_optional_components_are_skipped_with_a_warning(sd1_dir, tmp_path, caplog):
+    """An optional component of a class sdjax lacks is skipped with a warning; the safety checker is loaded, so a
+    model_index that names it without its folder is an error that says how to go without it."""
     folder = copy_folder(sd1_dir, tmp_path / "p")
     index = json.loads((folder / "model_index.json").read_text())
-    index["safety_checker"] = ["stable_diffusion", "StableDiffusionSafetyChecker"]
-    index["feature_extractor"] = ["transformers", "CLIPImageProcessor"]
+    index["image_encoder"] = ["transformers", "CLIPVisionModelWithProjection"]
     (folder / "model_index.json").write_text(json.dumps(index))
     with caplog.at_level(logging.WARNING, logger="sdjax.loading.components"):
         components, _, _ = load_pipeline_components(folder)
-    assert "skipping optional component safety_checker" in caplog.text and "feature_extractor" in caplog.text
-    assert "safety_checker" not in components
+    assert "skipping optional component image_encoder" in caplog.text
+    assert "image_encoder" not in components and "safety_checker" not in components
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sdjax.loading.components"):
-        load_pipeline_components(folder, overrides={"safety_checker": None, "feature_extractor": None})
+        load_pipeline_components(folder, overrides={"image_encoder": None})
     assert "skipping" not in caplog.text
+
+    index["safety_checker"] = ["stable_diffusion", "StableDiffusionSafetyChecker"]
+    index["feature_extractor"] = ["transformers", "CLIPImageProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=r"safety_checker/ .*safety_checker=None"):
+        load_pipeline_components(folder)
+    # Without the checker, its image processor is not needed either.
+    components, _, _ = load_pipeline_components(folder, overrides={"safety_checker": None})
+    assert "safety_checker" not in components and "feature_extractor" not in components
 
 
 def test_overrides_replace_and_disable(sd1_dir):
@@ -230,8 +240,8 @@ def test_expected_class_mismatch(sd1_dir):
 
 
 def test_hub_repo_downloads_only_what_is_loaded(sd1_dir, torch_sd1, tmp_path, monkeypatch):
-    """A repo id goes through `snapshot_download` with the exact files to load: no safety checker weights (sdjax
-    has no safety checker), no `.bin` twins; checks that need only model_index.json fail before any download."""
+    """A repo id goes through `snapshot_download` with the exact files to load: no safety checker weights when it
+    is disabled, no `.bin` twins; checks that need only model_index.json fail before any download."""
     import huggingface_hub
 
     snap = copy_folder(sd1_dir, tmp_path / "snap")
@@ -249,7 +259,8 @@ def test_hub_repo_downloads_only_what_is_loaded(sd1_dir, torch_sd1, tmp_path, mo
                         lambda repo_id, **kw: calls.append(kw["allow_patterns"]) or str(snap))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
 
-    components, params, _ = load_pipeline_components("org/tiny-sd1", expected_class="StableDiffusionPipeline")
+    components, params, _ = load_pipeline_components("org/tiny-sd1", expected_class="StableDiffusionPipeline",
+                                                      overrides={"safety_checker": None})
     tokenizer_files = {f for f in repo_files if f.startswith("tokenizer/")}
     assert tokenizer_files >= {"tokenizer/vocab.json", "tokenizer/merges.txt"}
     assert set(calls[0]) == tokenizer_files | {

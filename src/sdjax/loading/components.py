@@ -7,7 +7,8 @@ the sdjax loader (class names of the old Flax pipelines, `FlaxUNet2DConditionMod
 memory stays near one copy of the checkpoint plus the params. The scheduler state is always float32.
 
 Optional components (`safety_checker`, `feature_extractor`, `image_encoder`) whose class sdjax does not implement
-are skipped with a logged warning; any other unknown `[library, class]` is an error.
+are skipped with a logged warning; any other unknown `[library, class]` is an error. The `feature_extractor` is loaded
+only with the safety checker it serves.
 """
 
 from __future__ import annotations
@@ -191,6 +192,10 @@ def _plan(model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: s
             skipped.append(f"{name} [{library}, {cls}]")
         else:
             unknown.append(f"{name}: [{library!r}, {cls!r}]")
+    if "safety_checker" not in todo:
+        # The image processor only prepares images for the safety checker; without the checker it is not needed
+        # (folders saved with `safety_checker=None` often lack it, and the old Flax ones named a class of its own).
+        todo.pop("feature_extractor", None)
     if unknown:
         from sdjax import samplers
 
@@ -256,8 +261,9 @@ def load_pipeline_components(
         logger.warning("%s: skipping optional component %s: sdjax has no implementation of it", folder, s)
     absent = [f"{name}/ ([{lib}, {cls}])" for name, (lib, cls) in todo.items() if not (folder / name).is_dir()]
     if absent:
+        hint = " (pass safety_checker=None to load without the safety checker)" if "safety_checker" in todo else ""
         raise FileNotFoundError(f"{folder}: component folder(s) {', '.join(absent)} named in {files.MODEL_INDEX} "
-                                f"do not exist")
+                                f"do not exist{hint}")
 
     components: dict[str, Any] = {}
     params: dict[str, Any] = {}
