@@ -9,6 +9,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# The web page's browser test drives Debian's Chromium; install it where we may (root + apt), else it is skipped.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium) \
+    >/dev/null 2>&1 || echo "note: could not install chromium; the browser test will be skipped" >&2
+fi
 set +e
 .venv/bin/python -m pytest -n "${SDJAX_TEST_WORKERS:-2}" --dist loadfile -q "$@"
 rc=$?

@@ -455,6 +455,9 @@ def pnginfo(
 
 
 def main() -> None:
+    from sdjax import runtime
+
+    runtime.configure_cpu()  # XLA:CPU flags, before any JAX backend starts (no effect on GPU/TPU)
     app()
 
 

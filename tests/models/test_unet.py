@@ -157,6 +157,14 @@ def test_attention_function_against_numpy(upcast, context_len):
             np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0, err_msg=f"{implementation} {split}")
 
 
+def test_auto_attention_picks_by_backend_and_size(monkeypatch):
+    assert layers.resolve_implementation("auto", layers.AUTO_CHUNK_ABOVE) == "xla"  # this suite runs on CPU
+    assert layers.resolve_implementation("auto", layers.AUTO_CHUNK_ABOVE + 1) == "chunked"
+    assert layers.resolve_implementation("xla", 10**6) == "xla"  # an explicit choice is kept
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert layers.resolve_implementation("auto", 16384) == "dot_product"
+
+
 def test_odd_latent_size_and_scalar_timestep():
     # 9x9 latents: the downsampler rounds 9 -> 5 and the upsampler must return to 9 (the skip's size), as
     # diffusers does via `upsample_size`; a scalar timestep broadcasts over the batch.

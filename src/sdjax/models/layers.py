@@ -24,7 +24,10 @@ import numpy as np
 
 Dtype = Any
 
-ATTENTION_IMPLEMENTATIONS = ("xla", "dot_product", "chunked")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "chunked")
+# "auto" on CPU: one softmax over the whole query axis up to this many query tokens (a 512x512 image's 64x64
+# latent), query chunks of `chunk_size` above it, so 1024x1024 attention does not hold a (T, T) matrix per head.
+AUTO_CHUNK_ABOVE = 4096
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -156,12 +159,26 @@ def _attend_chunked(q_btnd, k_bsnd, v_bsnd, upcast: bool, chunk: int):
     return jnp.moveaxis(out_cbtnd, 0, 1).reshape(b, n_chunks * chunk, n, -1)[:, :t]
 
 
-def attention(q_btc, k_bsc, v_bsc, *, heads: int, implementation: str = "xla", split_head_dim: bool = False,
+def resolve_implementation(implementation: str, query_tokens: int) -> str:
+    """The implementation "auto" stands for: `jax.nn.dot_product_attention` on GPU (cuDNN flash attention for
+    half precision), plain XLA attention elsewhere, query-chunked above `AUTO_CHUNK_ABOVE` query tokens on CPU."""
+    if implementation != "auto":
+        return implementation
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "dot_product"
+    if backend == "cpu" and query_tokens > AUTO_CHUNK_ABOVE:
+        return "chunked"
+    return "xla"
+
+
+def attention(q_btc, k_bsc, v_bsc, *, heads: int, implementation: str = "auto", split_head_dim: bool = False,
               upcast: bool = False, chunk_size: int = 1024) -> jax.Array:
     """Multi-head scaled dot-product attention on projected inputs `(B, T, H*D)`, `(B, S, H*D)` -> `(B, T, H*D)`.
 
     `implementation`: "xla" (einsum + softmax), "dot_product" (`jax.nn.dot_product_attention`, cuDNN flash
-    attention on GPU), "chunked" (queries in chunks of `chunk_size`, for large images on small memory).
+    attention on GPU), "chunked" (queries in chunks of `chunk_size`, for large images on small memory), "auto"
+    (the default: see `resolve_implementation`).
     `split_head_dim`: keep heads on their own axis `(B, T, H, D)` instead of folding them into the batch
     `(B*H, T, 1, D)`. The choices change speed and memory, never the numbers beyond float rounding.
     `upcast`: compute q k^T from float32 q and k (diffusers `upcast_attention`, SD 2.1); the softmax is
@@ -176,6 +193,7 @@ def attention(q_btc, k_bsc, v_bsc, *, heads: int, implementation: str = "xla", s
         def fold(x, n):
             return x.reshape(b, n, heads, -1).transpose(0, 2, 1, 3).reshape(b * heads, n, 1, -1)
         q, k, v = fold(q_btc, t), fold(k_bsc, s), fold(v_bsc, s)
+    implementation = resolve_implementation(implementation, t)
     if implementation == "xla":
         out = _attend(q, k, v, upcast)
     elif implementation == "dot_product":
@@ -206,7 +224,7 @@ class Attention(nn.Module):
     norm_eps: float = 1e-5
     residual_connection: bool = False
     upcast: bool = False
-    implementation: str = "xla"
+    implementation: str = "auto"
     split_head_dim: bool = False
     chunk_size: int = 1024
     dtype: Dtype = jnp.float32
@@ -269,7 +287,7 @@ class BasicTransformerBlock(nn.Module):
     dim_head: int
     only_cross_attention: bool = False
     upcast: bool = False
-    implementation: str = "xla"
+    implementation: str = "auto"
     split_head_dim: bool = False
     chunk_size: int = 1024
     dtype: Dtype = jnp.float32
@@ -299,7 +317,7 @@ class Transformer2DModel(nn.Module):
     use_linear_projection: bool = False
     only_cross_attention: bool = False
     upcast: bool = False
-    implementation: str = "xla"
+    implementation: str = "auto"
     split_head_dim: bool = False
     chunk_size: int = 1024
     dtype: Dtype = jnp.float32

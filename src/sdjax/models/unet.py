@@ -322,13 +322,13 @@ class UNet2DConditionModel(nn.Module):
     - LCM (`time_cond_proj_dim`): `timestep_cond (B, time_cond_proj_dim)` (guidance-scale embedding), optional.
 
     Runtime options (never the numbers, beyond float rounding): `dtype` (compute dtype; norms, softmax and
-    sinusoids in float32), `attention` ("xla", "dot_product", "chunked"), `split_head_dim`,
+    sinusoids in float32), `attention` ("auto", "xla", "dot_product", "chunked"), `split_head_dim`,
     `attention_chunk_size` (queries per chunk for "chunked").
     """
 
     config: UNet2DConditionConfig
     dtype: Dtype = jnp.float32
-    attention: str = "xla"
+    attention: str = "auto"
     split_head_dim: bool = False
     attention_chunk_size: int = 1024
 

@@ -255,7 +255,7 @@ class AutoencoderKL(nn.Module):
 
     config: AutoencoderKLConfig
     dtype: Dtype = jnp.float32
-    attention: str = "xla"
+    attention: str = "auto"
     split_head_dim: bool = False
     attention_chunk_size: int = 1024
 
