@@ -1,4 +1,5 @@
-"""The `sdjax` command: `generate` images to PNG files, `serve` the HTTP API and web page, `pnginfo` read back.
+"""The `sdjax` command: `generate` images to PNG files, `serve` the HTTP API and web page, `pnginfo` read back,
+`bench` time a workload.
 
 A thin adapter over the pipeline: options become a `metadata.GenerationRequest`, its images run through
 `metadata.generate_images` (one `pipeline.generate_arrays` call per batch), and each PNG carries its parameters
@@ -431,6 +432,69 @@ def serve(
         default_steps=steps, default_sampler=sampler,
         limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size, sizes=allowed))
     server.serve(pipe, config, host=host, port=port, log_level=log_level)
+
+
+# ---------------------------------------------------------------------------------------------- bench
+class Arch(str, enum.Enum):
+    """Full-size architectures with random weights (released configs), and a tiny one."""
+
+    sd15 = "sd15"
+    sd21 = "sd21"
+    sdxl = "sdxl"
+    tiny = "tiny"
+
+
+@app.command()
+def bench(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="A diffusers folder or Hub id. Default: the embedded model (or --arch).")] = None,
+    arch: Annotated[Arch | None, typer.Option(
+        help="Benchmark a full-size architecture with random weights instead (nothing to download).")] = None,
+    height: Annotated[int | None, typer.Option(help="Image height. Default: the model's.")] = None,
+    width: Annotated[int | None, typer.Option(help="Image width. Default: the model's.")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Sampler steps of the end-to-end run.")] = 20,
+    batch: Annotated[int, typer.Option(min=1, help="Images per call.")] = 1,
+    dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
+    sampler: Annotated[str | None, typer.Option(help="Sampler. Default: the model's scheduler.")] = None,
+    reps: Annotated[int, typer.Option(min=1, help="Timed calls per piece (after one warm call).")] = 3,
+    torch: Annotated[bool, typer.Option(
+        "--torch", help="Also run the workload in PyTorch diffusers (needs torch + diffusers) and show ratios.")]
+    = False,
+    memory_only: Annotated[bool, typer.Option(
+        "--memory-only", help="Compile against abstract weights of --arch and report XLA's memory analysis only.")]
+    = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
+) -> None:
+    """Time text encoding, a UNet step, VAE decode and end-to-end generation; FLOPs, MFU, peak memory."""
+    from sdjax import bench as bench_lib
+
+    cfg = bench_lib.BenchConfig(model=model, arch=arch.value if arch else None, height=height, width=width,
+                                steps=steps, batch=batch, dtype=dtype.value, sampler=sampler, reps=reps,
+                                torch=torch, memory_only=memory_only)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if json_out is not None and not json_out.parent.is_dir():
+        raise typer.BadParameter(f"folder {json_out.parent} does not exist", param_hint="--json")
+    err = Console(stderr=True)
+    try:
+        with err.status("benchmarking") as status:
+            result = bench_lib.run(cfg, log=lambda s: status.update(s))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    cols, rows = bench_lib.table_rows(result)
+    table = Table(*cols, title="sdjax bench")
+    for row in rows:
+        table.add_row(*row)
+    for line in bench_lib.summary_lines(result):
+        out.print(line, highlight=False)
+    out.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=2))
+        err.print(f"wrote {json_out}", highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------- pnginfo
