@@ -363,7 +363,6 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
     z = jnp.asarray(np.random.default_rng(1).standard_normal(lat_shape, np.float32))
     decode_c, s = _compile(pipe._decode, params, z)
     pieces["decode"] = {"compile_s": s, **_time(lambda: decode_c(params, z), cfg.reps), "flops": _flops(decode_c)}
-    del context, added, x, z
 
     log(f"compiling and timing end-to-end generation ({cfg.steps} steps)")
     t0 = time.perf_counter()
@@ -426,7 +425,8 @@ def _memory_only(pipe, params, cfg, result, ids, neg, extra, height, width, log)
 def run_torch(cfg: BenchConfig, height: int, width: int) -> dict[str, Any]:
     """The same workload in PyTorch diffusers, in a fresh Python process; returns its timings."""
     spec = {"config": dataclasses.asdict(cfg), "height": height, "width": width}
-    code = "import json, sys; from sdjax.bench import _torch_worker; print(json.dumps(_torch_worker(json.loads(sys.argv[1]))))"
+    code = ("import json, sys; from sdjax.bench import _torch_worker; "
+            "print(json.dumps(_torch_worker(json.loads(sys.argv[1]))))")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the PyTorch benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

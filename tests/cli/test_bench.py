@@ -27,7 +27,7 @@ def test_every_piece_is_timed_and_counted(tiny_result):
     for name in ("text", "unet", "decode", "e2e"):
         p = r["pieces"][name]
         assert p["compile_s"] > 0 and 0 < p["best_s"] <= p["median_s"], (name, p)
-        assert p["flops"] > 0 and 0 < p["mfu"], (name, p)
+        assert p["flops"] > 0 and p["mfu"] > 0, (name, p)
     assert r["images_per_s"] == pytest.approx(1 / r["pieces"]["e2e"]["median_s"])
     assert r["matmul_peak_tflops_per_s"] > 0
     mem = r["e2e_memory"]

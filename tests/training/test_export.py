@@ -6,9 +6,9 @@ import json
 import jax
 import numpy as np
 import pytest
+import reference
 from flax.traverse_util import flatten_dict
 
-import reference
 from sdjax.models.clip import CLIPTextConfig, CLIPTextModel
 from sdjax.models.unet import UNet2DConditionConfig, UNet2DConditionModel
 from sdjax.models.vae import AutoencoderKL, AutoencoderKLConfig
@@ -74,7 +74,8 @@ def test_round_trip_through_the_sdjax_loader_is_exact(exported):
 def test_diffusers_and_transformers_load_the_folder_without_missing_or_unexpected_keys(exported):
     import torch
     from diffusers import AutoencoderKL as TorchVAE
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel as TorchUNet
+    from diffusers import StableDiffusionPipeline
+    from diffusers import UNet2DConditionModel as TorchUNet
     from transformers import CLIPTextModel as TorchCLIP
 
     folder, params = exported

@@ -26,8 +26,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sdjax.training.data import (HELD_OUT, IMAGE_SIZE, PALETTE, POSITION_CENTRES, SIZE_PIXELS, Scene, caption,
-                                 held_out_scenes, shape_mask)
+from sdjax.training.data import (
+    HELD_OUT,
+    IMAGE_SIZE,
+    PALETTE,
+    SIZE_PIXELS,
+    Scene,
+    caption,
+    held_out_scenes,
+    shape_mask,
+)
 
 ATTRIBUTES = ("colour", "background", "shape", "position", "size")
 _PALETTE_NAMES = tuple(PALETTE)

@@ -16,10 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from sdjax.training.train import PRESETS, save, train
+from sdjax import runtime
 
 
 def main(argv: list[str] | None = None) -> int:
+    runtime.configure_cpu()  # before JAX starts: XLA:CPU's Eigen convolutions train ~1.4x faster than YNNPACK's
+    from sdjax.training.train import PRESETS, save, train
+
     parser = argparse.ArgumentParser(prog="python -m sdjax.training", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder to write the diffusers pipeline to")
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("seed", args.seed), ("steps", args.steps), ("vae_steps", args.vae_steps),
                                    ("batch", args.batch)) if v is not None}
     cfg = cfg.replace(**overrides)
-    log_file = open(args.log, "a", encoding="utf-8") if args.log else None
+    log_file = open(args.log, "a", encoding="utf-8") if args.log else None  # noqa: SIM115 (open for the run)
 
     def log(line: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {line}"
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             log_file.write(line + "\n")
             log_file.flush()
 
-    log(f"training preset {args.preset!r}: {json.dumps({k: v for k, v in vars(cfg).items() if k not in ('text_encoder', 'unet', 'vae', 'scheduler')})}")
+    settings = {k: v for k, v in vars(cfg).items() if k not in ("text_encoder", "unet", "vae", "scheduler")}
+    log(f"training preset {args.preset!r}: {json.dumps(settings)}")
     vae = None
     if args.vae_from:
         from sdjax.loading.components import VAE, LoadRequest, load_model
@@ -60,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         save(result, cfg, args.out)
         log(f"checkpoint: step {step} written to {args.out}")
 
-    result = train(cfg, log, vae=vae, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
-    save(result, cfg, args.out)
-    out = Path(args.out)
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    log(f"wrote {out} ({total / 1e6:.1f} MB) in {result.seconds / 60:.1f} min of training")
+    try:
+        result = train(cfg, log, vae=vae, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
+        save(result, cfg, args.out)
+        out = Path(args.out)
+        total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        log(f"wrote {out} ({total / 1e6:.1f} MB) in {result.seconds / 60:.1f} min of training")
+    finally:
+        if log_file:
+            log_file.close()
     return 0
 
 

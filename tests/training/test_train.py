@@ -1,0 +1,114 @@
+"""Training smoke tests on the tiny preset: losses are finite and fall on a fixed batch, and a complete run
+writes a folder the sdjax pipeline loads (sampling from a trained folder is `tests/evaluation/test_quality.py`)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sdjax.models.clip import CLIPTextModel
+from sdjax.models.unet import UNet2DConditionModel
+from sdjax.text.tokenizer import CLIPTokenizer
+from sdjax.training import data, train
+
+TINY = train.PRESETS["tiny"]
+
+
+def _fit(loss_fn, params, batch, steps=6, lr=3e-3):
+    opt = optax.adam(lr)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    losses = []
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    return losses
+
+
+def test_diffusion_loss_is_finite_and_falls_on_a_fixed_batch():
+    text_config, unet_config, _ = train.model_configs(TINY)
+    tokenizer = CLIPTokenizer.default()
+    key = jax.random.key(0)
+    ids = tokenizer([data.caption(s) for s in data.held_out_scenes(1)[:4]])
+    latents = jax.random.normal(key, (4, 4, 16, 16))
+    used = train.caption_vocabulary_ids(tokenizer)
+    assert {tokenizer.encode("triangle")[0], tokenizer.bos_token_id, tokenizer.eos_token_id} <= set(used.tolist())
+    params = {"text_encoder": train.init_text_params(text_config, key, used),
+              "unet": UNet2DConditionModel(unet_config).init(key, latents[:1], jnp.zeros((1,)),
+                                                             jnp.zeros((1, 77, text_config.hidden_size)))["params"]}
+    # Rows of words the captions never use start at zero.
+    emb = params["text_encoder"]["text_model"]["embeddings"]["token_embedding"]["embedding"]
+    assert float(jnp.abs(emb[tokenizer.encode("dog")[0]]).sum()) == 0.0
+    alphas = jnp.asarray(train.scaled_linear_alphas_cumprod(TINY.scheduler))
+    loss_fn = train.diffusion_loss_fn(CLIPTextModel(text_config), UNet2DConditionModel(unet_config), alphas, 5.0)
+    losses = _fit(loss_fn, params, (latents, ids, jax.random.key(1)))
+    assert all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses
+
+
+class _Text:
+    def apply(self, variables, ids):
+        return type("Out", (), {"last_hidden_state": jnp.zeros(ids.shape + (4,))})()
+
+
+class _PerfectUNet:
+    """With x0 = 0 the noisy latent is sqrt(1 - ab) * noise, so the exact targets are computable from it."""
+
+    def __init__(self, alphas, prediction_type):
+        self.alphas, self.prediction_type = alphas, prediction_type
+
+    def apply(self, variables, noisy, t, context):
+        ab = self.alphas[t.astype(jnp.int32)][:, None, None, None]
+        noise = noisy / jnp.sqrt(1.0 - ab)
+        return jnp.sqrt(ab) * noise if self.prediction_type == "v_prediction" else noise
+
+
+def test_loss_targets_are_epsilon_and_v():
+    alphas = jnp.asarray(train.scaled_linear_alphas_cumprod(train.SCHEDULER))
+    zeros, ids, key = jnp.zeros((8, 4, 4, 4)), jnp.zeros((8, 77), jnp.int32), jax.random.key(0)
+    for kind, other in (("epsilon", "v_prediction"), ("v_prediction", "epsilon")):
+        exact = train.diffusion_loss_fn(_Text(), _PerfectUNet(alphas, kind), alphas, 5.0, kind)
+        wrong = train.diffusion_loss_fn(_Text(), _PerfectUNet(alphas, other), alphas, 5.0, kind)
+        assert float(exact({"text_encoder": {}, "unet": {}}, zeros, ids, key)) < 1e-10, kind
+        assert float(wrong({"text_encoder": {}, "unet": {}}, zeros, ids, key)) > 1e-3, kind
+
+
+def test_training_schedule_matches_the_exported_scheduler():
+    ab = train.scaled_linear_alphas_cumprod(train.SCHEDULER)
+    assert ab.shape == (1000,)
+    assert ab[0] == np.float32(1 - 0.00085) and 0.004 < ab[-1] < 0.005  # SD's schedule
+
+
+def test_tiny_run_writes_a_pipeline_that_sdjax_loads(tmp_path):
+    from sdjax import StableDiffusionPipeline
+    from sdjax.training.__main__ import main
+
+    out = tmp_path / "tiny-sd"
+    assert main(["--preset", "tiny", "--out", str(out), "--log", str(tmp_path / "log.txt")]) == 0
+    log = (tmp_path / "log.txt").read_text()
+    assert "vae step" in log and "diffusion step" in log and "nan" not in log.lower()
+    for sub in ("model_index.json", "unet/diffusion_pytorch_model.safetensors", "vae/config.json",
+                "text_encoder/model.safetensors", "tokenizer/vocab.json", "scheduler/scheduler_config.json"):
+        assert (out / sub).is_file(), sub
+    pipe, _ = StableDiffusionPipeline.from_pretrained(str(out))
+    assert pipe.default_size == (64, 64)
+    assert pipe.vae.config.scaling_factor != 1.0  # measured on the encoded training images
+
+
+def test_presets_are_real_configs():
+    for name, cfg in train.PRESETS.items():
+        text_config, unet_config, vae_config = train.model_configs(cfg)
+        assert text_config.vocab_size == 49408, name  # CLIP's real vocabulary
+        assert unet_config.cross_attention_dim == text_config.hidden_size, name
+        assert unet_config.in_channels == vae_config.latent_channels, name
+        factor = 2 ** (len(vae_config.block_out_channels) - 1)
+        assert unet_config.sample_size * factor == data.IMAGE_SIZE, name
+        assert dataclasses.replace(cfg).seed == cfg.seed
