@@ -200,6 +200,7 @@ class BenchConfig:
     torch: bool = False
     memory_only: bool = False
     seed: int = 0
+    attention: str = "auto"  # the UNet's and VAE's attention (sdjax.models.layers.ATTENTION_IMPLEMENTATIONS)
 
     def validate(self) -> None:
         """Reject bad settings by name before anything is built or compiled."""
@@ -207,6 +208,10 @@ class BenchConfig:
             raise ValueError("give either model or arch, not both")
         if self.arch is not None and self.arch not in ARCHITECTURES:
             raise ValueError(f"arch={self.arch!r}: expected one of {sorted(ARCHITECTURES)}")
+        from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
+
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: expected float32, bfloat16 or float16")
         for name in ("steps", "batch", "reps"):
@@ -298,10 +303,14 @@ def _device_peak_bytes() -> int | None:
 
 def _load(cfg: BenchConfig, dtype):
     if cfg.arch is not None:
-        return build_pipeline(cfg.arch, dtype, abstract=cfg.memory_only, seed=cfg.seed)
-    from sdjax.pipelines.auto import load_pipeline
+        pipe, params = build_pipeline(cfg.arch, dtype, abstract=cfg.memory_only, seed=cfg.seed)
+    else:
+        from sdjax.pipelines.auto import load_pipeline
 
-    return load_pipeline(cfg.model, dtype=dtype, safety_checker=None)
+        pipe, params = load_pipeline(cfg.model, dtype=dtype, safety_checker=None)
+    if cfg.attention != "auto":
+        pipe.unet, pipe.vae = pipe.unet.clone(attention=cfg.attention), pipe.vae.clone(attention=cfg.attention)
+    return pipe, params
 
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
@@ -323,7 +332,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         "model": cfg.model or (f"random {cfg.arch}" if cfg.arch else "embedded"), "pipeline": type(pipe).__name__,
         "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "devices": 1,
         "dtype": cfg.dtype, "height": height, "width": width, "steps": cfg.steps, "batch": b,
-        "sampler": cfg.sampler or type(pipe.scheduler).__name__, "reps": cfg.reps, "load_s": load_s,
+        "sampler": cfg.sampler or type(pipe.scheduler).__name__, "attention": cfg.attention, "reps": cfg.reps,
+        "load_s": load_s,
     }
     # One device: the pieces and the end-to-end executable all run on the first device (no batch splitting).
     pipe.devices = jax.devices()[:1]

@@ -457,6 +457,9 @@ def bench(
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
     sampler: Annotated[str | None, typer.Option(help="Sampler. Default: the model's scheduler.")] = None,
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per piece (after one warm call).")] = 3,
+    attention: Annotated[str, typer.Option(
+        help="UNet/VAE attention: auto (cuDNN on GPU, XLA on CPU, chunked for long sequences on CPU), xla, "
+             "dot_product or chunked.")] = "auto",
     torch: Annotated[bool, typer.Option(
         "--torch", help="Also run the workload in PyTorch diffusers (needs torch + diffusers) and show ratios.")]
     = False,
@@ -470,7 +473,7 @@ def bench(
 
     cfg = bench_lib.BenchConfig(model=model, arch=arch.value if arch else None, height=height, width=width,
                                 steps=steps, batch=batch, dtype=dtype.value, sampler=sampler, reps=reps,
-                                torch=torch, memory_only=memory_only)
+                                torch=torch, memory_only=memory_only, attention=attention)
     try:
         cfg.validate()
     except ValueError as e:

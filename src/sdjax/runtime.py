@@ -1,4 +1,4 @@
-"""Process-level XLA:CPU settings that make Stable Diffusion fast on CPU (measured: docs/cpu-performance.md).
+"""Process-level XLA:CPU settings that make Stable Diffusion fast on CPU (measured: docs/benchmarks.md).
 
 Two ways to apply them; both leave every flag the user set explicitly alone:
 

@@ -87,6 +87,11 @@ def _attend_chunked(q_btnd, k_bsnd, v_bsnd, chunk):
     return jnp.transpose(out_ntd.reshape(b, n, t, -1), (0, 2, 1, 3))
 
 
+def chunked(q_btnd: jax.Array, k_bsnd: jax.Array, v_bsnd: jax.Array, chunk: int = 1024) -> jax.Array:
+    """Query-chunked attention on `(B, T, N, D)` q and `(B, S, N, D)` k, v (what `sdjax.models.layers` uses)."""
+    return _attend_chunked(q_btnd, k_bsnd, v_bsnd, chunk)
+
+
 def _attend_flash(q_btnd, k_bsnd, v_bsnd, block):
     """Online softmax over key blocks of `block` (Dao et al. 2022, "FlashAttention"), all heads at once."""
     b, t, n, d = q_btnd.shape

@@ -130,3 +130,11 @@ def rescale_noise_cfg(guided: jax.Array, cond: jax.Array, rescale: float) -> jax
     std_guided = jnp.std(guided, axis=axes, keepdims=True)
     rescaled = guided * (std_cond / std_guided)
     return rescale * rescaled + (1 - rescale) * guided
+
+
+def per_device_guidance(guidance_scale, ndev: int, per_device: int) -> jax.Array:
+    """The guidance of a `jit=True` call as the pmapped `_generate` takes it: a scalar or one value per device
+    -> `(ndev, 1)`; one value per image -> `(ndev, per_device)` (shapes were checked by `_validate_call`)."""
+    g = jnp.asarray(guidance_scale, jnp.float32)
+    return jnp.broadcast_to(g.reshape(-1, 1) if g.ndim else g,
+                            (ndev, 1) if g.ndim < 2 or g.shape[1] == 1 else (ndev, per_device))

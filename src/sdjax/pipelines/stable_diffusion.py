@@ -148,9 +148,7 @@ class StableDiffusionPipeline:
                             latents, neg_prompt_ids, jit)
         if jit:
             ndev, bs = prompt_ids.shape[:2]
-            g = jnp.asarray(guidance_scale, jnp.float32)
-            g = jnp.broadcast_to(g.reshape(-1, 1) if g.ndim else g, (ndev, 1) if g.ndim < 2 or g.shape[1] == 1
-                                 else (ndev, bs))
+            g = common.per_device_guidance(guidance_scale, ndev, bs)
             images = self._p_generate(prompt_ids, params, prng_seed, num_inference_steps, height, width, g,
                                       latents, neg_prompt_ids)
         else:
