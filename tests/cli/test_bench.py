@@ -87,7 +87,8 @@ def test_same_workload_in_pytorch_gives_ratios():
 @pytest.mark.parametrize("kwargs, word", [
     (dict(arch="sd3"), "arch"), (dict(steps=0), "steps"), (dict(batch=-1), "batch"), (dict(height=30), "height"),
     (dict(width=True), "width"), (dict(dtype="int8"), "dtype"), (dict(model="x", arch="tiny"), "model or arch"),
-    (dict(memory_only=True), "memory_only"), (dict(attention="flash3"), "attention"), (dict(arch="tiny", memory_only=True, torch=True), "torch"),
+    (dict(memory_only=True), "memory_only"), (dict(attention="flash3"), "attention"),
+    (dict(arch="tiny", memory_only=True, torch=True), "torch"),
 ])
 def test_bad_settings_are_named(kwargs, word):
     with pytest.raises(ValueError, match=word):
