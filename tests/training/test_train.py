@@ -47,7 +47,7 @@ def test_diffusion_loss_is_finite_and_falls_on_a_fixed_batch():
     # Rows of words the captions never use start at zero.
     emb = params["text_encoder"]["text_model"]["embeddings"]["token_embedding"]["embedding"]
     assert float(jnp.abs(emb[tokenizer.encode("dog")[0]]).sum()) == 0.0
-    alphas = jnp.asarray(train.scaled_linear_alphas_cumprod(TINY.scheduler))
+    alphas = jnp.asarray(train.training_alphas_cumprod(TINY.scheduler))
     loss_fn = train.diffusion_loss_fn(CLIPTextModel(text_config), UNet2DConditionModel(unet_config), alphas, 5.0)
     losses = _fit(loss_fn, params, (latents, ids, jax.random.key(1)))
     assert all(np.isfinite(losses)), losses
@@ -72,7 +72,7 @@ class _PerfectUNet:
 
 
 def test_loss_targets_are_epsilon_and_v():
-    alphas = jnp.asarray(train.scaled_linear_alphas_cumprod(train.SCHEDULER))
+    alphas = jnp.asarray(train.training_alphas_cumprod(train.SCHEDULER))
     zeros, ids, key = jnp.zeros((8, 4, 4, 4)), jnp.zeros((8, 77), jnp.int32), jax.random.key(0)
     for kind, other in (("epsilon", "v_prediction"), ("v_prediction", "epsilon")):
         exact = train.diffusion_loss_fn(_Text(), _PerfectUNet(alphas, kind), alphas, 5.0, kind)
@@ -82,9 +82,15 @@ def test_loss_targets_are_epsilon_and_v():
 
 
 def test_training_schedule_matches_the_exported_scheduler():
-    ab = train.scaled_linear_alphas_cumprod(train.SCHEDULER)
+    ab = train.training_alphas_cumprod(train.SCHEDULER)
     assert ab.shape == (1000,)
-    assert ab[0] == np.float32(1 - 0.00085) and 0.004 < ab[-1] < 0.005  # SD's schedule
+    # DDPM's linear betas, 1e-4 to 0.02: alpha-bar is the running product of (1 - beta).
+    betas = np.linspace(1e-4, 0.02, 1000)
+    np.testing.assert_allclose(ab, np.cumprod(1 - betas), rtol=1e-5)
+    assert np.sqrt(ab[-1]) < 0.01  # at t=999 the noise keeps < 1% of the image (SD's scaled_linear keeps 6.8%)
+    # The schedule the model learns is the one the exported scheduler samples with.
+    from sdjax.samplers import get_sampler
+    np.testing.assert_allclose(ab, get_sampler(dict(train.SCHEDULER)).alphas_cumprod, rtol=1e-5)
 
 
 def test_tiny_run_writes_a_pipeline_that_sdjax_loads(tmp_path):
@@ -112,3 +118,26 @@ def test_presets_are_real_configs():
         factor = 2 ** (len(vae_config.block_out_channels) - 1)
         assert unet_config.sample_size * factor == data.IMAGE_SIZE, name
         assert dataclasses.replace(cfg).seed == cfg.seed
+
+
+def test_min_snr_v_weight_clips_the_x0_weight_and_keeps_high_noise():
+    ab = train.training_alphas_cumprod(train.SCHEDULER).astype(np.float64)
+    snr = ab / (1 - ab)
+    w = np.asarray(train.min_snr_v_weight(jnp.asarray(snr), 5.0), np.float64)
+    # A v error is an x0 error times sqrt(snr + 1): the weight on x0 is min(snr, gamma) + 1 (Min-SNR-gamma).
+    np.testing.assert_allclose(w * (snr + 1), np.minimum(snr, 5.0) + 1, rtol=1e-5)
+    assert w[-1] > 0.99  # t = 999: almost pure noise, full weight (the layout is decided there)
+    assert abs(w[0] - 6.0 / (snr[0] + 1)) < 1e-6 and w[0] < 0.01  # t = 0: clipped at gamma + 1 on x0
+    assert np.all(np.diff(w) >= -1e-7)  # never falls as noise grows
+
+
+def test_data_parallel_splits_the_batch_over_devices_that_divide_it():
+    n = jax.device_count()  # 8 simulated CPU devices in the test suite (tests/conftest.py)
+    replicated, split = train.data_parallel(4 * n, min_per_device=4)
+    assert split.mesh.size == n and replicated.spec == jax.sharding.PartitionSpec()
+    x = jax.device_put(np.zeros((4 * n, 3)), split)
+    assert {s.data.shape for s in x.addressable_shards} == {(4, 3)}
+    assert train.data_parallel(4 * n, min_per_device=8)[1].mesh.size == n // 2  # 8 examples each
+    assert train.data_parallel(n + 1, 1)[1].mesh.size == max(d for d in range(1, n + 1) if (n + 1) % d == 0)
+    assert train.data_parallel(8)[1].mesh.size == 1  # fewer than 16 each: not split (the VAE stage)
+    assert train.data_parallel(1)[1].mesh.size == 1

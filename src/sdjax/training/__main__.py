@@ -4,6 +4,7 @@ folder.
     python -m sdjax.training --out src/sdjax/assets/embedded            # the shipped model
     python -m sdjax.training --preset tiny --out /tmp/tiny-sd           # a seconds-long smoke run
 
+On CPU the run asks XLA for `--cpu-devices` host devices (default 2) and splits the diffusion batch over them.
 Every step count is fixed by the preset (the run is reproducible from `--seed`); `--steps`, `--vae-steps` and
 `--batch` override it for experiments.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,8 +21,15 @@ from pathlib import Path
 from sdjax import runtime
 
 
+def _set_cpu_devices(n: int) -> None:
+    """Ask XLA:CPU for `n` host devices (unless XLA_FLAGS already says how many); no effect on GPU/TPU."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
-    runtime.configure_cpu()  # before JAX starts: XLA:CPU's Eigen convolutions train ~1.4x faster than YNNPACK's
+    # Importing the training module starts no JAX backend, so the XLA flags below still take effect.
     from sdjax.training.train import PRESETS, save, train
 
     parser = argparse.ArgumentParser(prog="python -m sdjax.training", description=__doc__.split("\n\n")[0],
@@ -36,7 +45,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the VAE of this diffusers folder instead of training one (experiments)")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="write the EMA weights to --out every N diffusion steps (0: only at the end)")
+    parser.add_argument("--cpu-devices", type=int, default=2,
+                        help="XLA host devices to split the diffusion batch over when training on CPU (default 2: "
+                             "1.09x faster per step on 2 cores than one device); ignored on GPU/TPU")
     args = parser.parse_args(argv)
+    if args.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
+    if not runtime.backend_initialized():  # XLA reads its flags once, when the first backend starts
+        _set_cpu_devices(args.cpu_devices)
+        runtime.configure_cpu()  # XLA:CPU's Eigen convolutions train ~1.4x faster than YNNPACK's
 
     cfg = PRESETS[args.preset]
     overrides = {k: v for k, v in (("seed", args.seed), ("steps", args.steps), ("vae_steps", args.vae_steps),
