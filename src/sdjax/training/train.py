@@ -265,9 +265,9 @@ def min_snr_v_weight(snr, gamma: float):
     An error in v is an error in x0 scaled by `sqrt(snr + 1)`, so an unweighted v loss weights x0 by `snr + 1`;
     this clips that x0 weight at `gamma + 1` (Min-SNR-gamma, Hang et al. 2023), which stops the nearly
     noise-free timesteps from dominating. The paper's v weight, `min(snr, gamma) / (snr + 1)`, also tends to 0
-    at high noise (0.005 at t=999 with SD's betas), where a sampler decides the layout: a model this small
-    trained with it ignored the position words (held-out position 0.14, chance 0.2) and drew oversized blobs.
-    Here the weight is 1 at high noise, as in plain v-prediction."""
+    at high noise (0.005 at t=999 with SD's betas), where a sampler decides the layout; here the weight is 1
+    there, as in plain v-prediction. (This alone did not make the model follow the position words: the noise
+    schedule did, see `SCHEDULER`.)"""
     return (jnp.minimum(snr, gamma) + 1.0) / (snr + 1.0)
 
 
