@@ -72,6 +72,8 @@ class TrainConfig:
         return dataclasses.replace(self, **kwargs)
 
 
+# The preset below is a candidate recipe, not the shipped model (see the README: it fails prompts that name
+# neither size nor position, which its captions never do).
 # DDPM's linear betas (Ho et al. 2020) with v-prediction (as SD 2.x 768), sampled by DPM-Solver++ (2M) in 20 steps.
 # Not SD's `scaled_linear` betas: at t=999 those leave sqrt(alpha-bar) = 0.068 of the image in the noise, and on
 # 16x16 latents that is enough to see where the shape is (summed over its ~40 latent pixels). A model trained on
@@ -115,7 +117,7 @@ _UNET = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, 
              cross_attention_dim=64, attention_head_dim=4, norm_num_groups=8)
 
 PRESETS: dict[str, TrainConfig] = {
-    # The shipped model (`sdjax/assets/embedded`).
+    # The candidate recipe for the embedded model (the shipped one came from commit 6b6943d; see the README).
     "embedded": TrainConfig(text_encoder=_CLIP, unet=_UNET, vae=_VAE, scheduler=SCHEDULER),
     # A seconds-long run for tests: same architecture family, tiny widths, a handful of steps.
     "tiny": TrainConfig(
