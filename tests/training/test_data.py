@@ -61,8 +61,32 @@ def test_captions_name_every_attribute():
         for word in ("green", "triangle", "white", "small", "bottom right", "background"):
             assert word in text, (v, text)
     assert data.caption(scene) == "a small green triangle in the bottom right on a white background"
-    assert "green" not in data.partial_caption(scene, "colour")
-    assert "white" not in data.partial_caption(scene, "background")
+
+
+def test_partial_captions_leave_out_exactly_the_dropped_attributes():
+    scene = data.Scene("triangle", "green", "white", "small", "bottom right")
+    words = {"size": "small", "colour": "green", "background": "white", "position": "bottom right"}
+    assert len(data.PARTIAL_DROPS) == 15  # every non-empty subset of the four attributes
+    for drop in data.PARTIAL_DROPS:
+        for v in range(6):
+            text = data.partial_caption(scene, drop, v)
+            assert "triangle" in text, text
+            for attribute, word in words.items():
+                assert (word in text) == (attribute not in drop), (drop, v, text)
+    # The README's prompt is one of the training phrasings.
+    assert data.partial_caption(scene, ("size", "position")) == "a green triangle on a white background"
+    with pytest.raises(ValueError, match="shade"):
+        data.partial_caption(scene, ("size", "shade"))
+
+
+def test_random_captions_cover_full_and_partial_forms():
+    rng = np.random.default_rng(0)
+    scene = data.Scene("circle", "red", "blue", "large", "center")
+    texts = [data.random_caption(rng, scene, partial_rate=0.3) for _ in range(2000)]
+    full = sum(t in {data.caption(scene, v) for v in range(15)} for t in texts) / len(texts)
+    assert full == pytest.approx(0.7, abs=0.04)
+    assert "a red circle on a blue background" in texts
+    assert data.random_caption(rng, scene, partial_rate=0.0) in {data.caption(scene, v) for v in range(15)}
 
 
 def test_invalid_scenes_are_rejected():

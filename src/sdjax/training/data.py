@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import numpy as np
 
@@ -162,20 +162,26 @@ def caption(scene: Scene, variant: int = 0) -> str:
     return forms[variant % len(forms)]
 
 
-def partial_caption(scene: Scene, drop: str, variant: int = 0) -> str:
-    """A caption that leaves out one attribute (`drop` in size, position, colour, background), so that the
-    model also learns each word on its own: this is what makes a negative prompt such as "red" meaningful."""
-    size, colour, shape, bg = scene.size, scene.colour, scene.shape, scene.background
-    pos = _position_phrase(scene.position, variant)
-    if drop == "size":
-        return f"a {colour} {shape} {pos} on a {bg} background"
-    if drop == "position":
-        return f"a {size} {colour} {shape} on a {bg} background"
-    if drop == "colour":
-        return f"a {size} {shape} {pos} on a {bg} background"
-    if drop == "background":
-        return f"a {size} {colour} {shape} {pos}"
-    raise ValueError(f"partial_caption: drop={drop!r}; expected size, position, colour or background")
+ATTRIBUTES: tuple[str, ...] = ("size", "position", "colour", "background")
+
+
+def partial_caption(scene: Scene, drop: str | Collection[str], variant: int = 0) -> str:
+    """A caption that leaves out the attributes in `drop` (one name or several of size, position, colour,
+    background; the shape is always named), so that the model also learns each word on its own and follows
+    short prompts such as "a red circle on a blue background"."""
+    dropped = {drop} if isinstance(drop, str) else set(drop)
+    unknown = dropped - set(ATTRIBUTES)
+    if unknown:
+        raise ValueError(f"partial_caption: drop={sorted(unknown)!r}; expected names from {ATTRIBUTES}")
+    size = "" if "size" in dropped else scene.size + " "
+    colour = "" if "colour" in dropped else scene.colour + " "
+    thing = f"{size}{colour}{scene.shape}"
+    pos = "" if "position" in dropped else " " + _position_phrase(scene.position, variant)
+    if "background" in dropped:
+        return f"a {thing}{pos}"
+    if variant % 2:
+        return f"a {thing}{pos}, {scene.background} background"
+    return f"a {thing}{pos} on a {scene.background} background"
 
 
 def random_scene(rng: np.random.Generator, combinations=TRAIN_COMBINATIONS) -> Scene:
@@ -185,17 +191,20 @@ def random_scene(rng: np.random.Generator, combinations=TRAIN_COMBINATIONS) -> S
                  dy=float(rng.uniform(-2.5, 2.5)), scale=float(rng.uniform(0.9, 1.1)))
 
 
-_DROPS = ("size", "position", "colour", "background")
+# Every non-empty subset of ATTRIBUTES, each equally likely to be left out of a partial caption.
+PARTIAL_DROPS: tuple[tuple[str, ...], ...] = tuple(
+    c for n in range(1, len(ATTRIBUTES) + 1) for c in itertools.combinations(ATTRIBUTES, n))
 
 
-def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float = 0.15) -> str:
-    """A full caption in one of its phrasings, or (with probability `partial_rate`) one missing an attribute."""
+def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float = 0.3) -> str:
+    """A full caption in one of its phrasings, or (with probability `partial_rate`) one that leaves out a
+    random non-empty subset of size, position, colour and background."""
     if rng.uniform() < partial_rate:
-        return partial_caption(scene, _DROPS[rng.integers(len(_DROPS))], int(rng.integers(3)))
+        return partial_caption(scene, PARTIAL_DROPS[rng.integers(len(PARTIAL_DROPS))], int(rng.integers(6)))
     return caption(scene, int(rng.integers(15)))
 
 
-def sample_batch(seed: int, batch_size: int, *, partial_rate: float = 0.15,
+def sample_batch(seed: int, batch_size: int, *, partial_rate: float = 0.3,
                  combinations=TRAIN_COMBINATIONS) -> tuple[np.ndarray, list[str]]:
     """Images `(B, 64, 64, 3)` uint8 and their captions, deterministic from `seed`."""
     rng = np.random.default_rng(seed)

@@ -57,15 +57,15 @@ class TrainConfig:
     kl_weight: float = 1e-4
     # stage 2: text encoder + UNet
     dataset_size: int = 8192
-    steps: int = 4400
-    batch: int = 32
+    steps: int = 8000
+    batch: int = 16
     lr: float = 1e-3
     warmup: int = 200
     weight_decay: float = 0.0
     ema_decay: float = 0.999
     min_snr_gamma: float = 5.0
     cfg_dropout: float = 0.1
-    partial_rate: float = 0.15
+    partial_rate: float = 0.3
     grad_clip: float = 1.0
 
     def replace(self, **kwargs) -> TrainConfig:
@@ -241,8 +241,7 @@ def caption_vocabulary_ids(tokenizer: CLIPTokenizer) -> np.ndarray:
                 for position in data.POSITIONS:
                     scene = data.Scene(shape, colour, background, size, position)
                     captions += [data.caption(scene, v) for v in range(15)]
-                    captions += [data.partial_caption(scene, d, v) for d in ("size", "position", "colour",
-                                                                             "background") for v in range(3)]
+                    captions += [data.partial_caption(scene, d, v) for d in data.PARTIAL_DROPS for v in range(6)]
     ids = np.unique(tokenizer(captions))
     return ids.astype(np.int32)
 
