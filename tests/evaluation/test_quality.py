@@ -14,9 +14,13 @@ from sdjax.training.export import EMBEDDED_MODEL_DIR
 
 STEPS, GUIDANCE, SEED = 20, 7.5, 0
 # Measured with `python -m sdjax.evaluation.shapes --steps 20 --guidance 7.5 --seed 0 --negative` (28 held-out
-# prompts). Shape and position are near chance (the model draws blobs, placed at random): no floor guards them.
-MEASURED = {"colour": 0.929, "background": 1.0, "size": 0.75, "shape": 0.321, "position": 0.143}
-FLOORS = {"colour": 0.85, "background": 0.9, "size": 0.6}
+# prompts). Shape is the weak attribute (small squares and triangles come out as blobs that read as circles);
+# position is 0.39 here and 0.61 on the 84 prompts of `--per-combination 6 --seed 1`: the floors sit below both.
+MEASURED = {"colour": 1.0, "background": 1.0, "size": 1.0, "shape": 0.536, "position": 0.393}
+FLOORS = {"colour": 0.9, "background": 0.9, "size": 0.9, "shape": 0.4, "position": 0.3}
+# negative_drawn_colour_test: the drawn colour avoided in 0.89 of 27 images; another colour as the negative
+# prompt (the control) changes it in 0.41.
+NEGATIVE_FLOOR = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +48,20 @@ def test_held_out_prompts_are_drawn_right(pipe):
     assert not failed, f"held-out scores below their floors (score, floor): {failed}; all scores: {result}"
 
 
-def test_negative_prompt_of_the_colour_changes_the_colour(pipe):
-    """Measured: the prompt's colour kept in 0.93 of the images without a negative prompt, 0.14 with it."""
+def test_the_readme_prompt_is_drawn_right(pipe):
+    """The README's first command: "a red circle on a blue background" names neither size nor position."""
+    images = pipe.generate("a red circle on a blue background", num_images=8, seed=SEED, steps=STEPS,
+                           guidance_scale=GUIDANCE)
+    found = [shapes.analyze(im) for im in images]
+    right = [(a.colour, a.background, a.shape) == ("red", "blue", "circle") for a in found]
+    assert sum(right) >= 7, [(a.colour, a.background, a.shape) for a in found]
+
+
+def test_negative_prompt_of_the_drawn_colour_changes_it(pipe):
+    """A prompt without a colour, then the same seed with the colour the model drew as the negative prompt."""
     _, scenes = shapes.held_out_prompts(2)
-    r = shapes.negative_colour_test(pipe, scenes, seed=SEED, steps=STEPS, guidance_scale=GUIDANCE)
-    assert r["colour_kept_without_negative"] >= FLOORS["colour"], r
-    assert r["colour_kept_with_negative"] <= 0.4, r
-    assert r["colour_changed"] >= 0.6, r
+    r = shapes.negative_drawn_colour_test(pipe, scenes, seed=SEED, steps=STEPS, guidance_scale=GUIDANCE)
+    assert r["images"] >= 20, r
+    assert r["colour_avoided"] >= NEGATIVE_FLOOR, r
+    # More than a different negative prompt does by merely changing the unconditional branch.
+    assert r["colour_avoided"] >= r["colour_changed_by_other_negative"] + 0.2, r

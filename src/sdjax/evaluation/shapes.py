@@ -34,6 +34,7 @@ from sdjax.training.data import (
     Scene,
     caption,
     held_out_scenes,
+    partial_caption,
     shape_mask,
 )
 
@@ -178,6 +179,34 @@ def negative_colour_test(pipe, scenes: Sequence[Scene], **generate_kwargs) -> di
             "colour_changed": changed}
 
 
+def _next_colour(colour: str, background: str) -> str:
+    """The palette colour after `colour` (cyclically) that is neither `colour` nor `background`."""
+    k = _PALETTE_NAMES.index(colour)
+    rotated = _PALETTE_NAMES[k + 1:] + _PALETTE_NAMES[:k]
+    return next(c for c in rotated if c != background)
+
+
+def negative_drawn_colour_test(pipe, scenes: Sequence[Scene], **generate_kwargs) -> dict[str, float]:
+    """Generate each scene's prompt without its colour (e.g. "a small circle in the top left on a blue
+    background"), read the colour the model chose, then generate again with the same seed and that colour as
+    the negative prompt. `colour_avoided`: how often the second image has another colour. Control: the same
+    with the negative prompt of another colour (neither the drawn one nor the background);
+    `colour_changed_by_other_negative` is how often that alone changes the colour (a colour-free prompt leaves
+    the colour to chance, so any change of the negative prompt can flip it)."""
+    prompts = [partial_caption(s, "colour") for s in scenes]
+    plain = [analyze(im).colour for im in pipe.generate(prompts, **generate_kwargs)]
+    found = [i for i, c in enumerate(plain) if c is not None]
+    if not found:
+        raise ValueError("negative_drawn_colour_test: the scorer found no shape in any image")
+    drawn = [plain[i] for i in found]
+    others = [_next_colour(colour, scenes[i].background) for i, colour in zip(found, drawn)]
+    chosen = [prompts[i] for i in found]
+    negated = [analyze(im).colour for im in pipe.generate(chosen, negative_prompt=drawn, **generate_kwargs)]
+    control = [analyze(im).colour for im in pipe.generate(chosen, negative_prompt=others, **generate_kwargs)]
+    return {"images": len(found), "colour_avoided": sum(a != b for a, b in zip(drawn, negated)) / len(found),
+            "colour_changed_by_other_negative": sum(a != b for a, b in zip(drawn, control)) / len(found)}
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Generate the held-out prompts with `sdjax.StableDiffusionPipeline` and print the scores as JSON."""
     parser = argparse.ArgumentParser(prog="python -m sdjax.evaluation.shapes", description=main.__doc__)
@@ -205,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     result = {"held_out_combinations": len(HELD_OUT), "prompts": len(prompts), **score(images, scenes)}
     if args.negative:
         result["negative_prompt"] = negative_colour_test(pipe, scenes, **kwargs)
+        result["negative_drawn_colour"] = negative_drawn_colour_test(pipe, scenes, **kwargs)
     if args.save:
         cols = 2 * args.per_combination
         make_image_grid(images, rows=-(-len(images) // cols), cols=cols).save(args.save)

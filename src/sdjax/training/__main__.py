@@ -1,7 +1,7 @@
 """`python -m sdjax.training`: train the embedded text-to-image model from scratch and write it as a diffusers
 folder.
 
-    python -m sdjax.training --out /tmp/embedded-candidate              # the embedded preset (see the README)
+    python -m sdjax.training --out /tmp/embedded                        # the shipped model (see the README)
     python -m sdjax.training --preset tiny --out /tmp/tiny-sd           # a seconds-long smoke run
 
 On CPU the run asks XLA for `--cpu-devices` host devices (default 2) and splits the diffusion batch over them.

@@ -196,7 +196,7 @@ PARTIAL_DROPS: tuple[tuple[str, ...], ...] = tuple(
     c for n in range(1, len(ATTRIBUTES) + 1) for c in itertools.combinations(ATTRIBUTES, n))
 
 
-def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float = 0.3) -> str:
+def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float = 0.2) -> str:
     """A full caption in one of its phrasings, or (with probability `partial_rate`) one that leaves out a
     random non-empty subset of size, position, colour and background."""
     if rng.uniform() < partial_rate:
@@ -204,7 +204,7 @@ def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float =
     return caption(scene, int(rng.integers(15)))
 
 
-def sample_batch(seed: int, batch_size: int, *, partial_rate: float = 0.3,
+def sample_batch(seed: int, batch_size: int, *, partial_rate: float = 0.2,
                  combinations=TRAIN_COMBINATIONS) -> tuple[np.ndarray, list[str]]:
     """Images `(B, 64, 64, 3)` uint8 and their captions, deterministic from `seed`."""
     rng = np.random.default_rng(seed)
