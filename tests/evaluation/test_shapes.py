@@ -16,7 +16,18 @@ def _scenes(n, seed=0):
 def test_scorer_reads_rendered_scenes_perfectly():
     scenes = _scenes(400) + data.held_out_scenes(2)
     result = shapes.score([data.render(s) for s in scenes], scenes)
-    assert result == {a: 1.0 for a in shapes.ATTRIBUTES + ("all",)}
+    assert result == {a: 1.0 for a in shapes.ATTRIBUTES + ("all", "one_shape")}
+
+
+def test_scorer_counts_the_shapes():
+    one = data.Scene("square", "red", "white", "small", "top left")
+    other = data.Scene("triangle", "red", "white", "large", "bottom right")
+    both = np.minimum(data.render(one), data.render(other))  # red is darker than white in G and B: a union
+    assert shapes.analyze(data.render(one)).count == 1
+    found = shapes.analyze(both)
+    assert found.count == 2
+    assert (found.shape, found.size, found.position) == ("triangle", "large", "bottom right")  # the larger one
+    assert shapes.score([both, data.render(other)], [other, other])["one_shape"] == 0.5
 
 
 def test_scorer_tolerates_noise_and_blur():

@@ -81,6 +81,21 @@ def test_loss_targets_are_epsilon_and_v():
         assert float(wrong({"text_encoder": {}, "unet": {}}, zeros, ids, key)) > 1e-3, kind
 
 
+def test_timestep_sampling_moves_the_given_share_below_the_cut():
+    key, n = jax.random.key(3), 40000
+    uniform = np.asarray(train.sample_timesteps(key, n, 1000))
+    assert uniform.min() >= 0 and uniform.max() == 999
+    assert abs(float(np.mean(uniform < 500)) - 0.5) < 0.01
+    # Share s below 500, the rest uniform: P(t < 500) = s + (1 - s) / 2 and P(t >= 500) = (1 - s) / 2.
+    mixed = np.asarray(train.sample_timesteps(key, n, 1000, 0.5, 500))
+    assert mixed.min() >= 0 and mixed.max() == 999
+    assert abs(float(np.mean(mixed < 500)) - 0.75) < 0.01
+    # Below the cut the draws stay uniform: t < 250 holds half of those below 500.
+    assert abs(float(np.mean(mixed < 250)) / float(np.mean(mixed < 500)) - 0.5) < 0.02
+    only_low = np.asarray(train.sample_timesteps(key, n, 1000, 1.0, 300))
+    assert only_low.max() == 299
+
+
 def test_training_schedule_matches_the_exported_scheduler():
     ab = train.training_alphas_cumprod(train.SCHEDULER)
     assert ab.shape == (1000,)

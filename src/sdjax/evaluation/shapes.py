@@ -9,7 +9,10 @@
 - shape: the foreground compared (intersection over union) with an ideal circle, square and up-pointing
   triangle fitted to its bounding box; the best match wins (their fill ratios are 0.79, 1 and 0.5);
 - position: the bounding-box centre, "center" within 1/8 of the side from the image centre, else its quadrant;
-- size: the bounding-box side against the midpoint of the small and large sizes.
+- size: the bounding-box side against the midpoint of the small and large sizes;
+- count: how many 4-connected foreground components have at least `min_pixels` pixels. The attributes above
+  read the largest one; a prompt asks for one shape, so `score` reports `one_shape`, the fraction of images
+  with exactly one (not part of `all`: the attributes are what the issue's targets name).
 
 `score(images, scenes)` returns the fraction of images right on each attribute. The command
 `python -m sdjax.evaluation.shapes [--model PATH]` generates the held-out prompts with the sdjax pipeline
@@ -54,6 +57,7 @@ class Analysis:
     size: str | None
     foreground_fraction: float
     shape_iou: float
+    count: int = 0
 
     def matches(self, scene: Scene) -> dict[str, bool]:
         return {"colour": self.colour == scene.colour, "background": self.background == scene.background,
@@ -67,11 +71,12 @@ def nearest_colour(rgb: np.ndarray) -> str:
     return _PALETTE_NAMES[int(np.argmin(d))]
 
 
-def _largest_component(mask: np.ndarray) -> np.ndarray:
-    """The largest 4-connected component of a boolean mask (breadth-first fill; images are small)."""
+def _components(mask: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Labels (1..n, 0 for background) of the 4-connected components of a boolean mask and their sizes
+    (breadth-first fill; images are small)."""
     h, w = mask.shape
     labels = np.zeros((h, w), np.int32)
-    best_label, best_size, current = 0, 0, 0
+    sizes, current = [], 0
     for y0, x0 in zip(*np.nonzero(mask)):
         if labels[y0, x0]:
             continue
@@ -85,9 +90,8 @@ def _largest_component(mask: np.ndarray) -> np.ndarray:
                 if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not labels[ny, nx]:
                     labels[ny, nx] = current
                     queue.append((ny, nx))
-        if size > best_size:
-            best_label, best_size = current, size
-    return labels == best_label if best_size else np.zeros_like(mask)
+        sizes.append(size)
+    return labels, sizes
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> float:
@@ -111,10 +115,12 @@ def analyze(image, *, threshold: float = 90.0, min_pixels: int = 12) -> Analysis
     bg_rgb = np.median(border, axis=0)
     background = nearest_colour(bg_rgb)
     far = np.sqrt(np.sum((rgb - bg_rgb) ** 2, axis=-1)) > threshold
-    mask = _largest_component(far)
+    labels, sizes = _components(far)
+    mask = labels == 1 + int(np.argmax(sizes)) if sizes else np.zeros_like(far)
     count = int(mask.sum())
     if count < min_pixels:
         return Analysis(background, None, None, None, None, count / (h * w), 0.0)
+    shapes_seen = sum(n >= min_pixels for n in sizes)
     colour = nearest_colour(np.median(rgb[mask], axis=0))
     ys, xs = np.nonzero(mask)
     # Bounding box in continuous pixel coordinates (a pixel i covers [i, i + 1)).
@@ -133,7 +139,7 @@ def analyze(image, *, threshold: float = 90.0, min_pixels: int = 12) -> Analysis
     else:
         position = ("top" if dy < 0 else "bottom") + " " + ("left" if dx < 0 else "right")
     size = "large" if side * scale > (SIZE_PIXELS["small"] + SIZE_PIXELS["large"]) / 2 else "small"
-    return Analysis(background, colour, shape, position, size, count / (h * w), ious[shape])
+    return Analysis(background, colour, shape, position, size, count / (h * w), ious[shape], shapes_seen)
 
 
 def _template(shape: str, cx: float, cy: float, side: float, h: int, w: int) -> np.ndarray:
@@ -149,12 +155,14 @@ def score(images: Sequence, scenes: Sequence[Scene]) -> dict[str, float]:
         raise ValueError(f"score: {len(images)} images for {len(scenes)} scenes")
     if not scenes:
         raise ValueError("score: no images")
-    hits = {a: 0 for a in ATTRIBUTES + ("all",)}
+    hits = {a: 0 for a in ATTRIBUTES + ("all", "one_shape")}
     for image, scene in zip(images, scenes):
-        m = analyze(image).matches(scene)
+        found = analyze(image)
+        m = found.matches(scene)
         for a in ATTRIBUTES:
             hits[a] += m[a]
         hits["all"] += all(m.values())
+        hits["one_shape"] += found.count == 1
     return {a: hits[a] / len(scenes) for a in hits}
 
 
