@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from sdjax.models.clip import CLIPTextModel
 from sdjax.models.unet import UNet2DConditionModel
@@ -94,6 +95,10 @@ def test_timestep_sampling_moves_the_given_share_below_the_cut():
     assert abs(float(np.mean(mixed < 250)) / float(np.mean(mixed < 500)) - 0.5) < 0.02
     only_low = np.asarray(train.sample_timesteps(key, n, 1000, 1.0, 300))
     assert only_low.max() == 299
+    window = np.asarray(train.sample_timesteps(key, n, 1000, 1.0, 500, 100))
+    assert window.min() == 100 and window.max() == 499
+    with pytest.raises(ValueError, match="low_start=500"):
+        train.sample_timesteps(key, 4, 1000, 0.5, 500, 500)
 
 
 def test_training_schedule_matches_the_exported_scheduler():

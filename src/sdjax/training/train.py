@@ -64,9 +64,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     ema_decay: float = 0.999
     min_snr_gamma: float = 5.0
-    # Timestep sampling: this share of each batch draws t uniformly below `low_t_end`, the rest uniformly over all
-    # timesteps (`sample_timesteps`).
-    low_t_share: float = 0.5
+    # Timestep sampling: this share of each batch draws t uniformly from [low_t_start, low_t_end), the rest
+    # uniformly over all timesteps (`sample_timesteps`).
+    low_t_share: float = 0.35
+    low_t_start: int = 100
     low_t_end: int = 500
     cfg_dropout: float = 0.1
     partial_rate: float = 0.2
@@ -87,11 +88,13 @@ class TrainConfig:
 # crisp shape at the same place for "top left" and "bottom right" alike (held-out position 0.07-0.14, chance 0.2).
 # v-prediction because an epsilon model this small turned pure noise into clutter (its x0 estimate at high noise
 # divides the epsilon error by sqrt(alpha-bar)).
-# Timesteps: half of each batch below t=500 (`sample_timesteps`). With uniform t (4400 steps, four heads) the
-# model drew rounded blobs for circles and squares alike: held-out shape 0.46 on 84 prompts, position 0.61. With
-# this (5600 steps; 38 min of diffusion against 32, the cheaper attention paying for most of the extra steps):
-# shape 0.80, but position 0.26, no better than chance: the layout is decided above t=500, which now gets a
-# quarter of the batch, not half.
+# Timesteps (`sample_timesteps`): 35% of each batch from [100, 500), the rest uniform, so 61% of t lie in
+# [100, 500), 6.5% below 100 (where Min-SNR weights the loss down anyway) and 32.5% above 500. With uniform t
+# (4400 steps, four heads) the model drew rounded blobs for circles and squares alike: held-out shape 0.46 on
+# 84 prompts, position 0.61. With this (5600 steps; 38 min of diffusion against 32, the cheaper attention paying
+# for most of the extra steps): shape 0.85, but position 0.24, no better than chance. Half of each batch from
+# [0, 500) gave shape 0.80 and position 0.26: the layout is decided above t=500, and a third of the batch there
+# (not half) was not enough for the position words to be learned in this budget.
 # A third run (a quarter of the batch below t=500, and the loss on the shape's latent pixels weighted 4x) scored
 # shape 0.85 and position 0.43, but drew two or more shapes in 40% of images: a weight that depends on where the
 # target's shape is biases the optimum towards drawing a shape wherever one might be.
@@ -286,9 +289,10 @@ def min_snr_v_weight(snr, gamma: float):
     return (jnp.minimum(snr, gamma) + 1.0) / (snr + 1.0)
 
 
-def sample_timesteps(key, batch: int, num_t: int, low_share: float = 0.0, low_end: int = 0) -> jax.Array:
-    """`(batch,)` int timesteps: each is uniform over `[0, low_end)` with probability `low_share`, else uniform
-    over `[0, num_t)`.
+def sample_timesteps(key, batch: int, num_t: int, low_share: float = 0.0, low_end: int = 0,
+                     low_start: int = 0) -> jax.Array:
+    """`(batch,)` int timesteps: each is uniform over `[low_start, low_end)` with probability `low_share`, else
+    uniform over `[0, num_t)`.
 
     Uniform t (DDPM) spends half of the batch above t=500, where with the linear betas sqrt(snr) < 0.3 and only
     the layout (position, colour, background) is still to decide; the outline of a shape (a circle's edge
@@ -299,13 +303,16 @@ def sample_timesteps(key, batch: int, num_t: int, low_share: float = 0.0, low_en
     t_all = jax.random.randint(k_all, (batch,), 0, num_t)
     if low_share <= 0.0:
         return t_all
-    t_low = jax.random.randint(k_low, (batch,), 0, max(1, min(low_end, num_t)))
+    end = min(low_end, num_t)
+    if not 0 <= low_start < end:
+        raise ValueError(f"sample_timesteps: low_start={low_start}, low_end={low_end} with {num_t} timesteps")
+    t_low = jax.random.randint(k_low, (batch,), low_start, end)
     return jnp.where(jax.random.uniform(k_mix, (batch,)) < low_share, t_low, t_all)
 
 
 def diffusion_loss_fn(text_encoder: CLIPTextModel, unet: UNet2DConditionModel, alphas_cumprod: jax.Array,
                       min_snr_gamma: float, prediction_type: str = "epsilon", low_t_share: float = 0.0,
-                      low_t_end: int = 0):
+                      low_t_end: int = 0, low_t_start: int = 0):
     """`loss(params, latents, ids, key)`: MSE to the noise (`epsilon`) or to `v = sqrt(ab) * noise -
     sqrt(1 - ab) * x0` (`v_prediction`, Salimans & Ho 2022), each weighted by Min-SNR-gamma (for v:
     `min_snr_v_weight`); timesteps from `sample_timesteps`."""
@@ -316,7 +323,7 @@ def diffusion_loss_fn(text_encoder: CLIPTextModel, unet: UNet2DConditionModel, a
     def loss(params, latents, ids, key):
         k_t, k_n = jax.random.split(key)
         b = latents.shape[0]
-        t = sample_timesteps(k_t, b, num_t, low_t_share, low_t_end)
+        t = sample_timesteps(k_t, b, num_t, low_t_share, low_t_end, low_t_start)
         noise = jax.random.normal(k_n, latents.shape)
         ab = alphas_cumprod[t][:, None, None, None]
         noisy = jnp.sqrt(ab) * latents + jnp.sqrt(1.0 - ab) * noise
@@ -363,7 +370,8 @@ def train_diffusion(cfg: TrainConfig, text_config: CLIPTextConfig, unet_config: 
     ema = params
     alphas_cumprod = jnp.asarray(training_alphas_cumprod(cfg.scheduler))
     loss_fn = diffusion_loss_fn(text_encoder, unet, alphas_cumprod, cfg.min_snr_gamma,
-                                cfg.scheduler.get("prediction_type", "epsilon"), cfg.low_t_share, cfg.low_t_end)
+                                cfg.scheduler.get("prediction_type", "epsilon"), cfg.low_t_share, cfg.low_t_end,
+                                cfg.low_t_start)
 
     @jax.jit
     def step(p, s, e, mean, std, ids, k, i):
