@@ -51,10 +51,15 @@ def child(model: str, cache: str, batch: int, steps: int, height: int | None, wi
         t0 = time.perf_counter()
         jax.block_until_ready(fn(ids, neg, keys, g))
         times.append(time.perf_counter() - t0)
-    return {"startup_s": t_load - t_start, "load_s": load_s, "compile_s": compile_s,
-            "first_call_s": times[0], "later_call_s": statistics.median(times[1:]) if calls > 1 else None,
-            "device": str(jax.devices()[0].platform), "size": list(pipe.default_size if height is None
-                                                                   else (height, width))}
+    return {
+        "startup_s": t_load - t_start,
+        "load_s": load_s,
+        "compile_s": compile_s,
+        "first_call_s": times[0],
+        "later_call_s": statistics.median(times[1:]) if calls > 1 else None,
+        "device": str(jax.devices()[0].platform),
+        "size": list(pipe.default_size if height is None else (height, width)),
+    }
 
 
 def main() -> None:
@@ -79,8 +84,20 @@ def main() -> None:
     rows = {}
     try:
         for name in ("cold", "warm"):
-            cmd = [sys.executable, __file__, "--child", cache, "--model", args.model, "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--calls", str(args.calls)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                cache,
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--steps",
+                str(args.steps),
+                "--calls",
+                str(args.calls),
+            ]
             if args.height:
                 cmd += ["--height", str(args.height), "--width", str(args.width)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -88,15 +105,21 @@ def main() -> None:
         entries = sum(1 for _ in Path(cache).iterdir())
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    print(f"model {args.model}, batch {args.batch}, {args.steps} steps, {rows['cold']['size']}, "
-          f"device {rows['cold']['device']}; cache entries written: {entries}")
+    print(
+        f"model {args.model}, batch {args.batch}, {args.steps} steps, {rows['cold']['size']}, "
+        f"device {rows['cold']['device']}; cache entries written: {entries}"
+    )
     print(f"{'':6s} {'load s':>7s} {'compile s':>10s} {'1st call s':>11s} {'later call s':>13s}")
     for name, r in rows.items():
         later = f"{r['later_call_s']:13.3f}" if r["later_call_s"] is not None else f"{'-':>13s}"
         print(f"{name:6s} {r['load_s']:7.2f} {r['compile_s']:10.2f} {r['first_call_s']:11.3f} {later}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "batch": args.batch, "steps": args.steps,
-                                               "runs": rows, "cache_entries": entries}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"model": args.model, "batch": args.batch, "steps": args.steps, "runs": rows, "cache_entries": entries},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def _variant_options(name: str):
         elif part == "ynn-noconv":
             opts.update(runtime.cpu_compiler_options("ynn-noconv"))
         elif part.startswith("attn-"):
-            attn = part[len("attn-"):]
+            attn = part[len("attn-") :]
         else:
             raise SystemExit(f"unknown variant part {part!r} in {name!r}")
     return opts, attn
@@ -112,8 +112,14 @@ def _unet():
         model = UNet2DConditionModel(cfg)
         return lambda p, x, t, c: model.apply({"params": p}, x, t, c)
 
-    return dict(name="unet", desc="SD1.5 UNet, batch 2, 64x64 latents, 77x768 context", torch=torch_call,
-                make_fn=make_fn, args=args, keep=[tm])
+    return dict(
+        name="unet",
+        desc="SD1.5 UNet, batch 2, 64x64 latents, 77x768 context",
+        torch=torch_call,
+        make_fn=make_fn,
+        args=args,
+        keep=[tm],
+    )
 
 
 def _vae():
@@ -136,8 +142,14 @@ def _vae():
         model = AutoencoderKL(cfg)
         return lambda p, z: model.apply({"params": p}, z, method=AutoencoderKL.decode)
 
-    return dict(name="vae_decode", desc="SD1.5 VAE decode, batch 1, 64x64 -> 512x512",
-                torch=lambda: tm.decode(zt).sample, make_fn=make_fn, args=(params, jnp.asarray(z)), keep=[tm])
+    return dict(
+        name="vae_decode",
+        desc="SD1.5 VAE decode, batch 1, 64x64 -> 512x512",
+        torch=lambda: tm.decode(zt).sample,
+        make_fn=make_fn,
+        args=(params, jnp.asarray(z)),
+        keep=[tm],
+    )
 
 
 def _clip():
@@ -161,9 +173,14 @@ def _clip():
         model = CLIPTextModel(cfg)
         return lambda p, ids: model.apply({"params": p}, ids).last_hidden_state
 
-    return dict(name="clip_text", desc="SD1.5 CLIP text encoder, batch 2 x 77 tokens",
-                torch=lambda: tm(idt).last_hidden_state, make_fn=make_fn,
-                args=(params, jnp.asarray(ids.astype(np.int32))), keep=[tm])
+    return dict(
+        name="clip_text",
+        desc="SD1.5 CLIP text encoder, batch 2 x 77 tokens",
+        torch=lambda: tm(idt).last_hidden_state,
+        make_fn=make_fn,
+        args=(params, jnp.asarray(ids.astype(np.int32))),
+        keep=[tm],
+    )
 
 
 COMPONENTS = {"unet": _unet, "vae": _vae, "clip": _clip}
@@ -192,16 +209,22 @@ def bench_component(build, variants: list[str], reps: int) -> list[dict]:
         t0 = time.perf_counter()
         out = np.asarray(compiled(*comp["args"]))
         first = time.perf_counter() - t0
-        info[v] = {"compile_s": compile_s, "first_call_s": first,
-                   "max_abs_diff": float(np.abs(out - ref.reshape(out.shape)).max())}
-        print(f"  [{comp['name']}] {v}: compile {compile_s:.1f} s, first call {first:.1f} s, "
-              f"max|sdjax - torch| {info[v]['max_abs_diff']:.2e}", flush=True)
+        info[v] = {
+            "compile_s": compile_s,
+            "first_call_s": first,
+            "max_abs_diff": float(np.abs(out - ref.reshape(out.shape)).max()),
+        }
+        print(
+            f"  [{comp['name']}] {v}: compile {compile_s:.1f} s, first call {first:.1f} s, "
+            f"max|sdjax - torch| {info[v]['max_abs_diff']:.2e}",
+            flush=True,
+        )
         runs[v] = lambda c=compiled, a=comp["args"]: c(*a).block_until_ready()
         del out
     times = {k: [] for k in runs}
     names = list(runs)
     for r in range(reps):
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             if k == "torch":
                 with torch.inference_mode():
@@ -209,25 +232,38 @@ def bench_component(build, variants: list[str], reps: int) -> list[dict]:
             else:
                 runs[k]()
             times[k].append(time.perf_counter() - t0)
-        print(f"  [{comp['name']}] round {r}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
-              flush=True)
+        print(f"  [{comp['name']}] round {r}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
     tmed, tmin = statistics.median(times["torch"]), min(times["torch"])
     for k, ts in times.items():
-        rows.append({"component": comp["name"], "desc": comp["desc"], "variant": k, **info[k],
-                     "median_s": statistics.median(ts), "min_s": min(ts), "times_s": ts,
-                     "ratio_median": statistics.median(ts) / tmed, "ratio_min": min(ts) / tmin})
+        rows.append(
+            {
+                "component": comp["name"],
+                "desc": comp["desc"],
+                "variant": k,
+                **info[k],
+                "median_s": statistics.median(ts),
+                "min_s": min(ts),
+                "times_s": ts,
+                "ratio_median": statistics.median(ts) / tmed,
+                "ratio_min": min(ts) / tmin,
+            }
+        )
     del comp, runs
     gc.collect()
     return rows
 
 
 def _print_table(rows):
-    print(f"\n{'component':11s} {'variant':28s} {'compile s':>9s} {'median s':>9s} {'best s':>8s} "
-          f"{'x torch(med)':>12s} {'x torch(best)':>13s} {'max|diff|':>9s}")
+    print(
+        f"\n{'component':11s} {'variant':28s} {'compile s':>9s} {'median s':>9s} {'best s':>8s} "
+        f"{'x torch(med)':>12s} {'x torch(best)':>13s} {'max|diff|':>9s}"
+    )
     for r in rows:
         c = f"{r['compile_s']:9.1f}" if r["compile_s"] is not None else f"{'-':>9s}"
-        print(f"{r['component']:11s} {r['variant']:28s} {c} {r['median_s']:9.2f} {r['min_s']:8.2f} "
-              f"{r['ratio_median']:12.2f} {r['ratio_min']:13.2f} {r['max_abs_diff']:9.1e}")
+        print(
+            f"{r['component']:11s} {r['variant']:28s} {c} {r['median_s']:9.2f} {r['min_s']:8.2f} "
+            f"{r['ratio_median']:12.2f} {r['ratio_min']:13.2f} {r['max_abs_diff']:9.1e}"
+        )
 
 
 def main(argv=None):
@@ -242,17 +278,34 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    meta = {"jax": jax.__version__, "torch": torch.__version__, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-            "cores": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "devices": len(jax.devices())}
+    meta = {
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "cores": os.cpu_count(),
+        "loadavg_start": os.getloadavg()[0],
+        "devices": len(jax.devices()),
+    }
     rows = []
     for name in a.components:
         print(f"== {name}", flush=True)
         rows += bench_component(COMPONENTS[name], a.variants, a.reps)
     meta["loadavg_end"] = os.getloadavg()[0]
     _print_table(rows)
-    print(json.dumps({"meta": meta, "summary": [{k: r[k] for k in ("component", "variant", "compile_s", "median_s",
-                                                                   "min_s", "ratio_median", "ratio_min")}
-                                                for r in rows]}))
+    print(
+        json.dumps(
+            {
+                "meta": meta,
+                "summary": [
+                    {
+                        k: r[k]
+                        for k in ("component", "variant", "compile_s", "median_s", "min_s", "ratio_median", "ratio_min")
+                    }
+                    for r in rows
+                ],
+            }
+        )
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -29,11 +29,13 @@ def _inputs():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    return dict(sample=rng.standard_normal((2, 4, 128, 128), dtype=np.float32),
-                t=np.array([999.0, 999.0], np.float32),
-                context=rng.standard_normal((2, 77, 2048), dtype=np.float32),
-                text_embeds=rng.standard_normal((2, 1280), dtype=np.float32),
-                time_ids=np.tile(np.array([[1024, 1024, 0, 0, 1024, 1024]], np.float32), (2, 1)))
+    return dict(
+        sample=rng.standard_normal((2, 4, 128, 128), dtype=np.float32),
+        t=np.array([999.0, 999.0], np.float32),
+        context=rng.standard_normal((2, 77, 2048), dtype=np.float32),
+        text_embeds=rng.standard_normal((2, 1280), dtype=np.float32),
+        time_ids=np.tile(np.array([[1024, 1024, 0, 0, 1024, 1024]], np.float32), (2, 1)),
+    )
 
 
 def prepare(folder: Path) -> None:
@@ -54,8 +56,12 @@ def run_torch(folder: Path, reps: int, out: Path) -> dict:
     x = {k: torch.from_numpy(v) for k, v in _inputs().items()}
 
     def call():
-        return model(x["sample"], x["t"], encoder_hidden_states=x["context"],
-                     added_cond_kwargs={"text_embeds": x["text_embeds"], "time_ids": x["time_ids"]}).sample
+        return model(
+            x["sample"],
+            x["t"],
+            encoder_hidden_states=x["context"],
+            added_cond_kwargs={"text_embeds": x["text_embeds"], "time_ids": x["time_ids"]},
+        ).sample
 
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -85,8 +91,9 @@ def run_jax(folder: Path, reps: int, ref: Path) -> dict:
     x = {k: jax.numpy.asarray(v) for k, v in _inputs().items()}
 
     def f(p, x):
-        return model.apply({"params": p}, x["sample"], x["t"], x["context"], text_embeds=x["text_embeds"],
-                           time_ids=x["time_ids"])
+        return model.apply(
+            {"params": p}, x["sample"], x["t"], x["context"], text_embeds=x["text_embeds"], time_ids=x["time_ids"]
+        )
 
     t0 = time.perf_counter()
     compiled = jax.jit(f).lower(params, x).compile()
@@ -100,9 +107,16 @@ def run_jax(folder: Path, reps: int, ref: Path) -> dict:
         compiled(params, x).block_until_ready()
         times.append(time.perf_counter() - t0)
     want = np.load(ref)
-    return {"framework": "sdjax", "load_s": load_s, "compile_s": compile_s, "first_call_s": first, "times_s": times,
-            "max_abs_diff": float(np.abs(y - want).max()), "max_abs_ref": float(np.abs(want).max()),
-            "flops": float((compiled.cost_analysis() or {}).get("flops", 0.0))}
+    return {
+        "framework": "sdjax",
+        "load_s": load_s,
+        "compile_s": compile_s,
+        "first_call_s": first,
+        "times_s": times,
+        "max_abs_diff": float(np.abs(y - want).max()),
+        "max_abs_ref": float(np.abs(want).max()),
+        "flops": float((compiled.cost_analysis() or {}).get("flops", 0.0)),
+    }
 
 
 def _child(mode: str, folder: Path, reps: int, ref: Path) -> dict:
@@ -135,13 +149,20 @@ def main() -> None:
     t1, jx, t2 = runs
     torch_med = statistics.median(t1["times_s"] + t2["times_s"])
     jax_med = statistics.median(jx["times_s"])
-    result = {"workload": "SDXL UNet fp32, batch 2, 128x128 latents, 77x2048 context", "runs": runs,
-              "torch_median_s": torch_med, "sdjax_median_s": jax_med, "ratio_sdjax_over_torch": jax_med / torch_med}
-    print(f"\nSDXL UNet step (fp32, batch 2, 128x128): torch median {torch_med:.1f} s "
-          f"(runs {statistics.median(t1['times_s']):.1f} / {statistics.median(t2['times_s']):.1f}), "
-          f"sdjax median {jax_med:.1f} s -> ratio {jax_med / torch_med:.2f} (< 1: sdjax faster); "
-          f"sdjax compile {jx['compile_s']:.0f} s; max|sdjax - torch| {jx['max_abs_diff']:.1e} "
-          f"(max|torch| {jx['max_abs_ref']:.2f})")
+    result = {
+        "workload": "SDXL UNet fp32, batch 2, 128x128 latents, 77x2048 context",
+        "runs": runs,
+        "torch_median_s": torch_med,
+        "sdjax_median_s": jax_med,
+        "ratio_sdjax_over_torch": jax_med / torch_med,
+    }
+    print(
+        f"\nSDXL UNet step (fp32, batch 2, 128x128): torch median {torch_med:.1f} s "
+        f"(runs {statistics.median(t1['times_s']):.1f} / {statistics.median(t2['times_s']):.1f}), "
+        f"sdjax median {jax_med:.1f} s -> ratio {jax_med / torch_med:.2f} (< 1: sdjax faster); "
+        f"sdjax compile {jx['compile_s']:.0f} s; max|sdjax - torch| {jx['max_abs_diff']:.1e} "
+        f"(max|torch| {jx['max_abs_ref']:.2f})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -57,8 +57,9 @@ def direct(pipe, *, batch: int, images: int, steps: int, height: int, width: int
     from sdjax.metadata import GenerationRequest, generate_images
 
     def run(k: int, n: int):
-        request = GenerationRequest(prompt=f"direct {k}", num_images=n, seed=k * 1000, steps=steps, width=width,
-                                    height=height, sampler=sampler)
+        request = GenerationRequest(
+            prompt=f"direct {k}", num_images=n, seed=k * 1000, steps=steps, width=width, height=height, sampler=sampler
+        )
         return generate_images(pipe, request.images(), pad_to=batch)
 
     t0 = time.perf_counter()
@@ -75,10 +76,18 @@ def direct(pipe, *, batch: int, images: int, steps: int, height: int, width: int
         done += batch
         k += 1
     wall = time.perf_counter() - t0
-    return {"mode": f"direct, batch {batch}", "images": done, "seconds": wall, "images_per_s": done / wall,
-            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
-            "latency_p99_s": percentile(latencies, 0.99), "mean_batch": batch, "rejected": 0,
-            "first_call_s": warm}
+    return {
+        "mode": f"direct, batch {batch}",
+        "images": done,
+        "seconds": wall,
+        "images_per_s": done / wall,
+        "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p90_s": percentile(latencies, 0.9),
+        "latency_p99_s": percentile(latencies, 0.99),
+        "mean_batch": batch,
+        "rejected": 0,
+        "first_call_s": warm,
+    }
 
 
 class Server:
@@ -88,8 +97,9 @@ class Server:
         from sdjax.server import build_asgi
 
         self.app = build_asgi(pipe, config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -122,8 +132,9 @@ async def load_test(url: str, *, concurrency: int, requests: int, body: dict, ti
     issued = 0
     deadline = time.monotonic() + time_limit
 
-    async with httpx.AsyncClient(base_url=url, timeout=time_limit,
-                                 limits=httpx.Limits(max_connections=concurrency + 2)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=time_limit, limits=httpx.Limits(max_connections=concurrency + 2)
+    ) as client:
         before = (await client.get("/metrics")).text
 
         async def worker(w: int):
@@ -147,11 +158,19 @@ async def load_test(url: str, *, concurrency: int, requests: int, body: dict, ti
     batch_images = metric(after, "sdjax_batch_images_sum") - metric(before, "sdjax_batch_images_sum")
     fill = metric(after, "sdjax_batch_fill_ratio_sum") - metric(before, "sdjax_batch_fill_ratio_sum")
     ok = statuses.get(200, 0)
-    return {"mode": f"server, {concurrency} clients", "images": ok, "seconds": wall, "images_per_s": ok / wall,
-            "latency_p50_s": percentile(latencies, 0.5), "latency_p90_s": percentile(latencies, 0.9),
-            "latency_p99_s": percentile(latencies, 0.99), "mean_batch": batch_images / batches if batches else 0,
-            "mean_fill": fill / batches if batches else 0, "rejected": statuses.get(429, 0),
-            "statuses": {str(k): v for k, v in sorted(statuses.items())}}
+    return {
+        "mode": f"server, {concurrency} clients",
+        "images": ok,
+        "seconds": wall,
+        "images_per_s": ok / wall,
+        "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p90_s": percentile(latencies, 0.9),
+        "latency_p99_s": percentile(latencies, 0.99),
+        "mean_batch": batch_images / batches if batches else 0,
+        "mean_fill": fill / batches if batches else 0,
+        "rejected": statuses.get(429, 0),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+    }
 
 
 def main(argv=None) -> dict:
@@ -166,10 +185,17 @@ def main(argv=None) -> dict:
     p.add_argument("--concurrency", default="1,4,16", help="client counts, comma-separated")
     p.add_argument("--requests", type=int, default=32, help="requests (= images) per phase")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds per server phase at most")
-    p.add_argument("--fake-delay", type=float, default=None,
-                   help="use the tests' fake pipeline taking this many seconds per batch (measures the server)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="serve without per-step progress callbacks (the direct phases never use them)")
+    p.add_argument(
+        "--fake-delay",
+        type=float,
+        default=None,
+        help="use the tests' fake pipeline taking this many seconds per batch (measures the server)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="serve without per-step progress callbacks (the direct phases never use them)",
+    )
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     args.size = tuple(int(x) for x in args.size.split("x")) if args.size else (64, 64)
@@ -185,33 +211,65 @@ def main(argv=None) -> dict:
     height, width = (args.size[1], args.size[0]) if size_given else pipe.default_size
     steps = args.steps or pipe.default_steps
     sampler = args.sampler or pipe.default_sampler
-    rows = [direct(pipe, batch=1, images=args.requests, steps=steps, height=height, width=width, sampler=sampler),
-            direct(pipe, batch=args.max_batch, images=args.requests, steps=steps, height=height, width=width,
-                   sampler=sampler)]
-    config = ServerConfig(model_name=model_name, max_batch=args.max_batch, batch_window_s=args.window_ms / 1000,
-                          max_queue_images=max(64, 4 * args.max_batch), request_timeout_s=args.time_limit,
-                          warm_sizes=((width, height),), limits=Limits(max_size=max(1024, width, height)),
-                          progress=not args.no_progress, default_steps=steps, default_sampler=sampler)
+    rows = [
+        direct(pipe, batch=1, images=args.requests, steps=steps, height=height, width=width, sampler=sampler),
+        direct(
+            pipe, batch=args.max_batch, images=args.requests, steps=steps, height=height, width=width, sampler=sampler
+        ),
+    ]
+    config = ServerConfig(
+        model_name=model_name,
+        max_batch=args.max_batch,
+        batch_window_s=args.window_ms / 1000,
+        max_queue_images=max(64, 4 * args.max_batch),
+        request_timeout_s=args.time_limit,
+        warm_sizes=((width, height),),
+        limits=Limits(max_size=max(1024, width, height)),
+        progress=not args.no_progress,
+        default_steps=steps,
+        default_sampler=sampler,
+    )
     body = {"n": 1, "size": f"{width}x{height}", "steps": steps, "sampler": sampler}
     with Server(pipe, config) as server:
         for c in [int(x) for x in args.concurrency.split(",")]:
-            asyncio.run(load_test(server.url, concurrency=c, requests=min(args.max_batch, args.requests), body=body,
-                                  time_limit=args.time_limit))  # warm: compiles any batch size not yet compiled
-            rows.append(asyncio.run(load_test(server.url, concurrency=c, requests=args.requests, body=body,
-                                              time_limit=args.time_limit)))
+            asyncio.run(
+                load_test(
+                    server.url,
+                    concurrency=c,
+                    requests=min(args.max_batch, args.requests),
+                    body=body,
+                    time_limit=args.time_limit,
+                )
+            )  # warm: compiles any batch size not yet compiled
+            rows.append(
+                asyncio.run(
+                    load_test(server.url, concurrency=c, requests=args.requests, body=body, time_limit=args.time_limit)
+                )
+            )
     result = {
-        "model": model_name, "size": f"{width}x{height}", "steps": steps, "sampler": sampler, "dtype": args.dtype,
-        "max_batch": args.max_batch, "window_ms": args.window_ms, "requests_per_phase": args.requests,
+        "model": model_name,
+        "size": f"{width}x{height}",
+        "steps": steps,
+        "sampler": sampler,
+        "dtype": args.dtype,
+        "max_batch": args.max_batch,
+        "window_ms": args.window_ms,
+        "requests_per_phase": args.requests,
         "server_progress_callbacks": not args.no_progress,
-        "load_s": load_s, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
-        "host": f"{platform.machine()}, {os.cpu_count()} cpus", "rows": rows,
+        "load_s": load_s,
+        "device": str(jax.devices()[0].device_kind),
+        "devices": jax.device_count(),
+        "host": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "rows": rows,
     }
     header = f"{'mode':<22}{'images/s':>10}{'p50 s':>9}{'p90 s':>9}{'p99 s':>9}{'batch':>7}{'429':>6}"
     print(f"{model_name} {width}x{height}, {steps} steps, {sampler}, {result['device']} x{result['devices']}")
     print(header)
     for r in rows:
-        print(f"{r['mode']:<22}{r['images_per_s']:>10.2f}{r['latency_p50_s']:>9.3f}{r['latency_p90_s']:>9.3f}"
-              f"{r['latency_p99_s']:>9.3f}{r['mean_batch']:>7.2f}{r['rejected']:>6}")
+        print(
+            f"{r['mode']:<22}{r['images_per_s']:>10.2f}{r['latency_p50_s']:>9.3f}{r['latency_p90_s']:>9.3f}"
+            f"{r['latency_p99_s']:>9.3f}{r['mean_batch']:>7.2f}{r['rejected']:>6}"
+        )
     print(json.dumps(result))
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2))

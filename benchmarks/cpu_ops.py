@@ -44,7 +44,7 @@ def _bench(variants: dict, reps: int) -> dict[str, list[float]]:
         variants[n]()
     times = {n: [] for n in names}
     for r in range(reps):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             variants[n]()
@@ -83,6 +83,7 @@ def _cases():
         def run():
             with torch.inference_mode():
                 fn()
+
         return run
 
     # ---- 3x3 / 1x1 convolutions (NHWC activations, HWIO kernels)
@@ -99,21 +100,26 @@ def _cases():
             v = {"torch": torch_variant(lambda: torch.nn.functional.conv2d(xt, kt, bt, stride=stride, padding=pad))}
 
             def nchw(x, k, bb):
-                y = lax.conv_general_dilated(x, k, (stride, stride), ((pad, pad), (pad, pad)),
-                                             dimension_numbers=("NCHW", "OIHW", "NCHW"))
+                y = lax.conv_general_dilated(
+                    x, k, (stride, stride), ((pad, pad), (pad, pad)), dimension_numbers=("NCHW", "OIHW", "NCHW")
+                )
                 return y + bb[None, :, None, None]
 
-            for impl in (("xla", "shifted", "im2col") if k > 1 else ("xla",)):
+            for impl in ("xla", "shifted", "im2col") if k > 1 else ("xla",):
                 fn = lambda x, k_, bb, impl=impl: conv2d(x, k_, bb, stride=stride, padding=pad, impl=impl)
                 v[f"nhwc-{impl}/ynn"] = jit_variant(fn, (xj, kj, bj))
                 v[f"nhwc-{impl}/eigen"] = jit_variant(fn, (xj, kj, bj), NO_YNN)
             v["nchw-xla/ynn"] = jit_variant(nchw, (xj_nchw, kj_oihw, bj))
             v["nchw-xla/eigen"] = jit_variant(nchw, (xj_nchw, kj_oihw, bj), NO_YNN)
             v["nhwc-xla-HIGHEST/ynn"] = jit_variant(
-                lambda x, k_, bb: conv2d(x, k_, bb, stride=stride, padding=pad, impl="xla",
-                                         precision=lax.Precision.HIGHEST), (xj, kj, bj))
+                lambda x, k_, bb: conv2d(
+                    x, k_, bb, stride=stride, padding=pad, impl="xla", precision=lax.Precision.HIGHEST
+                ),
+                (xj, kj, bj),
+            )
             ho, wo = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
             return v, 2 * b * ho * wo * cout * cin * k * k
+
         return build
 
     # ---- GroupNorm(32) + SiLU (ResnetBlock2D's norm1/act), NHWC
@@ -132,11 +138,15 @@ def _cases():
                 y = ((xg - m) * lax.rsqrt(var + 1e-5)).reshape(x.shape) * s + bb
                 return jax.nn.silu(y)
 
-            v = {"torch": torch_variant(lambda: torch.nn.functional.silu(
-                torch.nn.functional.group_norm(xt, 32, st, bt, 1e-5)))}
+            v = {
+                "torch": torch_variant(
+                    lambda: torch.nn.functional.silu(torch.nn.functional.group_norm(xt, 32, st, bt, 1e-5))
+                )
+            }
             v["jax/ynn"] = jit_variant(gn_silu, (xj, sj, bj))
             v["jax/eigen"] = jit_variant(gn_silu, (xj, sj, bj), NO_YNN)
             return v, None
+
         return build
 
     # ---- dense layers (tokens x in) @ (in x out)
@@ -148,9 +158,11 @@ def _cases():
             v = {"torch": torch_variant(lambda: torch.nn.functional.linear(xt, wt))}
             v["jax/ynn"] = jit_variant(jnp.matmul, (xj, wj))
             v["jax/eigen"] = jit_variant(jnp.matmul, (xj, wj), NO_YNN)
-            v["jax-HIGHEST/ynn"] = jit_variant(lambda a, b_: jnp.matmul(a, b_, precision=lax.Precision.HIGHEST),
-                                               (xj, wj))
+            v["jax-HIGHEST/ynn"] = jit_variant(
+                lambda a, b_: jnp.matmul(a, b_, precision=lax.Precision.HIGHEST), (xj, wj)
+            )
             return v, 2 * m * k * n
+
         return build
 
     # ---- attention on projected (B, T, H*D) inputs
@@ -162,12 +174,15 @@ def _cases():
 
             def torch_materialized():  # diffusers AttnProcessor (not 2_0): baddbmm + softmax + bmm
                 qq, kk, vv = (a.reshape(b * heads, -1, d) for a in (qt, kt, vt))
-                p = torch.baddbmm(torch.empty(qq.shape[0], t, s), qq, kk.transpose(1, 2), beta=0,
-                                  alpha=1 / math.sqrt(d)).softmax(-1)
+                p = torch.baddbmm(
+                    torch.empty(qq.shape[0], t, s), qq, kk.transpose(1, 2), beta=0, alpha=1 / math.sqrt(d)
+                ).softmax(-1)
                 return torch.bmm(p, vv)
 
-            v = {"torch-sdpa": torch_variant(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)),
-                 "torch-materialized": torch_variant(torch_materialized)}
+            v = {
+                "torch-sdpa": torch_variant(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)),
+                "torch-materialized": torch_variant(torch_materialized),
+            }
             for impl in attn_ops.IMPLEMENTATIONS:
                 if impl == "auto":
                     continue
@@ -175,6 +190,7 @@ def _cases():
                 v[f"{impl}/ynn"] = jit_variant(fn, (qj, kj, vj))
                 v[f"{impl}/eigen"] = jit_variant(fn, (qj, kj, vj), NO_YNN)
             return v, 4 * b * heads * t * s * d
+
         return build
 
     # ---- elementwise / normalization pieces of the transformer block
@@ -192,6 +208,7 @@ def _cases():
             v["jax/ynn"] = jit_variant(ln, (xj,))
             v["jax/eigen"] = jit_variant(ln, (xj,), NO_YNN)
             return v, None
+
         return build
 
     def geglu_case(m, c):
@@ -207,6 +224,7 @@ def _cases():
             v["jax/ynn"] = jit_variant(geglu, (xj,))
             v["jax/eigen"] = jit_variant(geglu, (xj,), NO_YNN)
             return v, None
+
         return build
 
     def softmax_case(n, t, s):
@@ -217,22 +235,36 @@ def _cases():
             v["jax/ynn"] = jit_variant(lambda a: jax.nn.softmax(a, axis=-1), (xj,))
             v["jax/eigen"] = jit_variant(lambda a: jax.nn.softmax(a, axis=-1), (xj,), NO_YNN)
             return v, None
+
         return build
 
     c = {}
-    for (h, cin, cout, stride) in [(64, 320, 320, 1), (32, 640, 640, 1), (16, 1280, 1280, 1), (8, 1280, 1280, 1),
-                                   (32, 320, 640, 1), (16, 640, 1280, 1), (64, 640, 320, 1), (32, 1280, 640, 1),
-                                   (16, 2560, 1280, 1), (64, 320, 320, 2), (16, 1280, 1280, 2)]:
+    for h, cin, cout, stride in [
+        (64, 320, 320, 1),
+        (32, 640, 640, 1),
+        (16, 1280, 1280, 1),
+        (8, 1280, 1280, 1),
+        (32, 320, 640, 1),
+        (16, 640, 1280, 1),
+        (64, 640, 320, 1),
+        (32, 1280, 640, 1),
+        (16, 2560, 1280, 1),
+        (64, 320, 320, 2),
+        (16, 1280, 1280, 2),
+    ]:
         desc = f"3x3 s{stride} (2,{h},{h},{cin})->{cout}"
         c[f"conv3x3_{h}_{cin}_{cout}_s{stride}"] = ("conv3x3", desc, conv_case(2, h, h, cin, cout, 3, stride, 1))
-    for (h, cin, cout) in [(64, 320, 320), (64, 640, 320), (32, 1280, 640)]:
-        c[f"conv1x1_{h}_{cin}_{cout}"] = ("conv1x1", f"1x1 (2,{h},{h},{cin})->{cout}",
-                                          conv_case(2, h, h, cin, cout, 1, 1, 0))
-    for (h, ch) in [(64, 320), (32, 640), (16, 1280)]:
+    for h, cin, cout in [(64, 320, 320), (64, 640, 320), (32, 1280, 640)]:
+        c[f"conv1x1_{h}_{cin}_{cout}"] = (
+            "conv1x1",
+            f"1x1 (2,{h},{h},{cin})->{cout}",
+            conv_case(2, h, h, cin, cout, 1, 1, 0),
+        )
+    for h, ch in [(64, 320), (32, 640), (16, 1280)]:
         c[f"gn_silu_{h}_{ch}"] = ("norm", f"GroupNorm32+SiLU (2,{h},{h},{ch})", gn_case(2, h, h, ch))
-    for (m, k, n) in [(8192, 320, 320), (8192, 320, 2560), (8192, 1280, 320), (2048, 640, 5120), (512, 1280, 1280)]:
+    for m, k, n in [(8192, 320, 320), (8192, 320, 2560), (8192, 1280, 320), (2048, 640, 5120), (512, 1280, 1280)]:
         c[f"dense_{m}_{k}_{n}"] = ("dense", f"({m},{k})@({k},{n})", dense_case(m, k, n))
-    for (t, s, heads, d) in [(4096, 4096, 8, 40), (4096, 77, 8, 40), (1024, 1024, 8, 80), (256, 256, 8, 160)]:
+    for t, s, heads, d in [(4096, 4096, 8, 40), (4096, 77, 8, 40), (1024, 1024, 8, 80), (256, 256, 8, 160)]:
         c[f"attention_{t}_{s}_{d}"] = ("attention", f"B2 T{t} S{s} {heads}x{d}", attention_case(2, t, s, heads, d))
     c["layernorm_8192_320"] = ("elementwise", "LayerNorm (8192,320)", layernorm_case(8192, 320))
     c["geglu_8192_1280"] = ("elementwise", "GEGLU a*gelu(g) (8192,2x1280)", geglu_case(8192, 1280))
@@ -240,8 +272,14 @@ def _cases():
     return c
 
 
-SWEEP_CASES = ["conv3x3_64_320_320_s1", "conv3x3_16_1280_1280_s1", "conv1x1_64_640_320", "dense_8192_320_2560",
-               "gn_silu_64_320", "attention_4096_4096_40"]
+SWEEP_CASES = [
+    "conv3x3_64_320_320_s1",
+    "conv3x3_16_1280_1280_s1",
+    "conv1x1_64_640_320",
+    "dense_8192_320_2560",
+    "gn_silu_64_320",
+    "attention_4096_4096_40",
+]
 SWEEP_FLAGS = [
     "",
     "--xla_cpu_experimental_ynn_fusion_type=",
@@ -267,9 +305,16 @@ def _meta():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "torch": torch.__version__,
-            "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "cpu": cpu, "cores": os.cpu_count(),
-            "loadavg": os.getloadavg()[0], "python": platform.python_version()}
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "torch": torch.__version__,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "loadavg": os.getloadavg()[0],
+        "python": platform.python_version(),
+    }
 
 
 def run(case_names: list[str] | None, groups: list[str] | None, reps: int) -> dict:
@@ -277,9 +322,12 @@ def run(case_names: list[str] | None, groups: list[str] | None, reps: int) -> di
 
     torch.set_num_threads(os.cpu_count() or 1)
     cases = _cases()
-    selected = [n for n, (g, _, _) in cases.items()
-                if (not case_names or n in case_names or any(n.startswith(p) for p in case_names))
-                and (not groups or g in groups)]
+    selected = [
+        n
+        for n, (g, _, _) in cases.items()
+        if (not case_names or n in case_names or any(n.startswith(p) for p in case_names))
+        and (not groups or g in groups)
+    ]
     results = []
     for name in selected:
         group, desc, build = cases[name]
@@ -289,10 +337,21 @@ def run(case_names: list[str] | None, groups: list[str] | None, reps: int) -> di
         ref_med, ref_min = _median(times[ref]), min(times[ref])
         for vname, ts in times.items():
             med, best = _median(ts), min(ts)
-            results.append({"case": name, "group": group, "desc": desc, "variant": vname, "median_ms": med * 1e3,
-                            "min_ms": best * 1e3, "ratio_median": med / ref_med, "ratio_min": best / ref_min,
-                            "gflops_best": flops / best / 1e9 if flops else None, "reps": len(ts)})
-        _print_case(results[-len(times):])
+            results.append(
+                {
+                    "case": name,
+                    "group": group,
+                    "desc": desc,
+                    "variant": vname,
+                    "median_ms": med * 1e3,
+                    "min_ms": best * 1e3,
+                    "ratio_median": med / ref_med,
+                    "ratio_min": best / ref_min,
+                    "gflops_best": flops / best / 1e9 if flops else None,
+                    "reps": len(ts),
+                }
+            )
+        _print_case(results[-len(times) :])
         del variants
     return {"meta": _meta(), "results": results}
 
@@ -300,12 +359,17 @@ def run(case_names: list[str] | None, groups: list[str] | None, reps: int) -> di
 def _print_case(rows):
     r0 = rows[0]
     print(f"\n{r0['case']}  [{r0['desc']}]")
-    print(f"  {'variant':28s} {'median ms':>10s} {'best ms':>9s} {'x torch(med)':>12s} {'x torch(best)':>13s} "
-          f"{'GFLOP/s':>8s}")
+    print(
+        f"  {'variant':28s} {'median ms':>10s} {'best ms':>9s} {'x torch(med)':>12s} {'x torch(best)':>13s} "
+        f"{'GFLOP/s':>8s}"
+    )
     for r in rows:
         gf = f"{r['gflops_best']:8.1f}" if r["gflops_best"] else " " * 8
-        print(f"  {r['variant']:28s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio_median']:12.2f} "
-              f"{r['ratio_min']:13.2f} {gf}", flush=True)
+        print(
+            f"  {r['variant']:28s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio_median']:12.2f} "
+            f"{r['ratio_min']:13.2f} {gf}",
+            flush=True,
+        )
 
 
 def flag_sweep(reps: int, cases: list[str]) -> dict:
@@ -320,13 +384,24 @@ def flag_sweep(reps: int, cases: list[str]) -> dict:
             print(f"  failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
             out["sweep"].append({"XLA_FLAGS": flags, "error": proc.stderr[-2000:]})
             continue
-        data = json.loads(proc.stdout[proc.stdout.index("{"):])
+        data = json.loads(proc.stdout[proc.stdout.index("{") :])
         out["meta"] = out["meta"] or data["meta"]
         for r in data["results"]:
-            if r["variant"] in ("nhwc-xla/ynn", "nhwc-xla/eigen", "jax/ynn", "jax/eigen", "xla/ynn", "chunked/ynn",
-                                "chunked/eigen", "xla/eigen"):
-                print(f"  {r['case']:28s} {r['variant']:16s} x torch: median {r['ratio_median']:.2f}  "
-                      f"best {r['ratio_min']:.2f}   ({r['min_ms']:.1f} ms)", flush=True)
+            if r["variant"] in (
+                "nhwc-xla/ynn",
+                "nhwc-xla/eigen",
+                "jax/ynn",
+                "jax/eigen",
+                "xla/ynn",
+                "chunked/ynn",
+                "chunked/eigen",
+                "xla/eigen",
+            ):
+                print(
+                    f"  {r['case']:28s} {r['variant']:16s} x torch: median {r['ratio_median']:.2f}  "
+                    f"best {r['ratio_min']:.2f}   ({r['min_ms']:.1f} ms)",
+                    flush=True,
+                )
         out["sweep"].append({"XLA_FLAGS": flags, "results": data["results"]})
     return out
 

@@ -27,10 +27,13 @@ def report(name: str, got, want) -> None:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     diff = np.abs(got - want)
     big = np.abs(want) > 1e-2 * np.abs(want).max()
-    print(f"{name}: shape {want.shape}, max |ref| {np.abs(want).max():.4g}, max abs err {diff.max():.3e}, "
-          f"max abs err / max |ref| {diff.max() / np.abs(want).max():.3e}, "
-          f"max rel err where |ref| > 1% of max {(diff[big] / np.abs(want[big])).max():.3e}, "
-          f"mean abs err {diff.mean():.3e}", flush=True)
+    print(
+        f"{name}: shape {want.shape}, max |ref| {np.abs(want).max():.4g}, max abs err {diff.max():.3e}, "
+        f"max abs err / max |ref| {diff.max() / np.abs(want).max():.3e}, "
+        f"max rel err where |ref| > 1% of max {(diff[big] / np.abs(want[big])).max():.3e}, "
+        f"mean abs err {diff.mean():.3e}",
+        flush=True,
+    )
 
 
 def check_unet(attention: str, split_head_dim: bool) -> None:
@@ -38,7 +41,7 @@ def check_unet(attention: str, split_head_dim: bool) -> None:
     import jax.numpy as jnp
     import torch
 
-    from sdjax.loading.config import config_from_dict
+    from sdjax.config import config_from_dict
     from sdjax.models import unet as U
 
     rng = np.random.default_rng(0)

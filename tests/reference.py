@@ -13,33 +13,72 @@ import numpy as np
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "sdjax" / "assets" / "clip_tokenizer"
 
 CLIP_SD1 = dict(
-    vocab_size=49408, hidden_size=32, intermediate_size=37, num_hidden_layers=5, num_attention_heads=4,
-    max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5, projection_dim=32,
-    bos_token_id=49406, eos_token_id=49407, pad_token_id=1,
+    vocab_size=49408,
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    max_position_embeddings=77,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+    projection_dim=32,
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=1,
 )
 CLIP_SD2 = {**CLIP_SD1, "hidden_act": "gelu", "num_attention_heads": 2}
 CLIP_SDXL_1 = {**CLIP_SD1, "hidden_act": "quick_gelu"}
-CLIP_SDXL_2 = {**CLIP_SD1, "hidden_act": "gelu", "hidden_size": 48, "intermediate_size": 64,
-               "num_attention_heads": 4, "projection_dim": 40}
+CLIP_SDXL_2 = {
+    **CLIP_SD1,
+    "hidden_act": "gelu",
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "projection_dim": 40,
+}
 
 UNET_SD1 = dict(
-    sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    attention_head_dim=8,
+    norm_num_groups=32,
 )
 UNET_SD2 = {**UNET_SD1, "attention_head_dim": (2, 4), "use_linear_projection": True, "upcast_attention": True}
 UNET_SDXL = dict(
-    sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-    attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
-    addition_time_embed_dim=8, transformer_layers_per_block=(1, 2), projection_class_embeddings_input_dim=88,
-    cross_attention_dim=80, norm_num_groups=32,
+    sample_size=8,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(32, 64),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(2, 4),
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    transformer_layers_per_block=(1, 2),
+    projection_class_embeddings_input_dim=88,
+    cross_attention_dim=80,
+    norm_num_groups=32,
 )  # 88 = 6 * addition_time_embed_dim + text_encoder_2 projection_dim; 80 = 32 + 48 hidden sizes
 
 VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 32, 64, 64), layers_per_block=1,
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
-    sample_size=64, scaling_factor=0.18215,
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(32, 32, 64, 64),
+    layers_per_block=1,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    norm_num_groups=32,
+    sample_size=64,
+    scaling_factor=0.18215,
 )
 VAE_SDXL = {**VAE, "scaling_factor": 0.13025, "force_upcast": True}
 
@@ -72,8 +111,9 @@ def perturb_norms(module, seed: int = 0) -> None:
 def clip_tokenizer(pad_token: str = "<|endoftext|>"):
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer(str(ASSETS / "vocab.json"), str(ASSETS / "merges.txt"), pad_token=pad_token,
-                         model_max_length=77)
+    return CLIPTokenizer(
+        str(ASSETS / "vocab.json"), str(ASSETS / "merges.txt"), pad_token=pad_token, model_max_length=77
+    )
 
 
 def text_encoder(config: dict, with_projection: bool = False, seed: int = 0):
@@ -113,14 +153,21 @@ def sd_pipeline(kind: str = "sd1", seed: int = 0):
         sched = PNDMScheduler(**beta, skip_prk_steps=True, set_alpha_to_one=False, steps_offset=1)
         te, un = text_encoder(CLIP_SD1, seed=seed), unet(UNET_SD1, seed=seed + 1)
     elif kind == "sd2":
-        sched = DDIMScheduler(**beta, prediction_type="v_prediction", set_alpha_to_one=False, steps_offset=1,
-                              clip_sample=False)
+        sched = DDIMScheduler(
+            **beta, prediction_type="v_prediction", set_alpha_to_one=False, steps_offset=1, clip_sample=False
+        )
         te, un = text_encoder(CLIP_SD2, seed=seed), unet(UNET_SD2, seed=seed + 1)
     else:
         raise ValueError(kind)
     return StableDiffusionPipeline(
-        vae=vae(VAE, seed=seed + 2), text_encoder=te, tokenizer=clip_tokenizer(), unet=un, scheduler=sched,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=vae(VAE, seed=seed + 2),
+        text_encoder=te,
+        tokenizer=clip_tokenizer(),
+        unet=un,
+        scheduler=sched,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
 
 
@@ -128,11 +175,21 @@ def sdxl_pipeline(seed: int = 0):
     """A tiny diffusers StableDiffusionXLPipeline (Euler, two text encoders, second tokenizer pads with '!')."""
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-    sched = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                   num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+    sched = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
     return StableDiffusionXLPipeline(
-        vae=vae(VAE_SDXL, seed=seed + 2), text_encoder=text_encoder(CLIP_SDXL_1, seed=seed),
+        vae=vae(VAE_SDXL, seed=seed + 2),
+        text_encoder=text_encoder(CLIP_SDXL_1, seed=seed),
         text_encoder_2=text_encoder(CLIP_SDXL_2, with_projection=True, seed=seed + 3),
-        tokenizer=clip_tokenizer(), tokenizer_2=clip_tokenizer(pad_token="!"), unet=unet(UNET_SDXL, seed=seed + 1),
-        scheduler=sched, force_zeros_for_empty_prompt=True,
+        tokenizer=clip_tokenizer(),
+        tokenizer_2=clip_tokenizer(pad_token="!"),
+        unet=unet(UNET_SDXL, seed=seed + 1),
+        scheduler=sched,
+        force_zeros_for_empty_prompt=True,
     )

@@ -52,8 +52,10 @@ def test_compiler_options_compile_and_agree(mode):
     tuned = jax.jit(f, compiler_options=runtime.cpu_compiler_options(mode))(x, k)
     np.testing.assert_allclose(np.asarray(tuned), np.asarray(jax.jit(f)(x, k)), rtol=1e-5, atol=1e-6)
     if mode == "eigen":
-        assert "__ynn_fusion" not in jax.jit(f).lower(x, k).compile(
-            compiler_options=runtime.cpu_compiler_options(mode)).as_text()
+        assert (
+            "__ynn_fusion"
+            not in jax.jit(f).lower(x, k).compile(compiler_options=runtime.cpu_compiler_options(mode)).as_text()
+        )
 
 
 def test_configure_before_backend_start_in_a_fresh_process():

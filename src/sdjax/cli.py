@@ -37,10 +37,15 @@ class DType(str, enum.Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
 
+
 app = typer.Typer(
-    name="sdjax", no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+    name="sdjax",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
     help="Stable Diffusion in JAX: generate images, serve an HTTP API and web page, read PNG parameters.",
-    context_settings={"help_option_names": ["-h", "--help"]})
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
 
 def _version_callback(value: bool) -> None:
@@ -52,8 +57,11 @@ def _version_callback(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
-                                                help="Print the version and exit.")] = False) -> None:
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """Stable Diffusion in JAX: generate images, serve an HTTP API and web page, read PNG parameters."""
 
 
@@ -92,8 +100,11 @@ class Timings:
 class _CompileClock:
     """Sums JAX's compile-time events (tracing, lowering, backend compile) while active."""
 
-    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-              "/jax/core/compile/backend_compile_duration")
+    EVENTS = (
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    )
 
     def __init__(self):
         self.seconds = 0.0
@@ -157,8 +168,9 @@ class _Reporter:
                     self.progress.start_task(self.denoise_task)
             self.last_step_time = now
             if self.progress is not None:
-                self.progress.update(self.denoise_task, total=total * self.num_batches, visible=True,
-                                     completed=self.batch * total + step)
+                self.progress.update(
+                    self.denoise_task, total=total * self.num_batches, visible=True, completed=self.batch * total + step
+                )
         elif stage == "denoise" and total and not self.total:
             self.total = total
 
@@ -176,8 +188,15 @@ class _Reporter:
 
 
 def _progress_bars(console: Console) -> Progress:
-    return Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("{task.description}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=False)
+    return Progress(
+        SpinnerColumn(finished_text="[green]✓"),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -208,25 +227,46 @@ def image_grid(arrays, cols: int | None = None):
 def generate(
     prompt: Annotated[str, typer.Argument(help="What to draw.")],
     negative_prompt: Annotated[str, typer.Option("--negative-prompt", "-n", help="What not to draw.")] = "",
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model.")] = None,
-    sampler: Annotated[str | None, typer.Option(
-        help="Sampler name, e.g. euler_a, ddim, 'DPM++ 2M Karras'. Default: the model's scheduler.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model."
+        ),
+    ] = None,
+    sampler: Annotated[
+        str | None,
+        typer.Option(help="Sampler name, e.g. euler_a, ddim, 'DPM++ 2M Karras'. Default: the model's scheduler."),
+    ] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Sampling steps. Default: the pipeline's (50).")] = None,
-    guidance_scale: Annotated[float, typer.Option(
-        "--guidance-scale", "-g", min=0.0, help="Classifier-free guidance (CFG) scale.")] = 7.5,
-    width: Annotated[int | None, typer.Option("--width", "-W", min=8, help="Width in pixels, a multiple of 8. "
-                                                                           "Default: the model's.")] = None,
-    height: Annotated[int | None, typer.Option("--height", "-H", min=8, help="Height in pixels, a multiple of 8. "
-                                                                             "Default: the model's.")] = None,
-    seed: Annotated[int, typer.Option("--seed", "-s", min=-1, max=metadata.SEED_MAX,
-                                      help="Seed of the first image; image i uses seed + i. -1: random.")] = 0,
+    guidance_scale: Annotated[
+        float, typer.Option("--guidance-scale", "-g", min=0.0, help="Classifier-free guidance (CFG) scale.")
+    ] = 7.5,
+    width: Annotated[
+        int | None, typer.Option("--width", "-W", min=8, help="Width in pixels, a multiple of 8. Default: the model's.")
+    ] = None,
+    height: Annotated[
+        int | None,
+        typer.Option("--height", "-H", min=8, help="Height in pixels, a multiple of 8. Default: the model's."),
+    ] = None,
+    seed: Annotated[
+        int,
+        typer.Option(
+            "--seed",
+            "-s",
+            min=-1,
+            max=metadata.SEED_MAX,
+            help="Seed of the first image; image i uses seed + i. -1: random.",
+        ),
+    ] = 0,
     num_images: Annotated[int, typer.Option("--num-images", "-N", min=1, help="How many images.")] = 1,
-    batch_size: Annotated[int | None, typer.Option(
-        min=1, help="Images per compiled batch (does not change the images). Default: all at once.")] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(min=1, help="Images per compiled batch (does not change the images). Default: all at once."),
+    ] = None,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
     out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Output folder (created).")] = Path(
-        "outputs"),
+        "outputs"
+    ),
     grid: Annotated[bool, typer.Option("--grid", help="Also write all images as one grid PNG.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or timing summary.")] = False,
 ) -> None:
@@ -236,7 +276,7 @@ def generate(
     timings = Timings()
     t_start = time.perf_counter()
     bars = None if quiet else _progress_bars(err)
-    with _CompileClock() as clock, (bars or _Null()):
+    with _CompileClock() as clock, bars or _Null():
         task = bars.add_task(f"Loading {model or 'the embedded model'}", total=None) if bars else None
         t0 = time.perf_counter()
         try:
@@ -244,18 +284,31 @@ def generate(
         except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
             if bars:
                 bars.stop()
-            err.print(f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}", highlight=False,
-                      soft_wrap=True)
+            err.print(
+                f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(1) from None
         timings.load = time.perf_counter() - t0
         if bars:
             bars.update(task, total=1, completed=1)
-        request = _request(pipe, prompt=prompt, negative_prompt=negative_prompt, model=model, sampler=sampler,
-                           steps=steps, guidance_scale=guidance_scale, width=width, height=height, seed=seed,
-                           num_images=num_images)
+        request = _request(
+            pipe,
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            model=model,
+            sampler=sampler,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            width=width,
+            height=height,
+            seed=seed,
+            num_images=num_images,
+        )
         images = request.images()
         size = batch_size or len(images)
-        batches = [images[i:i + size] for i in range(0, len(images), size)]
+        batches = [images[i : i + size] for i in range(0, len(images), size)]
         reporter = _Reporter(bars, len(batches))
         arrays = []
         compile_before = clock.seconds
@@ -296,20 +349,31 @@ class _Null:
         return False
 
 
-def _request(pipe, *, prompt, negative_prompt, model, sampler, steps, guidance_scale, width, height, seed,
-             num_images) -> metadata.GenerationRequest:
+def _request(
+    pipe, *, prompt, negative_prompt, model, sampler, steps, guidance_scale, width, height, seed, num_images
+) -> metadata.GenerationRequest:
     """Resolve defaults from the pipeline and check everything before anything compiles."""
     import random
 
     dh, dw = pipe.default_size
     request = metadata.GenerationRequest(
-        prompt=prompt, negative_prompt=negative_prompt, num_images=num_images,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        num_images=num_images,
         seed=random.SystemRandom().randrange(metadata.SEED_MAX + 1) if seed == -1 else seed,
-        steps=steps or pipe.default_steps, guidance_scale=guidance_scale, width=width or dw, height=height or dh,
-        sampler=sampler or pipe.default_sampler, model=metadata.model_label(model))
-    for hint, kwargs in (("--sampler", dict(sampler=request.sampler)), ("--steps", dict(steps=request.steps)),
-                         ("--width/--height", dict(height=request.height, width=request.width)),
-                         ("PROMPT", dict(prompts=[prompt], negative_prompts=[negative_prompt]))):
+        steps=steps or pipe.default_steps,
+        guidance_scale=guidance_scale,
+        width=width or dw,
+        height=height or dh,
+        sampler=sampler or pipe.default_sampler,
+        model=metadata.model_label(model),
+    )
+    for hint, kwargs in (
+        ("--sampler", dict(sampler=request.sampler)),
+        ("--steps", dict(steps=request.steps)),
+        ("--width/--height", dict(height=request.height, width=request.width)),
+        ("PROMPT", dict(prompts=[prompt], negative_prompts=[negative_prompt])),
+    ):
         try:
             pipe.validate(**kwargs)
         except (ValueError, KeyError) as e:
@@ -318,8 +382,12 @@ def _request(pipe, *, prompt, negative_prompt, model, sampler, steps, guidance_s
 
 
 def _summary(console: Console, t: Timings, total: float, n: int, request: metadata.GenerationRequest) -> None:
-    table = Table(title=f"{n} image(s), {request.width}x{request.height}, {request.steps} steps, "
-                        f"{request.sampler}", title_justify="left", show_header=True, header_style="bold")
+    table = Table(
+        title=f"{n} image(s), {request.width}x{request.height}, {request.steps} steps, {request.sampler}",
+        title_justify="left",
+        show_header=True,
+        header_style="bold",
+    )
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     table.add_row("load model", f"{t.load:.2f}")
@@ -351,38 +419,66 @@ def _parse_size(text: str, option: str) -> tuple[int, int]:
 
 @app.command()
 def serve(
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
     max_batch: Annotated[int, typer.Option(min=1, help="Most images in one compiled batch.")] = 8,
-    batch_sizes: Annotated[str | None, typer.Option(
-        help="Compiled batch sizes, comma-separated (a batch is padded to the next). Default: powers of two up "
-             "to --max-batch.")] = None,
-    batch_window_ms: Annotated[float, typer.Option(
-        min=0.0, help="How long the oldest waiting request waits for others to share its batch.")] = 10.0,
+    batch_sizes: Annotated[
+        str | None,
+        typer.Option(
+            help="Compiled batch sizes, comma-separated (a batch is padded to the next). Default: powers of two up "
+            "to --max-batch."
+        ),
+    ] = None,
+    batch_window_ms: Annotated[
+        float, typer.Option(min=0.0, help="How long the oldest waiting request waits for others to share its batch.")
+    ] = 10.0,
     max_queue: Annotated[int, typer.Option(min=1, help="Most images waiting; more get 429 Retry-After.")] = 64,
-    request_timeout: Annotated[float, typer.Option(
-        min=0.001, help="Seconds before a request is answered 504 (compilation of a new shape counts).")] = 300.0,
-    warm_size: Annotated[list[str] | None, typer.Option(
-        help="WIDTHxHEIGHT to compile at start-up, for each batch size (repeatable). Default: the model's size.")]
-    = None,
-    steps: Annotated[int | None, typer.Option(
-        min=1, help="Steps of requests that give none, compiled at start-up. Default: the pipeline's.")] = None,
-    sampler: Annotated[str | None, typer.Option(
-        help="Sampler of requests that give none, compiled at start-up. Default: the model's scheduler.")] = None,
+    request_timeout: Annotated[
+        float,
+        typer.Option(min=0.001, help="Seconds before a request is answered 504 (compilation of a new shape counts)."),
+    ] = 300.0,
+    warm_size: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="WIDTHxHEIGHT to compile at start-up, for each batch size (repeatable). Default: the model's size."
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(min=1, help="Steps of requests that give none, compiled at start-up. Default: the pipeline's."),
+    ] = None,
+    sampler: Annotated[
+        str | None,
+        typer.Option(help="Sampler of requests that give none, compiled at start-up. Default: the model's scheduler."),
+    ] = None,
     no_warm: Annotated[bool, typer.Option("--no-warm", help="Compile nothing at start-up.")] = False,
-    only_warm_sizes: Annotated[bool, typer.Option(
-        "--only-warm-sizes", help="Refuse (422) sizes other than the --warm-size ones, so that no request "
-                                  "stalls the server compiling a new shape.")] = False,
+    only_warm_sizes: Annotated[
+        bool,
+        typer.Option(
+            "--only-warm-sizes",
+            help="Refuse (422) sizes other than the --warm-size ones, so that no request "
+            "stalls the server compiling a new shape.",
+        ),
+    ] = False,
     max_size: Annotated[int, typer.Option(min=8, help="Largest width or height a request may ask for.")] = 1024,
     max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
     max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
     max_body_kb: Annotated[int, typer.Option(min=1, help="Largest request body in KiB (413 above).")] = 64,
-    no_progress: Annotated[bool, typer.Option(
-        "--no-progress", help="No per-step progress from the pipeline (a host callback per step; "
-                              "/sdapi/v1/progress then shows only queued/running).")] = False,
+    no_progress: Annotated[
+        bool,
+        typer.Option(
+            "--no-progress",
+            help="No per-step progress from the pipeline (a host callback per step; "
+            "/sdapi/v1/progress then shows only queued/running).",
+        ),
+    ] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the OpenAI and AUTOMATIC1111 image APIs, /metrics and a web page at / (FastAPI + uvicorn)."""
@@ -394,8 +490,9 @@ def serve(
     try:
         batch = tuple(int(x) for x in batch_sizes.split(",")) if batch_sizes else ()
     except ValueError:
-        raise typer.BadParameter(f"{batch_sizes!r} is not a comma-separated list of ints",
-                                 param_hint="--batch-sizes") from None
+        raise typer.BadParameter(
+            f"{batch_sizes!r} is not a comma-separated list of ints", param_hint="--batch-sizes"
+        ) from None
     if any(b < 1 or b > max_batch for b in batch):
         raise typer.BadParameter(f"sizes must lie in 1..--max-batch ({max_batch})", param_hint="--batch-sizes")
     handler = logging.StreamHandler()
@@ -409,13 +506,18 @@ def serve(
         try:
             pipe = load_pipeline(model, dtype)
         except Exception as e:
-            err.print(f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}", highlight=False,
-                      soft_wrap=True)
+            err.print(
+                f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(1) from None
-    warming = "" if no_warm else (f"; compiling {len(sizes) or 1} size(s) first (GET /health answers 503 until "
-                                  f"then, requests wait)")
-    err.print(f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{host}:{port}/{warming}",
-              highlight=False)
+    warming = (
+        ""
+        if no_warm
+        else (f"; compiling {len(sizes) or 1} size(s) first (GET /health answers 503 until then, requests wait)")
+    )
+    err.print(f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{host}:{port}/{warming}", highlight=False)
     if sampler is not None:
         try:
             pipe.validate(sampler=sampler)
@@ -426,11 +528,20 @@ def serve(
         h, w = pipe.default_size
         allowed = sizes or ((w, h),)
     config = server.ServerConfig(
-        model_name=metadata.model_label(model), max_batch=max_batch, batch_sizes=batch,
-        batch_window_s=batch_window_ms / 1000, max_queue_images=max_queue, request_timeout_s=request_timeout,
-        max_body_bytes=max_body_kb * 1024, warm_sizes=sizes, warm=not no_warm, progress=not no_progress,
-        default_steps=steps, default_sampler=sampler,
-        limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size, sizes=allowed))
+        model_name=metadata.model_label(model),
+        max_batch=max_batch,
+        batch_sizes=batch,
+        batch_window_s=batch_window_ms / 1000,
+        max_queue_images=max_queue,
+        request_timeout_s=request_timeout,
+        max_body_bytes=max_body_kb * 1024,
+        warm_sizes=sizes,
+        warm=not no_warm,
+        progress=not no_progress,
+        default_steps=steps,
+        default_sampler=sampler,
+        limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size, sizes=allowed),
+    )
     server.serve(pipe, config, host=host, port=port, log_level=log_level)
 
 
@@ -446,10 +557,14 @@ class Arch(str, enum.Enum):
 
 @app.command()
 def bench(
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="A diffusers folder or Hub id. Default: the embedded model (or --arch).")] = None,
-    arch: Annotated[Arch | None, typer.Option(
-        help="Benchmark a full-size architecture with random weights instead (nothing to download).")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="A diffusers folder or Hub id. Default: the embedded model (or --arch)."),
+    ] = None,
+    arch: Annotated[
+        Arch | None,
+        typer.Option(help="Benchmark a full-size architecture with random weights instead (nothing to download)."),
+    ] = None,
     height: Annotated[int | None, typer.Option(help="Image height. Default: the model's.")] = None,
     width: Annotated[int | None, typer.Option(help="Image width. Default: the model's.")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Sampler steps of the end-to-end run.")] = 20,
@@ -457,23 +572,44 @@ def bench(
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
     sampler: Annotated[str | None, typer.Option(help="Sampler. Default: the model's scheduler.")] = None,
     reps: Annotated[int, typer.Option(min=1, help="Timed calls per piece (after one warm call).")] = 3,
-    attention: Annotated[str, typer.Option(
-        help="UNet/VAE attention: auto (cuDNN on GPU, XLA on CPU, chunked for long sequences on CPU), xla, "
-             "dot_product or chunked.")] = "auto",
-    torch: Annotated[bool, typer.Option(
-        "--torch", help="Also run the workload in PyTorch diffusers (needs torch + diffusers) and show ratios.")]
-    = False,
-    memory_only: Annotated[bool, typer.Option(
-        "--memory-only", help="Compile against abstract weights of --arch and report XLA's memory analysis only.")]
-    = False,
+    attention: Annotated[
+        str,
+        typer.Option(
+            help="UNet/VAE attention: auto (cuDNN on GPU, XLA on CPU, chunked for long sequences on CPU), xla, "
+            "dot_product or chunked."
+        ),
+    ] = "auto",
+    torch: Annotated[
+        bool,
+        typer.Option(
+            "--torch", help="Also run the workload in PyTorch diffusers (needs torch + diffusers) and show ratios."
+        ),
+    ] = False,
+    memory_only: Annotated[
+        bool,
+        typer.Option(
+            "--memory-only", help="Compile against abstract weights of --arch and report XLA's memory analysis only."
+        ),
+    ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
 ) -> None:
     """Time text encoding, a UNet step, VAE decode and end-to-end generation; FLOPs, MFU, peak memory."""
     from sdjax import bench as bench_lib
 
-    cfg = bench_lib.BenchConfig(model=model, arch=arch.value if arch else None, height=height, width=width,
-                                steps=steps, batch=batch, dtype=dtype.value, sampler=sampler, reps=reps,
-                                torch=torch, memory_only=memory_only, attention=attention)
+    cfg = bench_lib.BenchConfig(
+        model=model,
+        arch=arch.value if arch else None,
+        height=height,
+        width=width,
+        steps=steps,
+        batch=batch,
+        dtype=dtype.value,
+        sampler=sampler,
+        reps=reps,
+        torch=torch,
+        memory_only=memory_only,
+        attention=attention,
+    )
     try:
         cfg.validate()
     except ValueError as e:

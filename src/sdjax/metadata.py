@@ -88,24 +88,43 @@ class GenerationRequest:
     model: str = ""
 
     def images(self) -> list[ImageParameters]:
-        return [ImageParameters(prompt=self.prompt, negative_prompt=self.negative_prompt, steps=self.steps,
-                                sampler=sampler_id(self.sampler), guidance_scale=float(self.guidance_scale),
-                                seed=(self.seed + i) % (SEED_MAX + 1), width=self.width, height=self.height,
-                                model=self.model)
-                for i in range(self.num_images)]
+        return [
+            ImageParameters(
+                prompt=self.prompt,
+                negative_prompt=self.negative_prompt,
+                steps=self.steps,
+                sampler=sampler_id(self.sampler),
+                guidance_scale=float(self.guidance_scale),
+                seed=(self.seed + i) % (SEED_MAX + 1),
+                width=self.width,
+                height=self.height,
+                model=self.model,
+            )
+            for i in range(self.num_images)
+        ]
 
 
-def generate_images(pipeline: Any, images: Sequence[ImageParameters], *, pad_to: int | None = None,
-                    progress: Progress | None = None) -> np.ndarray:
+def generate_images(
+    pipeline: Any, images: Sequence[ImageParameters], *, pad_to: int | None = None, progress: Progress | None = None
+) -> np.ndarray:
     """Run images sharing one `shape_key` through `pipeline.generate_arrays` -> uint8 `(N, H, W, 3)`."""
     keys = {im.shape_key for im in images}
     if len(keys) != 1:
         raise ValueError(f"generate_images: images must share steps, size and sampler to share a batch; got {keys}")
     steps, height, width, sampler = keys.pop()
     return pipeline.generate_arrays(
-        [im.prompt for im in images], [im.negative_prompt for im in images], [im.seed for im in images],
-        [im.image_index for im in images], [im.guidance_scale for im in images], steps=steps, height=height,
-        width=width, sampler=sampler, pad_to=pad_to, progress=progress)
+        [im.prompt for im in images],
+        [im.negative_prompt for im in images],
+        [im.seed for im in images],
+        [im.image_index for im in images],
+        [im.guidance_scale for im in images],
+        steps=steps,
+        height=height,
+        width=width,
+        sampler=sampler,
+        pad_to=pad_to,
+        progress=progress,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- sampler names
@@ -215,7 +234,7 @@ def parse_parameters(text: str) -> dict[str, str]:
         line = line.strip()
         if line.startswith("Negative prompt:"):
             in_negative = True
-            line = line[len("Negative prompt:"):].strip()
+            line = line[len("Negative prompt:") :].strip()
         (negative if in_negative else prompt).append(line)
     out = {"Prompt": "\n".join(prompt), "Negative prompt": "\n".join(negative)}
     for key, value in _PARAM_RE.findall(last):
@@ -239,10 +258,17 @@ def parameters_from_text(text: str) -> ImageParameters:
         sampler = f"{sampler} {schedule}"
     try:
         return ImageParameters(
-            prompt=raw["Prompt"], negative_prompt=raw["Negative prompt"], steps=int(raw["Steps"]),
-            sampler=sampler_id(sampler), guidance_scale=float(raw["CFG scale"]), seed=int(raw["Seed"]),
-            width=int(raw["Size-1"]), height=int(raw["Size-2"]), model=raw.get("Model", ""),
-            image_index=int(raw.get("Image index", 0)))
+            prompt=raw["Prompt"],
+            negative_prompt=raw["Negative prompt"],
+            steps=int(raw["Steps"]),
+            sampler=sampler_id(sampler),
+            guidance_scale=float(raw["CFG scale"]),
+            seed=int(raw["Seed"]),
+            width=int(raw["Size-1"]),
+            height=int(raw["Size-2"]),
+            model=raw.get("Model", ""),
+            image_index=int(raw.get("Image index", 0)),
+        )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None
 

@@ -7,8 +7,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_FLOAT_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-                 "float16": jnp.float16, "fp16": jnp.float16}
+_FLOAT_DTYPES = {
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+}
 
 
 def resolve_dtype(dtype: Any) -> Any:

@@ -24,8 +24,10 @@ import warnings
 # name -> value of `xla_cpu_experimental_ynn_fusion_type` (flag syntax / compiler_options enum names).
 _YNN_TYPES = {
     "eigen": ("", ""),  # no YNNPACK at all
-    "ynn-noconv": ("dot,reduce,individual_dot",
-                   "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),
+    "ynn-noconv": (
+        "dot,reduce,individual_dot",
+        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+    ),
 }
 DEFAULT_MODE = "eigen"
 
@@ -83,9 +85,13 @@ def configure_cpu(mode: str = DEFAULT_MODE, *, force: bool = False) -> bool:
     if mode == "off" or os.environ.get("SDJAX_NO_CPU_TUNING", "") not in ("", "0"):
         return False
     if backend_initialized() and not force:
-        warnings.warn("sdjax.runtime.configure_cpu: a JAX backend is already initialized, so XLA_FLAGS is no "
-                      "longer read; call configure_cpu() before any JAX computation, or compile with "
-                      "compiler_options=sdjax.runtime.cpu_compiler_options()", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "sdjax.runtime.configure_cpu: a JAX backend is already initialized, so XLA_FLAGS is no "
+            "longer read; call configure_cpu() before any JAX computation, or compile with "
+            "compiler_options=sdjax.runtime.cpu_compiler_options()",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
     os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""), mode)
     return True

@@ -84,12 +84,21 @@ def test_same_workload_in_pytorch_gives_ratios():
         assert r["ratios"][name] == pytest.approx(r["pieces"][name]["median_s"] / r["torch"][name]["median_s"])
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    (dict(arch="sd3"), "arch"), (dict(steps=0), "steps"), (dict(batch=-1), "batch"), (dict(height=30), "height"),
-    (dict(width=True), "width"), (dict(dtype="int8"), "dtype"), (dict(model="x", arch="tiny"), "model or arch"),
-    (dict(memory_only=True), "memory_only"), (dict(attention="flash3"), "attention"),
-    (dict(arch="tiny", memory_only=True, torch=True), "torch"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(arch="sd3"), "arch"),
+        (dict(steps=0), "steps"),
+        (dict(batch=-1), "batch"),
+        (dict(height=30), "height"),
+        (dict(width=True), "width"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(model="x", arch="tiny"), "model or arch"),
+        (dict(memory_only=True), "memory_only"),
+        (dict(attention="flash3"), "attention"),
+        (dict(arch="tiny", memory_only=True, torch=True), "torch"),
+    ],
+)
 def test_bad_settings_are_named(kwargs, word):
     with pytest.raises(ValueError, match=word):
         bench.BenchConfig(**kwargs).validate()

@@ -37,9 +37,34 @@ def run(*args: str):
 
 def test_generate_writes_pngs_with_parameters(fake, tmp_path):
     out = tmp_path / "out"
-    r = run("generate", "a red fox", "--negative-prompt", "blurry", "--steps", "3", "--guidance-scale", "5",
-            "--width", "48", "--height", "32", "--seed", "11", "--num-images", "3", "--sampler", "ddim",
-            "--dtype", "bfloat16", "--model", "org/some-model", "--out", str(out), "--batch-size", "2")
+    r = run(
+        "generate",
+        "a red fox",
+        "--negative-prompt",
+        "blurry",
+        "--steps",
+        "3",
+        "--guidance-scale",
+        "5",
+        "--width",
+        "48",
+        "--height",
+        "32",
+        "--seed",
+        "11",
+        "--num-images",
+        "3",
+        "--sampler",
+        "ddim",
+        "--dtype",
+        "bfloat16",
+        "--model",
+        "org/some-model",
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+    )
     assert r.exit_code == 0, r.output
     assert fake.loads == [("org/some-model", "bfloat16")]
     paths = sorted(out.glob("*.png"))
@@ -47,11 +72,14 @@ def test_generate_writes_pngs_with_parameters(fake, tmp_path):
     assert all(str(p) in r.stdout for p in paths)
     for k, path in enumerate(paths):
         text = metadata.read_parameters(path)
-        assert text == ("a red fox\nNegative prompt: blurry\nSteps: 3, Sampler: DDIM, CFG scale: 5.0, "
-                        f"Seed: {11 + k}, Size: 48x32, Model: org/some-model")
+        assert text == (
+            "a red fox\nNegative prompt: blurry\nSteps: 3, Sampler: DDIM, CFG scale: 5.0, "
+            f"Seed: {11 + k}, Size: 48x32, Model: org/some-model"
+        )
         with Image.open(path) as im:
-            np.testing.assert_array_equal(np.asarray(im), expected("a red fox", "blurry", 11 + k, 0, 5.0, 3, 32, 48,
-                                                                   "ddim"))
+            np.testing.assert_array_equal(
+                np.asarray(im), expected("a red fox", "blurry", 11 + k, 0, 5.0, 3, 32, 48, "ddim")
+            )
     # batches of 2, the last padded to the same compiled size
     assert [(c["n"], c["pad_to"]) for c in fake.calls] == [(2, 2), (1, 2)]
     # progress and the timing summary go to stderr
@@ -64,7 +92,14 @@ def test_defaults_come_from_the_pipeline(fake, tmp_path):
     (path,) = tmp_path.glob("*.png")
     p = metadata.parameters_from_text(metadata.read_parameters(path))
     assert (p.steps, p.sampler, p.width, p.height, p.seed, p.guidance_scale, p.model) == (
-        FakePipeline.default_steps, "euler_a", 64, 64, 0, 7.5, "sdjax/embedded")
+        FakePipeline.default_steps,
+        "euler_a",
+        64,
+        64,
+        0,
+        7.5,
+        "sdjax/embedded",
+    )
     assert fake.loads == [(None, "float32")]
 
 
@@ -111,15 +146,18 @@ def test_pnginfo(fake, tmp_path):
     assert r.exit_code == 1 and "no parameters" in r.stderr
 
 
-@pytest.mark.parametrize("args,hint", [
-    (("--sampler", "bogus"), "--sampler"),
-    (("--width", "60"), "--width"),
-    (("--width", "4"), "--width"),
-    (("--steps", "0"), "--steps"),
-    (("--seed", "-2"), "--seed"),
-    (("--dtype", "float64"), "--dtype"),
-    (("--num-images", "0"), "--num-images"),
-])
+@pytest.mark.parametrize(
+    "args,hint",
+    [
+        (("--sampler", "bogus"), "--sampler"),
+        (("--width", "60"), "--width"),
+        (("--width", "4"), "--width"),
+        (("--steps", "0"), "--steps"),
+        (("--seed", "-2"), "--seed"),
+        (("--dtype", "float64"), "--dtype"),
+        (("--num-images", "0"), "--num-images"),
+    ],
+)
 def test_bad_options_name_the_option(fake, tmp_path, args, hint):
     r = run("generate", "x", "-o", str(tmp_path), *args)
     assert r.exit_code == 2, r.output
@@ -143,12 +181,44 @@ def test_help_is_complete():
     for command in ("generate", "serve", "pnginfo"):
         assert command in r.stdout
     options = {
-        "generate": ["--negative-prompt", "--model", "--sampler", "--steps", "--guidance-scale", "--width",
-                     "--height", "--seed", "--num-images", "--batch-size", "--dtype", "--out", "--grid", "--quiet"],
-        "serve": ["--model", "--host", "--port", "--dtype", "--max-batch", "--batch-sizes", "--batch-window-ms",
-                  "--max-queue", "--request-timeout", "--warm-size", "--steps", "--sampler", "--no-warm",
-                  "--only-warm-sizes", "--max-size", "--max-steps", "--max-images", "--max-body-kb", "--no-progress",
-                  "--log-level"],
+        "generate": [
+            "--negative-prompt",
+            "--model",
+            "--sampler",
+            "--steps",
+            "--guidance-scale",
+            "--width",
+            "--height",
+            "--seed",
+            "--num-images",
+            "--batch-size",
+            "--dtype",
+            "--out",
+            "--grid",
+            "--quiet",
+        ],
+        "serve": [
+            "--model",
+            "--host",
+            "--port",
+            "--dtype",
+            "--max-batch",
+            "--batch-sizes",
+            "--batch-window-ms",
+            "--max-queue",
+            "--request-timeout",
+            "--warm-size",
+            "--steps",
+            "--sampler",
+            "--no-warm",
+            "--only-warm-sizes",
+            "--max-size",
+            "--max-steps",
+            "--max-images",
+            "--max-body-kb",
+            "--no-progress",
+            "--log-level",
+        ],
         "pnginfo": ["--json"],
     }
     for command, names in options.items():

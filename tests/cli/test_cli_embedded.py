@@ -12,8 +12,10 @@ import pytest
 import sdjax
 from sdjax import metadata
 
-pytestmark = pytest.mark.skipif(not (Path(sdjax.EMBEDDED_MODEL) / "model_index.json").is_file(),
-                                reason=f"the embedded model is not in this checkout ({sdjax.EMBEDDED_MODEL})")
+pytestmark = pytest.mark.skipif(
+    not (Path(sdjax.EMBEDDED_MODEL) / "model_index.json").is_file(),
+    reason=f"the embedded model is not in this checkout ({sdjax.EMBEDDED_MODEL})",
+)
 
 
 def sdjax_command() -> list[str]:
@@ -32,6 +34,7 @@ def test_generate_with_the_embedded_model(tmp_path):
     assert "Denoising" in r.stderr and "total" in r.stderr
     p = metadata.parameters_from_text(metadata.read_parameters(path))
     assert (p.prompt, p.steps, p.seed, p.model) == ("a red circle", 2, 4, "sdjax/embedded")
-    info = subprocess.run([*sdjax_command(), "pnginfo", str(path)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    info = subprocess.run(
+        [*sdjax_command(), "pnginfo", str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert info.returncode == 0 and info.stdout.startswith("a red circle\nSteps: 2")

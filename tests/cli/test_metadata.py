@@ -10,16 +10,25 @@ import sdjax
 from sdjax import metadata
 from sdjax.metadata import GenerationRequest, ImageParameters
 
-PARAMS = ImageParameters(prompt="a photo of an astronaut riding a horse", negative_prompt="blurry, low quality",
-                         steps=20, sampler="Euler a", guidance_scale=7.5, seed=1234, width=512, height=768,
-                         model="stable-diffusion-v1-5")
+PARAMS = ImageParameters(
+    prompt="a photo of an astronaut riding a horse",
+    negative_prompt="blurry, low quality",
+    steps=20,
+    sampler="Euler a",
+    guidance_scale=7.5,
+    seed=1234,
+    width=512,
+    height=768,
+    model="stable-diffusion-v1-5",
+)
 
 
 def test_format_is_automatic1111s():
     assert PARAMS.infotext() == (
         "a photo of an astronaut riding a horse\n"
         "Negative prompt: blurry, low quality\n"
-        "Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 1234, Size: 512x768, Model: stable-diffusion-v1-5")
+        "Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 1234, Size: 512x768, Model: stable-diffusion-v1-5"
+    )
 
 
 def test_no_negative_prompt_line_when_empty():
@@ -29,10 +38,12 @@ def test_no_negative_prompt_line_when_empty():
 
 def test_parse_a_file_written_by_automatic1111():
     # An infotext as the web UI 1.10 writes it, with fields sdjax does not know.
-    text = ("masterpiece, (best quality:1.2), 1girl\nNegative prompt: lowres, bad anatomy\n"
-            'Steps: 28, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 3050862934, '
-            'Size: 512x640, Model hash: 6ce0161689, Model: v1-5-pruned-emaonly, '
-            'Lora hashes: "lora_a: abc123, lora_b: def456", Version: v1.10.1')
+    text = (
+        "masterpiece, (best quality:1.2), 1girl\nNegative prompt: lowres, bad anatomy\n"
+        "Steps: 28, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 3050862934, "
+        "Size: 512x640, Model hash: 6ce0161689, Model: v1-5-pruned-emaonly, "
+        'Lora hashes: "lora_a: abc123, lora_b: def456", Version: v1.10.1'
+    )
     raw = metadata.parse_parameters(text)
     assert raw["Prompt"] == "masterpiece, (best quality:1.2), 1girl"
     assert raw["Negative prompt"] == "lowres, bad anatomy"
@@ -41,15 +52,25 @@ def test_parse_a_file_written_by_automatic1111():
     assert (raw["Size-1"], raw["Size-2"]) == ("512", "640")
     p = metadata.parameters_from_text(text)
     assert (p.steps, p.sampler, p.guidance_scale, p.seed, p.width, p.height, p.model) == (
-        28, "dpmpp_2m_karras", 6.5, 3050862934, 512, 640, "v1-5-pruned-emaonly")
+        28,
+        "dpmpp_2m_karras",
+        6.5,
+        3050862934,
+        512,
+        640,
+        "v1-5-pruned-emaonly",
+    )
 
 
-@pytest.mark.parametrize("prompt,negative", [
-    ("plain", ""),
-    ("two\nlines, with commas: and colons", "neg\nacross lines"),
-    ("unicode 猫 ✓ émigré", "ünïcödé"),
-    ("", "only a negative prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt,negative",
+    [
+        ("plain", ""),
+        ("two\nlines, with commas: and colons", "neg\nacross lines"),
+        ("unicode 猫 ✓ émigré", "ünïcödé"),
+        ("", "only a negative prompt"),
+    ],
+)
 def test_round_trip(prompt, negative):
     p = ImageParameters(prompt, negative, 30, "dpmpp_2m_karras", 4.0, 2**32 - 1, 1024, 576, "org/model-name", 3)
     assert metadata.parameters_from_text(p.infotext()) == p
@@ -62,11 +83,19 @@ def test_values_with_separators_are_json_quoted():
     assert metadata.parameters_from_text(text).model == "a, b: c"
 
 
-@pytest.mark.parametrize("spelling,registry,shown", [
-    ("euler_a", "euler_a", "Euler a"), ("Euler a", "euler_a", "Euler a"), ("euler-a", "euler_a", "Euler a"),
-    ("DPM++ 2M Karras", "dpmpp_2m_karras", "DPM++ 2M Karras"), ("dpmpp_2m_sde", "dpmpp_2m_sde", "DPM++ 2M SDE"),
-    ("pndm", "pndm", "PLMS"), ("ddpm", "ddpm", "DDPM"), ("DPM++ SDE", "DPM++ SDE", "DPM++ SDE"),
-])
+@pytest.mark.parametrize(
+    "spelling,registry,shown",
+    [
+        ("euler_a", "euler_a", "Euler a"),
+        ("Euler a", "euler_a", "Euler a"),
+        ("euler-a", "euler_a", "Euler a"),
+        ("DPM++ 2M Karras", "dpmpp_2m_karras", "DPM++ 2M Karras"),
+        ("dpmpp_2m_sde", "dpmpp_2m_sde", "DPM++ 2M SDE"),
+        ("pndm", "pndm", "PLMS"),
+        ("ddpm", "ddpm", "DDPM"),
+        ("DPM++ SDE", "DPM++ SDE", "DPM++ SDE"),
+    ],
+)
 def test_sampler_names(spelling, registry, shown):
     assert metadata.sampler_id(spelling) == registry
     assert metadata.sampler_display_name(spelling) == shown
@@ -98,8 +127,18 @@ def test_png_bytes_are_deterministic_and_readable(tmp_path):
 
 
 def test_request_gives_each_image_its_own_seed():
-    r = GenerationRequest("p", "n", num_images=3, seed=2**32 - 2, steps=5, guidance_scale=3.0, width=64,
-                          height=32, sampler="Euler", model="m")
+    r = GenerationRequest(
+        "p",
+        "n",
+        num_images=3,
+        seed=2**32 - 2,
+        steps=5,
+        guidance_scale=3.0,
+        width=64,
+        height=32,
+        sampler="Euler",
+        model="m",
+    )
     images = r.images()
     assert [im.seed for im in images] == [2**32 - 2, 2**32 - 1, 0]
     assert {im.image_index for im in images} == {0}

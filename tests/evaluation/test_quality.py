@@ -35,9 +35,15 @@ def test_embedded_model_is_small_and_complete():
     files = [p for p in EMBEDDED_MODEL_DIR.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) < 30e6
     names = {str(p.relative_to(EMBEDDED_MODEL_DIR)) for p in files}
-    assert {"model_index.json", "unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
-            "text_encoder/model.safetensors", "tokenizer/vocab.json", "tokenizer/merges.txt",
-            "scheduler/scheduler_config.json"} <= names
+    assert {
+        "model_index.json",
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+        "tokenizer/vocab.json",
+        "tokenizer/merges.txt",
+        "scheduler/scheduler_config.json",
+    } <= names
 
 
 def test_held_out_prompts_are_drawn_right(pipe):
@@ -51,8 +57,9 @@ def test_held_out_prompts_are_drawn_right(pipe):
 
 def test_the_readme_prompt_is_drawn_right(pipe):
     """The README's first command: "a red circle on a blue background" names neither size nor position."""
-    images = pipe.generate("a red circle on a blue background", num_images=8, seed=SEED, steps=STEPS,
-                           guidance_scale=GUIDANCE)
+    images = pipe.generate(
+        "a red circle on a blue background", num_images=8, seed=SEED, steps=STEPS, guidance_scale=GUIDANCE
+    )
     found = [shapes.analyze(im) for im in images]
     right = [(a.colour, a.background, a.shape) == ("red", "blue", "circle") for a in found]
     assert sum(right) >= 7, [(a.colour, a.background, a.shape) for a in found]

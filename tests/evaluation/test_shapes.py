@@ -47,8 +47,13 @@ def test_scorer_accepts_pil_images_and_other_sizes():
     scene = data.Scene("circle", "yellow", "purple", "large", "bottom left")
     big = Image.fromarray(data.render(scene)).resize((128, 128), Image.NEAREST)
     a = shapes.analyze(big)
-    assert (a.colour, a.background, a.shape, a.position, a.size) == ("yellow", "purple", "circle", "bottom left",
-                                                                     "large")
+    assert (a.colour, a.background, a.shape, a.position, a.size) == (
+        "yellow",
+        "purple",
+        "circle",
+        "bottom left",
+        "large",
+    )
 
 
 def test_empty_image_has_no_foreground():

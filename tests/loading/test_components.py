@@ -22,12 +22,12 @@ import reference
 from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import save_file
 
+from sdjax.config import ConfigError, config_from_dict
 from sdjax.loading import files
 from sdjax.loading.components import load_pipeline_components
-from sdjax.loading.config import ConfigError, config_from_dict
-from sdjax.loading.convert import WeightLoadError
 from sdjax.loading.files import CheckpointError, MissingWeightsError
 from sdjax.models import clip, unet, vae
+from sdjax.models.convert import WeightLoadError
 
 
 def converted(torch_pipe, name: str, round_to=None) -> dict:
@@ -38,8 +38,9 @@ def converted(torch_pipe, name: str, round_to=None) -> dict:
         sd = {k: v.astype(round_to).astype(np.float32) for k, v in sd.items()}
     if name.startswith("text_encoder"):
         proj = type(module).__name__.endswith("WithProjection")
-        return clip.convert_clip_text(sd, clip.CLIPTextConfig.from_dict(module.config.to_diff_dict()),
-                                      with_projection=proj)
+        return clip.convert_clip_text(
+            sd, clip.CLIPTextConfig.from_dict(module.config.to_diff_dict()), with_projection=proj
+        )
     raw = dict(module.config)
     if name == "unet":
         return unet.convert_unet(sd, config_from_dict(unet.UNet2DConditionConfig, raw, source=name))
@@ -52,8 +53,9 @@ def assert_same_params(got, want, *, dtype=np.float32, atol=0.0):
     for k in fw:
         g = np.asarray(fg[k])
         assert g.dtype == dtype, (k, g.dtype)
-        np.testing.assert_allclose(g.astype(np.float32), np.asarray(fw[k], np.float32), atol=atol, rtol=0,
-                                   err_msg="/".join(k))
+        np.testing.assert_allclose(
+            g.astype(np.float32), np.asarray(fw[k], np.float32), atol=atol, rtol=0, err_msg="/".join(k)
+        )
 
 
 def copy_folder(src: Path, dst: Path) -> Path:
@@ -101,8 +103,7 @@ def test_dtype_casts_params_not_the_scheduler_state(sd1_dir, torch_sd1):
     components, params, _ = load_pipeline_components(sd1_dir, dtype=jnp.bfloat16)
     for name in MODELS:
         assert components[name].dtype == jnp.bfloat16
-        assert_same_params(params[name], converted(torch_sd1, name, round_to=ml_dtypes.bfloat16),
-                           dtype=jnp.bfloat16)
+        assert_same_params(params[name], converted(torch_sd1, name, round_to=ml_dtypes.bfloat16), dtype=jnp.bfloat16)
     state_dtypes = {x.dtype for x in jax.tree_util.tree_leaves(params["scheduler"])}
     assert state_dtypes <= {jnp.dtype(jnp.float32), jnp.dtype(jnp.int32)}, state_dtypes
     assert jnp.dtype(jnp.float32) in state_dtypes
@@ -117,8 +118,11 @@ def test_fp16_variant_saved_by_diffusers(torch_sd1, tmp_path):
     _, params, _ = load_pipeline_components(tmp_path / "p", variant="fp16")
     for name in MODELS:
         assert_same_params(params[name], converted(torch_sd1, name))
-    with pytest.raises(MissingWeightsError, match=r"text_encoder: no weight file found.*variant\(s\) \['fp16'\]: pass "
-                                                  r"variant=; files present: config\.json, model\.fp16\.safetensors"):
+    with pytest.raises(
+        MissingWeightsError,
+        match=r"text_encoder: no weight file found.*variant\(s\) \['fp16'\]: pass "
+        r"variant=; files present: config\.json, model\.fp16\.safetensors",
+    ):
         load_pipeline_components(tmp_path / "p")
 
 
@@ -128,9 +132,11 @@ def test_fp16_and_bf16_files_load(sd1_dir, torch_sd1, tmp_path):
     from safetensors.torch import save_file as torch_save
 
     folder = copy_folder(sd1_dir, tmp_path / "p")
-    for name, fname, dt in (("unet", "diffusion_pytorch_model", torch.float16),
-                            ("vae", "diffusion_pytorch_model", torch.float16),
-                            ("text_encoder", "model", torch.bfloat16)):
+    for name, fname, dt in (
+        ("unet", "diffusion_pytorch_model", torch.float16),
+        ("vae", "diffusion_pytorch_model", torch.float16),
+        ("text_encoder", "model", torch.bfloat16),
+    ):
         sd = {k: v.to(dt).contiguous() for k, v in getattr(torch_sd1, name).state_dict().items()}
         torch_save(sd, folder / name / f"{fname}.half.safetensors")
     _, params, _ = load_pipeline_components(folder, variant="half")
@@ -174,19 +180,28 @@ def write_old_flax(params: dict, rules, path: Path) -> None:
 def test_old_flax_pipeline_folder(sd1_dir, torch_sd1, tmp_path):
     """A folder as the old Flax pipelines saved it: Flax class names, msgpack weights with the old param names."""
     folder = copy_folder(sd1_dir, tmp_path / "p")
-    for name, fname in (("text_encoder", "flax_model.msgpack"), ("unet", "diffusion_flax_model.msgpack"),
-                        ("vae", "diffusion_flax_model.msgpack")):
+    for name, fname in (
+        ("text_encoder", "flax_model.msgpack"),
+        ("unet", "diffusion_flax_model.msgpack"),
+        ("vae", "diffusion_flax_model.msgpack"),
+    ):
         for f in (folder / name).glob("*.safetensors"):
             f.unlink()
         write_old_flax(converted(torch_sd1, name), OLD_NAMES[name], folder / name / fname)
     index = json.loads((folder / "model_index.json").read_text())
-    index.update(_class_name="FlaxStableDiffusionPipeline", unet=["diffusers", "FlaxUNet2DConditionModel"],
-                 vae=["diffusers", "FlaxAutoencoderKL"], text_encoder=["transformers", "FlaxCLIPTextModel"],
-                 scheduler=["diffusers", "FlaxPNDMScheduler"], safety_checker=["diffusers", "DummyChecker"],
-                 feature_extractor=["transformers", "CLIPFeatureExtractor"])
+    index.update(
+        _class_name="FlaxStableDiffusionPipeline",
+        unet=["diffusers", "FlaxUNet2DConditionModel"],
+        vae=["diffusers", "FlaxAutoencoderKL"],
+        text_encoder=["transformers", "FlaxCLIPTextModel"],
+        scheduler=["diffusers", "FlaxPNDMScheduler"],
+        safety_checker=["diffusers", "DummyChecker"],
+        feature_extractor=["transformers", "CLIPFeatureExtractor"],
+    )
     (folder / "model_index.json").write_text(json.dumps(index))
-    components, params, _ = load_pipeline_components(folder, expected_class="StableDiffusionPipeline",
-                                                      overrides={"safety_checker": None})
+    components, params, _ = load_pipeline_components(
+        folder, expected_class="StableDiffusionPipeline", overrides={"safety_checker": None}
+    )
     assert "safety_checker" not in components and "feature_extractor" not in components
     for name in MODELS:
         assert_same_params(params[name], converted(torch_sd1, name))
@@ -250,23 +265,34 @@ def test_hub_repo_downloads_only_what_is_loaded(sd1_dir, torch_sd1, tmp_path, mo
     (snap / "safety_checker" / "config.json").write_text("{}")
     (snap / "safety_checker" / "model.safetensors").write_bytes(b"not downloaded")
     repo_files = [str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()]
-    repo_files += ["unet/diffusion_pytorch_model.bin", "text_encoder/pytorch_model.bin",
-                   "vae/diffusion_flax_model.msgpack"]
+    repo_files += [
+        "unet/diffusion_pytorch_model.bin",
+        "text_encoder/pytorch_model.bin",
+        "vae/diffusion_flax_model.msgpack",
+    ]
     calls = []
     monkeypatch.setattr(files, "_list_repo_files", lambda repo_id, revision, token: repo_files)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, name, **kw: str(snap / name))
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo_id, **kw: calls.append(kw["allow_patterns"]) or str(snap))
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda repo_id, **kw: calls.append(kw["allow_patterns"]) or str(snap)
+    )
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
 
-    components, params, _ = load_pipeline_components("org/tiny-sd1", expected_class="StableDiffusionPipeline",
-                                                      overrides={"safety_checker": None})
+    components, params, _ = load_pipeline_components(
+        "org/tiny-sd1", expected_class="StableDiffusionPipeline", overrides={"safety_checker": None}
+    )
     tokenizer_files = {f for f in repo_files if f.startswith("tokenizer/")}
     assert tokenizer_files >= {"tokenizer/vocab.json", "tokenizer/merges.txt"}
     assert set(calls[0]) == tokenizer_files | {
-        "model_index.json", "scheduler/scheduler_config.json", "text_encoder/config.json",
-        "text_encoder/model.safetensors", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
-        "vae/config.json", "vae/diffusion_pytorch_model.safetensors"}
+        "model_index.json",
+        "scheduler/scheduler_config.json",
+        "text_encoder/config.json",
+        "text_encoder/model.safetensors",
+        "unet/config.json",
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors",
+    }
     assert not any(p.startswith("safety_checker") or p.endswith((".bin", ".msgpack")) for p in calls[0])
     assert_same_params(params["unet"], converted(torch_sd1, "unet"))
     calls.clear()
@@ -318,39 +344,77 @@ def shard_and_drop(folder):
         save_file({k: data[k] for k in part}, folder / "unet" / name)
         weight_map.update({k: name for k in part})
     (folder / "unet" / "diffusion_pytorch_model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": weight_map}))
+        json.dumps({"weight_map": weight_map})
+    )
     (folder / "unet" / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
 
 
 BAD_INPUT = {
-    "missing model_index": (lambda f: (f / "model_index.json").unlink(), {},
-                            FileNotFoundError, r"/p: not a diffusers pipeline folder: model_index\.json not found"),
-    "missing component folder": (lambda f: shutil.rmtree(f / "vae"), {},
-                                 FileNotFoundError, r"/p: component folder\(s\) vae/ \(\[diffusers, AutoencoderKL\]\) "
-                                                    r"named in model_index\.json do not exist"),
-    "missing weight file": (lambda f: _unet_weights(f).unlink(), {},
-                            MissingWeightsError, r"/p/unet: no weight file found.*files present: config\.json"),
-    "unknown variant": (lambda f: None, {"variant": "fp16"},
-                        MissingWeightsError, r"/p/text_encoder: no weights of variant 'fp16'.*model\.safetensors"),
-    "truncated safetensors": (truncate, {},
-                              CheckpointError, r"unet/diffusion_pytorch_model\.safetensors: truncated"),
-    "corrupt header": (corrupt_header, {},
-                       CheckpointError, r"unet/diffusion_pytorch_model\.safetensors: corrupt"),
-    "shape disagrees with config": (lambda f: edit_json(f / "unet" / "config.json", cross_attention_dim=40), {},
-                                    WeightLoadError, r"unet \(.*/p/unet\): the weights do not match"),
-    "index names a missing shard": (shard_and_drop, {}, MissingWeightsError,
-                                    r"index\.json: names shard file\(s\) that do not exist: "
-                                    r"diffusion_pytorch_model-00002-of-00002\.safetensors"),
-    "unknown library/class": (lambda f: edit_json(f / "model_index.json", unet=["diffusers", "UNet3DConditionModel"]),
-                              {}, ValueError, r"cannot load component\(s\) unet: \['diffusers', "
-                                              r"'UNet3DConditionModel'\]"),
-    "unknown scheduler": (lambda f: edit_json(f / "model_index.json",
-                                              scheduler=["diffusers", "UniPCMultistepScheduler"]), {}, ValueError,
-                          r"scheduler: \['diffusers', 'UniPCMultistepScheduler'\].*PNDMScheduler"),
-    "bad config key": (lambda f: edit_json(f / "vae" / "config.json", new_arch_knob=3), {},
-                       ConfigError, r"vae/config\.json: unknown config key\(s\) \['new_arch_knob'\]"),
-    "component entry malformed": (lambda f: edit_json(f / "model_index.json", unet=["diffusers"]), {},
-                                  ValueError, r"component 'unet' must be \[library, class\]"),
+    "missing model_index": (
+        lambda f: (f / "model_index.json").unlink(),
+        {},
+        FileNotFoundError,
+        r"/p: not a diffusers pipeline folder: model_index\.json not found",
+    ),
+    "missing component folder": (
+        lambda f: shutil.rmtree(f / "vae"),
+        {},
+        FileNotFoundError,
+        r"/p: component folder\(s\) vae/ \(\[diffusers, AutoencoderKL\]\) "
+        r"named in model_index\.json do not exist",
+    ),
+    "missing weight file": (
+        lambda f: _unet_weights(f).unlink(),
+        {},
+        MissingWeightsError,
+        r"/p/unet: no weight file found.*files present: config\.json",
+    ),
+    "unknown variant": (
+        lambda f: None,
+        {"variant": "fp16"},
+        MissingWeightsError,
+        r"/p/text_encoder: no weights of variant 'fp16'.*model\.safetensors",
+    ),
+    "truncated safetensors": (truncate, {}, CheckpointError, r"unet/diffusion_pytorch_model\.safetensors: truncated"),
+    "corrupt header": (corrupt_header, {}, CheckpointError, r"unet/diffusion_pytorch_model\.safetensors: corrupt"),
+    "shape disagrees with config": (
+        lambda f: edit_json(f / "unet" / "config.json", cross_attention_dim=40),
+        {},
+        WeightLoadError,
+        r"unet \(.*/p/unet\): the weights do not match",
+    ),
+    "index names a missing shard": (
+        shard_and_drop,
+        {},
+        MissingWeightsError,
+        r"index\.json: names shard file\(s\) that do not exist: "
+        r"diffusion_pytorch_model-00002-of-00002\.safetensors",
+    ),
+    "unknown library/class": (
+        lambda f: edit_json(f / "model_index.json", unet=["diffusers", "UNet3DConditionModel"]),
+        {},
+        ValueError,
+        r"cannot load component\(s\) unet: \['diffusers', "
+        r"'UNet3DConditionModel'\]",
+    ),
+    "unknown scheduler": (
+        lambda f: edit_json(f / "model_index.json", scheduler=["diffusers", "UniPCMultistepScheduler"]),
+        {},
+        ValueError,
+        r"scheduler: \['diffusers', 'UniPCMultistepScheduler'\].*PNDMScheduler",
+    ),
+    "bad config key": (
+        lambda f: edit_json(f / "vae" / "config.json", new_arch_knob=3),
+        {},
+        ConfigError,
+        r"vae/config\.json: unknown config key\(s\) \['new_arch_knob'\]",
+    ),
+    "component entry malformed": (
+        lambda f: edit_json(f / "model_index.json", unet=["diffusers"]),
+        {},
+        ValueError,
+        r"component 'unet' must be \[library, class\]",
+    ),
 }
 
 
@@ -372,7 +436,7 @@ import json, sys
 import jax, jax.numpy as jnp
 from sdjax.loading import files
 from sdjax.loading.components import make_cast
-from sdjax.loading.convert import convert_state_dict
+from sdjax.models.convert import convert_state_dict
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -400,11 +464,18 @@ def test_peak_memory_of_a_load_stays_near_one_copy(tmp_path, dtype, limit):
     import sys
 
     n, rows = 64, 1024
-    save_file({f"blocks.{i}.proj.weight": np.full((rows, 1024), i, np.float32) for i in range(n)},
-              tmp_path / "big.safetensors")
+    save_file(
+        {f"blocks.{i}.proj.weight": np.full((rows, 1024), i, np.float32) for i in range(n)},
+        tmp_path / "big.safetensors",
+    )
     size_kib = (tmp_path / "big.safetensors").stat().st_size / 1024
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "big.safetensors"), str(n), str(rows),
-                          dtype], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "big.safetensors"), str(n), str(rows), dtype],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"]
     assert peak < limit * size_kib, f"peak RSS grew by {peak / size_kib:.2f}x the checkpoint size"

@@ -34,8 +34,11 @@ def listing(root: Path) -> dict[str, int]:
 
 # ------------------------------------------------------------------------------------------ safetensors reading
 def test_safetensors_roundtrip_f32_f16(tmp_path):
-    data = {**tensors(2), **{f"h.{i}": v for i, v in enumerate(tensors(2, (3,), np.float16).values())},
-            "ids": np.arange(6, dtype=np.int64).reshape(2, 3)}
+    data = {
+        **tensors(2),
+        **{f"h.{i}": v for i, v in enumerate(tensors(2, (3,), np.float16).values())},
+        "ids": np.arange(6, dtype=np.int64).reshape(2, 3),
+    }
     save_file(data, tmp_path / "a.safetensors", metadata={"format": "pt"})
     reader = files.read_safetensors(tmp_path / "a.safetensors")
     assert set(reader) == set(data) and len(reader) == len(data)
@@ -80,7 +83,7 @@ def test_corrupt_header_names_the_file(tmp_path, damage):
     save_file(tensors(2), path)
     raw = bytearray(path.read_bytes())
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     if damage == "json":
         raw[8:12] = b"#!@$"
     elif damage == "size":
@@ -94,7 +97,7 @@ def test_corrupt_header_names_the_file(tmp_path, damage):
         text = json.dumps(header)
         if damage == "duplicate":
             text = text[:-1] + ", " + json.dumps({key: header[key]})[1:]
-        raw = bytearray(len(text).to_bytes(8, "little") + text.encode() + raw[8 + n:])
+        raw = bytearray(len(text).to_bytes(8, "little") + text.encode() + raw[8 + n :])
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt|unsupported dtype C64"):
         files.read_safetensors(path)
@@ -130,8 +133,11 @@ def test_sharded_equals_unsharded(tmp_path):
 def test_index_naming_a_missing_shard(tmp_path):
     write_shards(tmp_path, tensors(4), 2, "model.safetensors.index.json", "model-{:05d}-of-{:05d}.safetensors")
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(MissingWeightsError, match=r"model\.safetensors\.index\.json: names shard file\(s\) that do "
-                                                  r"not exist: model-00002-of-00002\.safetensors"):
+    with pytest.raises(
+        MissingWeightsError,
+        match=r"model\.safetensors\.index\.json: names shard file\(s\) that do "
+        r"not exist: model-00002-of-00002\.safetensors",
+    ):
         files.select_weight_files(tmp_path)
     with pytest.raises(MissingWeightsError, match="model-00002-of-00002.safetensors"):
         files.read_safetensors(tmp_path / "model.safetensors.index.json")
@@ -174,8 +180,13 @@ def test_reading_holds_one_tensor_at_a_time(tmp_path):
 
 # ------------------------------------------------------------------------------------------ choosing weight files
 def test_preference_order(tmp_path):
-    d = touch(tmp_path / "unet", "diffusion_pytorch_model.bin", "diffusion_flax_model.msgpack",
-              "diffusion_pytorch_model.safetensors", "config.json")
+    d = touch(
+        tmp_path / "unet",
+        "diffusion_pytorch_model.bin",
+        "diffusion_flax_model.msgpack",
+        "diffusion_pytorch_model.safetensors",
+        "config.json",
+    )
     w = files.select_weight_files(d)
     assert (w.format, w.files, w.variant) == ("safetensors", (d / "diffusion_pytorch_model.safetensors",), None)
     (d / "diffusion_pytorch_model.safetensors").unlink()
@@ -187,8 +198,12 @@ def test_preference_order(tmp_path):
 
 
 def test_variant_is_honoured(tmp_path):
-    d = touch(tmp_path / "vae", "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors",
-              "diffusion_flax_model.msgpack")
+    d = touch(
+        tmp_path / "vae",
+        "diffusion_pytorch_model.safetensors",
+        "diffusion_pytorch_model.fp16.safetensors",
+        "diffusion_flax_model.msgpack",
+    )
     w = files.select_weight_files(d, variant="fp16")
     assert w.files == (d / "diffusion_pytorch_model.fp16.safetensors",) and w.variant == "fp16"
     assert files.select_weight_files(d).files == (d / "diffusion_pytorch_model.safetensors",)
@@ -196,8 +211,11 @@ def test_variant_is_honoured(tmp_path):
 
 def test_unknown_variant_names_folder_and_files(tmp_path):
     d = touch(tmp_path / "unet", "diffusion_pytorch_model.safetensors", "config.json")
-    with pytest.raises(MissingWeightsError, match=r"unet: no weights of variant 'fp8'.*files present: config\.json, "
-                                                  r"diffusion_pytorch_model\.safetensors"):
+    with pytest.raises(
+        MissingWeightsError,
+        match=r"unet: no weights of variant 'fp8'.*files present: config\.json, "
+        r"diffusion_pytorch_model\.safetensors",
+    ):
         files.select_weight_files(d, variant="fp8")
 
 
@@ -211,10 +229,15 @@ def test_bf16_variant_falls_back_to_plain_weights_with_a_warning(tmp_path, caplo
     assert files.select_weight_files(d, variant="bf16").variant == "bf16"
 
 
-@pytest.mark.parametrize("index_name", ["diffusion_pytorch_model.safetensors.index.fp16.json",
-                                        "diffusion_pytorch_model.safetensors.fp16.index.json",
-                                        "model.fp16.safetensors.index.json",
-                                        "model.safetensors.index.fp16.json"])
+@pytest.mark.parametrize(
+    "index_name",
+    [
+        "diffusion_pytorch_model.safetensors.index.fp16.json",
+        "diffusion_pytorch_model.safetensors.fp16.index.json",
+        "model.fp16.safetensors.index.json",
+        "model.safetensors.index.fp16.json",
+    ],
+)
 def test_sharded_variant_index_spellings(tmp_path, index_name):
     stem = index_name.split(".")[0]
     write_shards(tmp_path, tensors(3), 2, index_name, stem + ".fp16-{:05d}-of-{:05d}.safetensors")
@@ -245,8 +268,11 @@ def test_sharded_variant_saved_by_diffusers(tmp_path):
 def test_bin_without_torch_says_convert(tmp_path, monkeypatch):
     d = touch(tmp_path / "unet", "diffusion_pytorch_model.bin", "config.json")
     monkeypatch.setattr(files, "torch_available", lambda: False)
-    with pytest.raises(MissingWeightsError, match=r"unet: the weights to load are PyTorch pickles "
-                                                  r"\(diffusion_pytorch_model\.bin\).*safetensors"):
+    with pytest.raises(
+        MissingWeightsError,
+        match=r"unet: the weights to load are PyTorch pickles "
+        r"\(diffusion_pytorch_model\.bin\).*safetensors",
+    ):
         files.select_weight_files(d)
 
 
@@ -263,8 +289,11 @@ def test_bin_with_torch_loads(tmp_path):
 
 def test_no_weights_lists_files(tmp_path):
     d = touch(tmp_path / "unet", "config.json", "README.md")
-    with pytest.raises(MissingWeightsError, match=r"unet: no weight file found.*files present: README\.md, "
-                                                  r"config\.json"):
+    with pytest.raises(
+        MissingWeightsError,
+        match=r"unet: no weight file found.*files present: README\.md, "
+        r"config\.json",
+    ):
         files.select_weight_files(d)
     with pytest.raises(FileNotFoundError, match="component folder not found: .*nothere"):
         files.select_weight_files(tmp_path / "nothere")
@@ -319,21 +348,35 @@ def test_msgpack_roundtrip_clip(tmp_path):
 
 
 def test_msgpack_vae_attention_names_are_renamed():
-    expected = {"encoder": {"mid_block": {"attentions_0": {
-        "to_q": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)},
-        "to_out_0": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)},
-        "group_norm": {"scale": np.zeros(4), "bias": np.zeros(4)}}}}}
-    old = {"encoder": {"mid_block": {"attentions_0": {
-        "query": {"kernel": np.eye(4), "bias": np.arange(4.0)},
-        "proj_attn": {"kernel": 2 * np.eye(4), "bias": np.ones(4)},
-        "group_norm": {"scale": np.ones(4), "bias": np.zeros(4)}}}}}
+    expected = {
+        "encoder": {
+            "mid_block": {
+                "attentions_0": {
+                    "to_q": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)},
+                    "to_out_0": {"kernel": np.zeros((4, 4)), "bias": np.zeros(4)},
+                    "group_norm": {"scale": np.zeros(4), "bias": np.zeros(4)},
+                }
+            }
+        }
+    }
+    old = {
+        "encoder": {
+            "mid_block": {
+                "attentions_0": {
+                    "query": {"kernel": np.eye(4), "bias": np.arange(4.0)},
+                    "proj_attn": {"kernel": 2 * np.eye(4), "bias": np.ones(4)},
+                    "group_norm": {"scale": np.ones(4), "bias": np.zeros(4)},
+                }
+            }
+        }
+    }
     got = files.flax_params_to_sdjax(old, expected, family="vae", component="vae")
     np.testing.assert_array_equal(got["encoder"]["mid_block"]["attentions_0"]["to_out_0"]["kernel"], 2 * np.eye(4))
     np.testing.assert_array_equal(got["encoder"]["mid_block"]["attentions_0"]["to_q"]["bias"], np.arange(4.0))
 
 
 def test_msgpack_mismatch_is_reported_by_name():
-    from sdjax.loading.convert import WeightLoadError
+    from sdjax.models.convert import WeightLoadError
 
     expected = {"conv_in": {"kernel": np.zeros((3, 3, 4, 8)), "bias": np.zeros(8)}, "conv_out": {"bias": np.zeros(4)}}
     tree = {"conv_in": {"kernel": np.zeros((3, 3, 4, 9)), "bias": np.zeros(8)}, "extra": {"bias": np.zeros(1)}}
@@ -359,30 +402,51 @@ def test_corrupt_msgpack_names_the_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ folders and the Hub
-MODEL_INDEX = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.30.0",
-               "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
-               "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
-               "scheduler": ["diffusers", "PNDMScheduler"], "safety_checker": ["stable_diffusion",
-                                                                               "StableDiffusionSafetyChecker"],
-               "feature_extractor": ["transformers", "CLIPImageProcessor"], "image_encoder": [None, None],
-               "requires_safety_checker": True}
+MODEL_INDEX = {
+    "_class_name": "StableDiffusionPipeline",
+    "_diffusers_version": "0.30.0",
+    "unet": ["diffusers", "UNet2DConditionModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "scheduler": ["diffusers", "PNDMScheduler"],
+    "safety_checker": ["stable_diffusion", "StableDiffusionSafetyChecker"],
+    "feature_extractor": ["transformers", "CLIPImageProcessor"],
+    "image_encoder": [None, None],
+    "requires_safety_checker": True,
+}
 
 REPO_FILES = [
-    "model_index.json", "README.md", "v1-5-pruned.ckpt", ".gitattributes",
-    "unet/config.json", "unet/diffusion_pytorch_model.bin", "unet/diffusion_pytorch_model.safetensors",
-    "unet/diffusion_pytorch_model.fp16.bin", "unet/diffusion_pytorch_model.fp16.safetensors",
+    "model_index.json",
+    "README.md",
+    "v1-5-pruned.ckpt",
+    ".gitattributes",
+    "unet/config.json",
+    "unet/diffusion_pytorch_model.bin",
+    "unet/diffusion_pytorch_model.safetensors",
+    "unet/diffusion_pytorch_model.fp16.bin",
+    "unet/diffusion_pytorch_model.fp16.safetensors",
     "unet/diffusion_flax_model.msgpack",
-    "vae/config.json", "vae/diffusion_pytorch_model.safetensors.index.json",
-    "vae/diffusion_pytorch_model-00001-of-00002.safetensors", "vae/diffusion_pytorch_model-00002-of-00002.safetensors",
+    "vae/config.json",
+    "vae/diffusion_pytorch_model.safetensors.index.json",
+    "vae/diffusion_pytorch_model-00001-of-00002.safetensors",
+    "vae/diffusion_pytorch_model-00002-of-00002.safetensors",
     "vae/diffusion_pytorch_model.safetensors.index.fp16.json",
     "vae/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
     "vae/diffusion_pytorch_model.fp16-00002-of-00002.safetensors",
-    "text_encoder/config.json", "text_encoder/model.safetensors", "text_encoder/model.fp16.safetensors",
-    "text_encoder/pytorch_model.bin", "text_encoder/flax_model.msgpack",
-    "tokenizer/merges.txt", "tokenizer/vocab.json", "tokenizer/special_tokens_map.json",
+    "text_encoder/config.json",
+    "text_encoder/model.safetensors",
+    "text_encoder/model.fp16.safetensors",
+    "text_encoder/pytorch_model.bin",
+    "text_encoder/flax_model.msgpack",
+    "tokenizer/merges.txt",
+    "tokenizer/vocab.json",
+    "tokenizer/special_tokens_map.json",
     "tokenizer/tokenizer_config.json",
     "scheduler/scheduler_config.json",
-    "safety_checker/config.json", "safety_checker/model.safetensors", "safety_checker/pytorch_model.bin",
+    "safety_checker/config.json",
+    "safety_checker/model.safetensors",
+    "safety_checker/pytorch_model.bin",
     "feature_extractor/preprocessor_config.json",
     "unet/onnx/model.onnx",
 ]
@@ -417,18 +481,27 @@ def fake_hub(monkeypatch, tmp_path):
 
 
 def test_hub_downloads_only_needed_files(fake_hub):
-    folder = files.resolve_model_dir("org/sd", revision="main",
-                                     components=lambda idx: ["unet", "vae", "text_encoder", "tokenizer", "scheduler"])
+    folder = files.resolve_model_dir(
+        "org/sd", revision="main", components=lambda idx: ["unet", "vae", "text_encoder", "tokenizer", "scheduler"]
+    )
     assert folder.name == "hub"
     got = set(fake_hub["snapshot"]["allow_patterns"])
     assert got == {
-        "model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
-        "vae/config.json", "vae/diffusion_pytorch_model.safetensors.index.json",
+        "model_index.json",
+        "unet/config.json",
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors.index.json",
         "vae/diffusion_pytorch_model-00001-of-00002.safetensors",
         "vae/diffusion_pytorch_model-00002-of-00002.safetensors",
-        "text_encoder/config.json", "text_encoder/model.safetensors",
-        "tokenizer/merges.txt", "tokenizer/vocab.json", "tokenizer/special_tokens_map.json",
-        "tokenizer/tokenizer_config.json", "scheduler/scheduler_config.json"}
+        "text_encoder/config.json",
+        "text_encoder/model.safetensors",
+        "tokenizer/merges.txt",
+        "tokenizer/vocab.json",
+        "tokenizer/special_tokens_map.json",
+        "tokenizer/tokenizer_config.json",
+        "scheduler/scheduler_config.json",
+    }
     assert fake_hub["snapshot"]["revision"] == "main" and fake_hub["list"] == ("org/sd", "main")
 
 
@@ -436,11 +509,13 @@ def test_hub_variant_downloads_only_that_variant(fake_hub):
     files.resolve_model_dir("org/sd", variant="fp16", components=["unet", "vae", "text_encoder"])
     got = set(fake_hub["snapshot"]["allow_patterns"])
     weights = {p for p in got if not p.endswith(("config.json", "model_index.json"))}
-    assert weights == {"unet/diffusion_pytorch_model.fp16.safetensors",
-                       "vae/diffusion_pytorch_model.safetensors.index.fp16.json",
-                       "vae/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
-                       "vae/diffusion_pytorch_model.fp16-00002-of-00002.safetensors",
-                       "text_encoder/model.fp16.safetensors"}
+    assert weights == {
+        "unet/diffusion_pytorch_model.fp16.safetensors",
+        "vae/diffusion_pytorch_model.safetensors.index.fp16.json",
+        "vae/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
+        "vae/diffusion_pytorch_model.fp16-00002-of-00002.safetensors",
+        "text_encoder/model.fp16.safetensors",
+    }
 
 
 def test_hub_default_components_skip_null_entries(fake_hub):
@@ -477,8 +552,11 @@ def test_offline_from_fake_cache(tmp_path, monkeypatch):
         raise AssertionError("network call while offline")
 
     monkeypatch.setattr(files, "_list_repo_files", no_network)
-    root = make_cached_repo(tmp_path / "cache", "org/tiny", {"model_index.json": json.dumps(MODEL_INDEX).encode(),
-                                                              "unet/config.json": b"{}"})
+    root = make_cached_repo(
+        tmp_path / "cache",
+        "org/tiny",
+        {"model_index.json": json.dumps(MODEL_INDEX).encode(), "unet/config.json": b"{}"},
+    )
     got = files.resolve_model_dir("org/tiny", local_files_only=True, cache_dir=tmp_path / "cache")
     assert got == root
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -503,8 +581,11 @@ def test_local_folder_and_bad_names(tmp_path):
 
 def test_missing_model_index(tmp_path):
     touch(tmp_path / "unet", "config.json")
-    with pytest.raises(FileNotFoundError, match=r"not a diffusers pipeline folder: model_index\.json not found "
-                                                r"\(files present: unet\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"not a diffusers pipeline folder: model_index\.json not found "
+        r"\(files present: unet\)",
+    ):
         files.read_model_index(tmp_path)
 
 
@@ -513,8 +594,11 @@ def test_errors_leave_no_files_behind(tmp_path):
     save_file(tensors(2), path)
     path.write_bytes(path.read_bytes()[:-3])
     before = listing(tmp_path)
-    for call in (lambda: files.read_safetensors(path), lambda: files.select_weight_files(tmp_path, variant="x"),
-                 lambda: files.read_flax_msgpack(path)):
+    for call in (
+        lambda: files.read_safetensors(path),
+        lambda: files.select_weight_files(tmp_path, variant="x"),
+        lambda: files.read_flax_msgpack(path),
+    ):
         with pytest.raises((CheckpointError, MissingWeightsError)):
             call()
     assert listing(tmp_path) == before

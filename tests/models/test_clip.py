@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import reference
 
-from sdjax.loading.config import ConfigError
-from sdjax.loading.convert import WeightLoadError
+from sdjax.config import ConfigError
 from sdjax.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, convert_clip_text
+from sdjax.models.convert import WeightLoadError
 
 ATOL = 1e-5  # float32 parity, absolute
 
@@ -46,8 +46,9 @@ def _torch_outputs(model, ids, attention_mask=None):
     with torch.no_grad():
         mask = None if attention_mask is None else torch.from_numpy(attention_mask)
         out = model(torch.from_numpy(np.asarray(ids)).long(), attention_mask=mask, output_hidden_states=True)
-    return {k: (tuple(h.numpy() for h in v) if isinstance(v, tuple) else v.numpy())
-            for k, v in out.items() if v is not None}
+    return {
+        k: (tuple(h.numpy() for h in v) if isinstance(v, tuple) else v.numpy()) for k, v in out.items() if v is not None
+    }
 
 
 def _build(name):
@@ -91,8 +92,7 @@ def test_pooling_rule_without_eos_in_ids(eos_token_id):
     params = convert_clip_text(reference.state_dict_numpy(torch_model), config, with_projection=False)
     ids = np.random.default_rng(0).integers(0, 49000, size=(3, 16))
     got = CLIPTextModel(config).apply({"params": params}, ids)
-    np.testing.assert_allclose(got.pooler_output, _torch_outputs(torch_model, ids)["pooler_output"], atol=ATOL,
-                               rtol=0)
+    np.testing.assert_allclose(got.pooler_output, _torch_outputs(torch_model, ids)["pooler_output"], atol=ATOL, rtol=0)
 
 
 def test_attention_mask_matches_transformers():
@@ -127,8 +127,11 @@ def test_bf16_compute_smoke():
     for p in (params, jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16), params)):
         got = jax.jit(bf16_model.apply)({"params": p}, ids)
         assert got.last_hidden_state.dtype == jnp.bfloat16 and got.text_embeds.dtype == jnp.bfloat16
-        for name, g in (("last_hidden_state", got.last_hidden_state), ("penultimate", got.hidden_states[-2]),
-                        ("text_embeds", got.text_embeds)):
+        for name, g in (
+            ("last_hidden_state", got.last_hidden_state),
+            ("penultimate", got.hidden_states[-2]),
+            ("text_embeds", got.text_embeds),
+        ):
             w = want["hidden_states"][-2] if name == "penultimate" else want[name]
             assert np.isfinite(np.asarray(g, np.float32)).all(), name
             # bf16 keeps 8 mantissa bits (relative step 2^-8 = 0.004); values here reach ~4.5, ~10 layers deep.
@@ -174,25 +177,74 @@ def test_conversion_reports_bad_keys_by_name():
 
 def test_cast_runs_per_tensor():
     torch_model, model, _, _ = _build("sd1_quick_gelu")
-    params = convert_clip_text(reference.state_dict_numpy(torch_model), model.config, with_projection=False,
-                               cast=lambda a: jnp.asarray(a, jnp.bfloat16))
+    params = convert_clip_text(
+        reference.state_dict_numpy(torch_model),
+        model.config,
+        with_projection=False,
+        cast=lambda a: jnp.asarray(a, jnp.bfloat16),
+    )
     assert {x.dtype for x in jax.tree_util.tree_leaves(params)} == {jnp.dtype(jnp.bfloat16)}
 
 
 # Real `text_encoder*/config.json` files (SD 1.5, SD 2.1, SDXL base 1.0 encoder 2), bookkeeping keys included.
-_REAL_COMMON = {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model", "torch_dtype": "float32",
-                "transformers_version": "4.25.0.dev0", "_name_or_path": "openai/clip-vit-large-patch14",
-                "attention_dropout": 0.0, "dropout": 0.0, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1,
-                "initializer_factor": 1.0, "initializer_range": 0.02, "layer_norm_eps": 1e-05,
-                "max_position_embeddings": 77, "vocab_size": 49408}
+_REAL_COMMON = {
+    "architectures": ["CLIPTextModel"],
+    "model_type": "clip_text_model",
+    "torch_dtype": "float32",
+    "transformers_version": "4.25.0.dev0",
+    "_name_or_path": "openai/clip-vit-large-patch14",
+    "attention_dropout": 0.0,
+    "dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "initializer_factor": 1.0,
+    "initializer_range": 0.02,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 77,
+    "vocab_size": 49408,
+}
 REAL_CONFIGS = {
-    "sd15": ({**_REAL_COMMON, "hidden_act": "quick_gelu", "hidden_size": 768, "intermediate_size": 3072,
-              "num_attention_heads": 12, "num_hidden_layers": 12, "projection_dim": 768}, False, 123_060_480),
-    "sd21": ({**_REAL_COMMON, "hidden_act": "gelu", "hidden_size": 1024, "intermediate_size": 4096,
-              "num_attention_heads": 16, "num_hidden_layers": 23, "projection_dim": 512}, False, 340_387_840),
-    "sdxl_2": ({**_REAL_COMMON, "architectures": ["CLIPTextModelWithProjection"], "hidden_act": "gelu",
-                "hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 20, "num_hidden_layers": 32,
-                "projection_dim": 1280}, True, 694_659_840),
+    "sd15": (
+        {
+            **_REAL_COMMON,
+            "hidden_act": "quick_gelu",
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_attention_heads": 12,
+            "num_hidden_layers": 12,
+            "projection_dim": 768,
+        },
+        False,
+        123_060_480,
+    ),
+    "sd21": (
+        {
+            **_REAL_COMMON,
+            "hidden_act": "gelu",
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 23,
+            "projection_dim": 512,
+        },
+        False,
+        340_387_840,
+    ),
+    "sdxl_2": (
+        {
+            **_REAL_COMMON,
+            "architectures": ["CLIPTextModelWithProjection"],
+            "hidden_act": "gelu",
+            "hidden_size": 1280,
+            "intermediate_size": 5120,
+            "num_attention_heads": 20,
+            "num_hidden_layers": 32,
+            "projection_dim": 1280,
+        },
+        True,
+        694_659_840,
+    ),
 }
 
 
@@ -209,8 +261,12 @@ def test_full_size_key_sets_convert_without_allocating(name):
     with torch.device("meta"):
         hf = (HFModelWithProjection if with_projection else HFModel)(HFConfig(**dataclasses.asdict(config)))
     shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
-    state = {("" if k.startswith(("text_model.", "text_projection")) else "text_model.") + k:
-             np.broadcast_to(np.float32(0), s) for k, s in shapes.items()}
+    state = {
+        ("" if k.startswith(("text_model.", "text_projection")) else "text_model.") + k: np.broadcast_to(
+            np.float32(0), s
+        )
+        for k, s in shapes.items()
+    }
     params = convert_clip_text(state, config, with_projection=with_projection)
     assert sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)) == n_params
 
@@ -223,8 +279,10 @@ def test_config_rejects_unknown_keys_and_bad_values():
     with pytest.raises(ConfigError, match="multiple"):
         CLIPTextConfig.from_dict({**reference.CLIP_SD1, "num_attention_heads": 5}, source="x/config.json")
     # Runtime-only keys transformers may write are accepted and dropped.
-    assert CLIPTextConfig.from_dict({**reference.CLIP_SD1, "_attn_implementation_autoset": True},
-                                    source="x").hidden_size == 32
+    assert (
+        CLIPTextConfig.from_dict({**reference.CLIP_SD1, "_attn_implementation_autoset": True}, source="x").hidden_size
+        == 32
+    )
 
 
 def test_init_params_shape_allocates_nothing_and_mirrors_transformers_paths():

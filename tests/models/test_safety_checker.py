@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import reference
 
-from sdjax.loading.convert import WeightLoadError
+from sdjax.models.convert import WeightLoadError
 from sdjax.models.safety_checker import (
     SafetyCheckerConfig,
     StableDiffusionSafetyChecker,
@@ -22,8 +22,16 @@ from sdjax.models.safety_checker import (
 
 ATOL = 1e-5
 
-TINY_VISION = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=224,
-                   patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=224,
+    patch_size=32,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+)
 
 
 def _images(shape=(6, 96, 128, 3), seed=0):
@@ -68,9 +76,13 @@ def _torch_checker(seed=0):
     from transformers import CLIPConfig
 
     reference.seed_everything(seed)
-    model = Torch(CLIPConfig(text_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                                              num_attention_heads=4),
-                             vision_config=TINY_VISION, projection_dim=16)).eval()
+    model = Torch(
+        CLIPConfig(
+            text_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4),
+            vision_config=TINY_VISION,
+            projection_dim=16,
+        )
+    ).eval()
     reference.perturb_norms(model, seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -140,8 +152,9 @@ def test_parity_with_diffusers():
     out = checker.apply({"params": params}, preprocess(images))
     np.testing.assert_allclose(out.image_embeds, _torch_embeds(model, pixels), atol=ATOL, rtol=0)
 
-    want_images, want_nsfw = model(clip_input=torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy()),
-                                   images=images.copy())
+    want_images, want_nsfw = model(
+        clip_input=torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy()), images=images.copy()
+    )
     got_images, got_nsfw = checker.check(params, images)
     assert got_nsfw.tolist() == list(want_nsfw) == [i in flagged for i in range(len(images))]
     np.testing.assert_array_equal(got_images, want_images)
@@ -169,33 +182,100 @@ def test_both_checkpoint_spellings_convert_and_bad_keys_are_named():
 
 # The released `safety_checker/config.json` of SD 1.x (CompVis/stable-diffusion-safety-checker), abridged only in
 # the generic keys repeated in text_config.
-_GENERIC = {"add_cross_attention": False, "architectures": None, "bad_words_ids": None, "bos_token_id": None,
-            "chunk_size_feed_forward": 0, "cross_attention_hidden_size": None, "decoder_start_token_id": None,
-            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": False, "encoder_no_repeat_ngram_size": 0,
-            "eos_token_id": None, "exponential_decay_length_penalty": None, "finetuning_task": None,
-            "forced_bos_token_id": None, "forced_eos_token_id": None, "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
-            "is_decoder": False, "is_encoder_decoder": False, "label2id": {"LABEL_0": 0, "LABEL_1": 1},
-            "length_penalty": 1.0, "max_length": 20, "min_length": 0, "no_repeat_ngram_size": 0,
-            "num_beam_groups": 1, "num_beams": 1, "num_return_sequences": 1, "output_attentions": False,
-            "output_hidden_states": False, "output_scores": False, "pad_token_id": None, "prefix": None,
-            "problem_type": None, "pruned_heads": {}, "remove_invalid_values": False, "repetition_penalty": 1.0,
-            "return_dict": True, "return_dict_in_generate": False, "sep_token_id": None,
-            "task_specific_params": None, "temperature": 1.0, "tf_legacy_loss": False, "tie_encoder_decoder": False,
-            "tie_word_embeddings": True, "tokenizer_class": None, "top_k": 50, "top_p": 1.0, "torch_dtype": None,
-            "torchscript": False, "transformers_version": "4.22.0.dev0", "typical_p": 1.0, "use_bfloat16": False}
+_GENERIC = {
+    "add_cross_attention": False,
+    "architectures": None,
+    "bad_words_ids": None,
+    "bos_token_id": None,
+    "chunk_size_feed_forward": 0,
+    "cross_attention_hidden_size": None,
+    "decoder_start_token_id": None,
+    "diversity_penalty": 0.0,
+    "do_sample": False,
+    "early_stopping": False,
+    "encoder_no_repeat_ngram_size": 0,
+    "eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+    "finetuning_task": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "is_decoder": False,
+    "is_encoder_decoder": False,
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "length_penalty": 1.0,
+    "max_length": 20,
+    "min_length": 0,
+    "no_repeat_ngram_size": 0,
+    "num_beam_groups": 1,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "output_attentions": False,
+    "output_hidden_states": False,
+    "output_scores": False,
+    "pad_token_id": None,
+    "prefix": None,
+    "problem_type": None,
+    "pruned_heads": {},
+    "remove_invalid_values": False,
+    "repetition_penalty": 1.0,
+    "return_dict": True,
+    "return_dict_in_generate": False,
+    "sep_token_id": None,
+    "task_specific_params": None,
+    "temperature": 1.0,
+    "tf_legacy_loss": False,
+    "tie_encoder_decoder": False,
+    "tie_word_embeddings": True,
+    "tokenizer_class": None,
+    "top_k": 50,
+    "top_p": 1.0,
+    "torch_dtype": None,
+    "torchscript": False,
+    "transformers_version": "4.22.0.dev0",
+    "typical_p": 1.0,
+    "use_bfloat16": False,
+}
 REAL_CONFIG = {
     "_name_or_path": "CompVis/stable-diffusion-safety-checker",
-    "architectures": ["StableDiffusionSafetyChecker"], "initializer_factor": 1.0, "logit_scale_init_value": 2.6592,
-    "model_type": "clip", "projection_dim": 768, "torch_dtype": "float32", "transformers_version": None,
+    "architectures": ["StableDiffusionSafetyChecker"],
+    "initializer_factor": 1.0,
+    "logit_scale_init_value": 2.6592,
+    "model_type": "clip",
+    "projection_dim": 768,
+    "torch_dtype": "float32",
+    "transformers_version": None,
     "text_config": {**_GENERIC, "hidden_size": 768, "model_type": "clip_text_model", "vocab_size": 49408},
-    "text_config_dict": {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
-                         "num_hidden_layers": 12},
-    "vision_config": {**_GENERIC, "attention_dropout": 0.0, "dropout": 0.0, "hidden_act": "quick_gelu",
-                      "hidden_size": 1024, "image_size": 224, "initializer_factor": 1.0, "initializer_range": 0.02,
-                      "intermediate_size": 4096, "layer_norm_eps": 1e-05, "model_type": "clip_vision_model",
-                      "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 24, "patch_size": 14},
-    "vision_config_dict": {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
-                           "num_hidden_layers": 24, "patch_size": 14},
+    "text_config_dict": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_attention_heads": 12,
+        "num_hidden_layers": 12,
+    },
+    "vision_config": {
+        **_GENERIC,
+        "attention_dropout": 0.0,
+        "dropout": 0.0,
+        "hidden_act": "quick_gelu",
+        "hidden_size": 1024,
+        "image_size": 224,
+        "initializer_factor": 1.0,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096,
+        "layer_norm_eps": 1e-05,
+        "model_type": "clip_vision_model",
+        "num_attention_heads": 16,
+        "num_channels": 3,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+    },
+    "vision_config_dict": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+    },
 }
 
 
@@ -210,13 +290,16 @@ def test_released_config_and_full_size_key_set():
     assert (v.hidden_size, v.num_hidden_layers, v.patch_size, config.projection_dim) == (1024, 24, 14, 768)
     with torch.device("meta"):
         model = Torch(CLIPConfig(vision_config=dataclasses.asdict(v), projection_dim=768))
-    state = {k.replace("vision_model.", "vision_model.vision_model.", 1): np.broadcast_to(np.float32(0), t.shape)
-             for k, t in model.state_dict().items()}
+    state = {
+        k.replace("vision_model.", "vision_model.vision_model.", 1): np.broadcast_to(np.float32(0), t.shape)
+        for k, t in model.state_dict().items()
+    }
     params = convert_safety_checker(state, config)
     assert sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)) == sum(
-        t.numel() for t in model.state_dict().values())
+        t.numel() for t in model.state_dict().values()
+    )
 
-    from sdjax.loading.config import ConfigError
+    from sdjax.config import ConfigError
 
     with pytest.raises(ConfigError, match="use_rope"):
         SafetyCheckerConfig.from_dict({**REAL_CONFIG, "vision_config_dict": {"use_rope": True}}, source="x")

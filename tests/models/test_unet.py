@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import reference
 
-from sdjax.loading.config import ConfigError, config_from_dict
-from sdjax.loading.convert import WeightLoadError
+from sdjax.config import ConfigError, config_from_dict
 from sdjax.models import layers
 from sdjax.models import unet as U
+from sdjax.models.convert import WeightLoadError
 
 torch = pytest.importorskip("torch")
 
@@ -29,34 +29,85 @@ CONFIGS = {"sd1": reference.UNET_SD1, "sd2": reference.UNET_SD2, "sdxl": referen
 
 # The released checkpoints' unet/config.json files, verbatim (key sets and values).
 SD15_CONFIG_JSON = {
-    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu", "attention_head_dim": 8,
-    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
+    "_class_name": "UNet2DConditionModel",
+    "_diffusers_version": "0.6.0",
+    "act_fn": "silu",
+    "attention_head_dim": 8,
+    "block_out_channels": [320, 640, 1280, 1280],
+    "center_input_sample": False,
+    "cross_attention_dim": 768,
     "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-    "downsample_padding": 1, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
-    "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4, "sample_size": 64,
+    "downsample_padding": 1,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "mid_block_scale_factor": 1,
+    "norm_eps": 1e-05,
+    "norm_num_groups": 32,
+    "out_channels": 4,
+    "sample_size": 64,
     "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
 }
 SD21_CONFIG_JSON = {
-    **SD15_CONFIG_JSON, "_diffusers_version": "0.10.0.dev0", "attention_head_dim": [5, 10, 20, 20],
-    "cross_attention_dim": 1024, "dual_cross_attention": False, "num_class_embeds": None,
-    "only_cross_attention": False, "sample_size": 96, "upcast_attention": True, "use_linear_projection": True,
+    **SD15_CONFIG_JSON,
+    "_diffusers_version": "0.10.0.dev0",
+    "attention_head_dim": [5, 10, 20, 20],
+    "cross_attention_dim": 1024,
+    "dual_cross_attention": False,
+    "num_class_embeds": None,
+    "only_cross_attention": False,
+    "sample_size": 96,
+    "upcast_attention": True,
+    "use_linear_projection": True,
 }
 SDXL_CONFIG_JSON = {
-    "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "act_fn": "silu",
-    "addition_embed_type": "text_time", "addition_embed_type_num_heads": 64, "addition_time_embed_dim": 256,
-    "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280], "center_input_sample": False,
-    "class_embed_type": None, "class_embeddings_concat": False, "conv_in_kernel": 3, "conv_out_kernel": 3,
-    "cross_attention_dim": 2048, "cross_attention_norm": None,
-    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"], "downsample_padding": 1,
-    "dual_cross_attention": False, "encoder_hid_dim": None, "encoder_hid_dim_type": None, "flip_sin_to_cos": True,
-    "freq_shift": 0, "in_channels": 4, "layers_per_block": 2, "mid_block_only_cross_attention": None,
-    "mid_block_scale_factor": 1, "mid_block_type": "UNetMidBlock2DCrossAttn", "norm_eps": 1e-05,
-    "norm_num_groups": 32, "num_attention_heads": None, "num_class_embeds": None, "only_cross_attention": False,
-    "out_channels": 4, "projection_class_embeddings_input_dim": 2816, "resnet_out_scale_factor": 1.0,
-    "resnet_skip_time_act": False, "resnet_time_scale_shift": "default", "sample_size": 128,
-    "time_cond_proj_dim": None, "time_embedding_act_fn": None, "time_embedding_dim": None,
-    "time_embedding_type": "positional", "timestep_post_act": None, "transformer_layers_per_block": [1, 2, 10],
-    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "upcast_attention": None,
+    "_class_name": "UNet2DConditionModel",
+    "_diffusers_version": "0.19.0.dev0",
+    "act_fn": "silu",
+    "addition_embed_type": "text_time",
+    "addition_embed_type_num_heads": 64,
+    "addition_time_embed_dim": 256,
+    "attention_head_dim": [5, 10, 20],
+    "block_out_channels": [320, 640, 1280],
+    "center_input_sample": False,
+    "class_embed_type": None,
+    "class_embeddings_concat": False,
+    "conv_in_kernel": 3,
+    "conv_out_kernel": 3,
+    "cross_attention_dim": 2048,
+    "cross_attention_norm": None,
+    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "downsample_padding": 1,
+    "dual_cross_attention": False,
+    "encoder_hid_dim": None,
+    "encoder_hid_dim_type": None,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "in_channels": 4,
+    "layers_per_block": 2,
+    "mid_block_only_cross_attention": None,
+    "mid_block_scale_factor": 1,
+    "mid_block_type": "UNetMidBlock2DCrossAttn",
+    "norm_eps": 1e-05,
+    "norm_num_groups": 32,
+    "num_attention_heads": None,
+    "num_class_embeds": None,
+    "only_cross_attention": False,
+    "out_channels": 4,
+    "projection_class_embeddings_input_dim": 2816,
+    "resnet_out_scale_factor": 1.0,
+    "resnet_skip_time_act": False,
+    "resnet_time_scale_shift": "default",
+    "sample_size": 128,
+    "time_cond_proj_dim": None,
+    "time_embedding_act_fn": None,
+    "time_embedding_dim": None,
+    "time_embedding_type": "positional",
+    "timestep_post_act": None,
+    "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    "upcast_attention": None,
     "use_linear_projection": True,
 }
 
@@ -84,14 +135,19 @@ class Case:
             self.kwargs["timestep_cond"] = rng.standard_normal((2, self.config.time_cond_proj_dim)).astype(np.float32)
             torch_kwargs["timestep_cond"] = torch.from_numpy(self.kwargs["timestep_cond"])
         with torch.no_grad():
-            self.expected = self.torch_model(torch.from_numpy(self.sample), torch.from_numpy(self.timesteps),
-                                             torch.from_numpy(self.context), **torch_kwargs).sample.numpy()
+            self.expected = self.torch_model(
+                torch.from_numpy(self.sample),
+                torch.from_numpy(self.timesteps),
+                torch.from_numpy(self.context),
+                **torch_kwargs,
+            ).sample.numpy()
 
     def run(self, params=None, dtype=jnp.float32, **options) -> np.ndarray:
         model = U.UNet2DConditionModel(self.config, dtype=dtype, **options)
         params = self.params if params is None else params
-        out = model.apply({"params": params}, jnp.asarray(self.sample, dtype), self.timesteps, self.context,
-                          **self.kwargs)
+        out = model.apply(
+            {"params": params}, jnp.asarray(self.sample, dtype), self.timesteps, self.context, **self.kwargs
+        )
         return np.asarray(out.astype(jnp.float32))
 
     def baseline(self) -> np.ndarray:
@@ -124,8 +180,10 @@ def test_matches_diffusers(name):
     np.testing.assert_allclose(out, c.expected, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("attention,split_head_dim", [
-    ("xla", True), ("dot_product", False), ("dot_product", True), ("chunked", False), ("chunked", True)])
+@pytest.mark.parametrize(
+    "attention,split_head_dim",
+    [("xla", True), ("dot_product", False), ("dot_product", True), ("chunked", False), ("chunked", True)],
+)
 def test_attention_options_give_the_same_numbers(attention, split_head_dim):
     # SD2: upcast attention, linear projections, per-block head counts. chunk 24 < 64 tokens: 3 chunks, padded.
     c = case("sd2")
@@ -152,8 +210,16 @@ def test_attention_function_against_numpy(upcast, context_len):
     want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vh).reshape(2, t, heads * d)
     for implementation in layers.ATTENTION_IMPLEMENTATIONS:
         for split in (False, True):
-            got = layers.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), heads=heads,
-                                   implementation=implementation, split_head_dim=split, upcast=upcast, chunk_size=8)
+            got = layers.attention(
+                jnp.asarray(q),
+                jnp.asarray(k),
+                jnp.asarray(v),
+                heads=heads,
+                implementation=implementation,
+                split_head_dim=split,
+                upcast=upcast,
+                chunk_size=8,
+            )
             np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0, err_msg=f"{implementation} {split}")
 
 
@@ -178,11 +244,23 @@ def test_odd_latent_size_and_scalar_timestep():
 LESS_COMMON = {
     # LCM's timestep_cond, only_cross_attention per block, center_input_sample, mid_block_scale_factor,
     # downsample_padding=0, other conv kernels, sin/cos order and frequency shift, per-block layer counts.
-    "lcm_and_more": {**reference.UNET_SD1, "time_cond_proj_dim": 16, "only_cross_attention": (True, False),
-                     "center_input_sample": True, "mid_block_scale_factor": 1.5, "downsample_padding": 0,
-                     "conv_in_kernel": 1, "conv_out_kernel": 5, "flip_sin_to_cos": False, "freq_shift": 1,
-                     "norm_eps": 1e-6, "layers_per_block": (1, 2), "transformer_layers_per_block": (2, 1),
-                     "act_fn": "gelu", "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")},
+    "lcm_and_more": {
+        **reference.UNET_SD1,
+        "time_cond_proj_dim": 16,
+        "only_cross_attention": (True, False),
+        "center_input_sample": True,
+        "mid_block_scale_factor": 1.5,
+        "downsample_padding": 0,
+        "conv_in_kernel": 1,
+        "conv_out_kernel": 5,
+        "flip_sin_to_cos": False,
+        "freq_shift": 1,
+        "norm_eps": 1e-6,
+        "layers_per_block": (1, 2),
+        "transformer_layers_per_block": (2, 1),
+        "act_fn": "gelu",
+        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    },
     "no_mid_block": {**reference.UNET_SD1, "mid_block_type": None, "only_cross_attention": True},
 }
 
@@ -233,14 +311,21 @@ def test_wrong_shape_is_reported_by_name():
 def test_param_paths_mirror_diffusers_keys():
     params = case("sdxl").params
     flat = {"/".join(p.key for p in path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-    for path in ["conv_in/kernel", "time_embedding/linear_1/kernel", "add_embedding/linear_2/bias",
-                 "down_blocks_1/attentions_0/transformer_blocks_1/attn1/to_q/kernel",
-                 "down_blocks_1/attentions_0/transformer_blocks_0/ff/net_0/proj/kernel",
-                 "down_blocks_1/attentions_0/transformer_blocks_0/ff/net_2/kernel",
-                 "down_blocks_1/attentions_0/transformer_blocks_0/attn2/to_out_0/bias",
-                 "down_blocks_0/downsamplers_0/conv/kernel", "up_blocks_0/upsamplers_0/conv/kernel",
-                 "mid_block/attentions_0/proj_in/kernel", "up_blocks_1/resnets_2/conv_shortcut/kernel",
-                 "conv_norm_out/scale", "conv_out/kernel"]:
+    for path in [
+        "conv_in/kernel",
+        "time_embedding/linear_1/kernel",
+        "add_embedding/linear_2/bias",
+        "down_blocks_1/attentions_0/transformer_blocks_1/attn1/to_q/kernel",
+        "down_blocks_1/attentions_0/transformer_blocks_0/ff/net_0/proj/kernel",
+        "down_blocks_1/attentions_0/transformer_blocks_0/ff/net_2/kernel",
+        "down_blocks_1/attentions_0/transformer_blocks_0/attn2/to_out_0/bias",
+        "down_blocks_0/downsamplers_0/conv/kernel",
+        "up_blocks_0/upsamplers_0/conv/kernel",
+        "mid_block/attentions_0/proj_in/kernel",
+        "up_blocks_1/resnets_2/conv_shortcut/kernel",
+        "conv_norm_out/scale",
+        "conv_out/kernel",
+    ]:
         assert path in flat, path
 
 
@@ -259,12 +344,22 @@ def test_head_count_quirk_and_num_attention_heads():
     assert cfg.heads_per_block == (4, 8)
 
 
-@pytest.mark.parametrize("key,value", [
-    ("class_embed_type", "timestep"), ("num_class_embeds", 10), ("encoder_hid_dim", 32),
-    ("resnet_time_scale_shift", "scale_shift"), ("time_embedding_type", "fourier"), ("attention_type", "gated"),
-    ("dual_cross_attention", True), ("addition_embed_type", "text"), ("mid_block_type", "UNetMidBlock2D"),
-    ("down_block_types", ("SimpleCrossAttnDownBlock2D", "DownBlock2D")), ("time_embedding_act_fn", "silu"),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("class_embed_type", "timestep"),
+        ("num_class_embeds", 10),
+        ("encoder_hid_dim", 32),
+        ("resnet_time_scale_shift", "scale_shift"),
+        ("time_embedding_type", "fourier"),
+        ("attention_type", "gated"),
+        ("dual_cross_attention", True),
+        ("addition_embed_type", "text"),
+        ("mid_block_type", "UNetMidBlock2D"),
+        ("down_block_types", ("SimpleCrossAttnDownBlock2D", "DownBlock2D")),
+        ("time_embedding_act_fn", "silu"),
+    ],
+)
 def test_unsupported_architecture_keys_raise(key, value):
     with pytest.raises(ConfigError, match=key):
         config_from_dict(U.UNet2DConditionConfig, {**reference.UNET_SD1, key: value}, source="unet/config.json")
@@ -284,8 +379,9 @@ def test_missing_sdxl_conditioning_is_an_error():
 
 # ---------------------------------------------------------------------------------------------- full size
 @pytest.mark.slow
-@pytest.mark.parametrize("raw,n_params", [(SD15_CONFIG_JSON, 859_520_964), (SDXL_CONFIG_JSON, 2_567_463_684)],
-                         ids=["sd15", "sdxl"])
+@pytest.mark.parametrize(
+    "raw,n_params", [(SD15_CONFIG_JSON, 859_520_964), (SDXL_CONFIG_JSON, 2_567_463_684)], ids=["sd15", "sdxl"]
+)
 def test_full_size_state_dict_maps_onto_params(raw, n_params):
     """Every key and shape of the full diffusers model (built on torch's meta device) converts."""
     from diffusers import UNet2DConditionModel

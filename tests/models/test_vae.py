@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import reference
 
-from sdjax.loading.config import ConfigError, config_from_dict
-from sdjax.loading.convert import WeightLoadError
+from sdjax.config import ConfigError, config_from_dict
 from sdjax.models import vae as V
+from sdjax.models.convert import WeightLoadError
 
 torch = pytest.importorskip("torch")
 
@@ -47,8 +47,9 @@ class Case:
             posterior = model.apply({"params": p}, images, method=model.encode)
             return posterior.mean, posterior.logvar, model.apply({"params": p}, latents, method=model.decode)
 
-        out = f(self.params if params is None else params, jnp.asarray(self.images, dtype),
-                jnp.asarray(self.latents, dtype))
+        out = f(
+            self.params if params is None else params, jnp.asarray(self.images, dtype), jnp.asarray(self.latents, dtype)
+        )
         return tuple(np.asarray(x.astype(jnp.float32)) for x in out)
 
 
@@ -70,8 +71,10 @@ def test_matches_diffusers(name):
     c = case(name)
     mean, logvar, decoded = c.run()
     assert mean.shape == logvar.shape == (2, 4, 2, 2) and decoded.shape == (2, 3, 32, 32)  # NCHW at the boundary
-    print(f"{name}: mean {max_err(mean, c.mean):.2e}, logvar {max_err(logvar, c.logvar):.2e}, "
-          f"decode {max_err(decoded, c.decoded):.2e} (max |ref| {np.abs(c.decoded).max():.2f})")
+    print(
+        f"{name}: mean {max_err(mean, c.mean):.2e}, logvar {max_err(logvar, c.logvar):.2e}, "
+        f"decode {max_err(decoded, c.decoded):.2e} (max |ref| {np.abs(c.decoded).max():.2f})"
+    )
     np.testing.assert_allclose(mean, c.mean, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(logvar, c.logvar, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(decoded, c.decoded, atol=ATOL, rtol=RTOL)
@@ -87,8 +90,10 @@ def test_attention_options_give_the_same_numbers():
     # the mid-block attention sees 4 tokens (encode) and 16 (decode); chunks of 3 force padded chunking.
     c = case("sd")
     base = c.run()
-    for options in (dict(attention="chunked", attention_chunk_size=3, split_head_dim=True),
-                    dict(attention="dot_product")):
+    for options in (
+        dict(attention="chunked", attention_chunk_size=3, split_head_dim=True),
+        dict(attention="dot_product"),
+    ):
         for got, want in zip(c.run(**options), base):
             print(f"{options}: max abs diff {max_err(got, want):.2e}")
             np.testing.assert_allclose(got, want, atol=OPTION_ATOL, rtol=0)
@@ -147,9 +152,16 @@ def test_unsupported_config_raises(key, value):
 
 def test_optional_parts_match_diffusers():
     # no quant convs, no mid-block attention, two resnets per block, 3 blocks
-    raw = {**reference.VAE, "use_quant_conv": False, "use_post_quant_conv": False, "mid_block_add_attention": False,
-           "layers_per_block": 2, "block_out_channels": (32, 64, 64), "down_block_types": ("DownEncoderBlock2D",) * 3,
-           "up_block_types": ("UpDecoderBlock2D",) * 3}
+    raw = {
+        **reference.VAE,
+        "use_quant_conv": False,
+        "use_post_quant_conv": False,
+        "mid_block_add_attention": False,
+        "layers_per_block": 2,
+        "block_out_channels": (32, 64, 64),
+        "down_block_types": ("DownEncoderBlock2D",) * 3,
+        "up_block_types": ("UpDecoderBlock2D",) * 3,
+    }
     c = Case(raw)
     assert "quant_conv" not in c.params and "attentions_0" not in c.params["decoder"]["mid_block"]
     mean, logvar, decoded = c.run()

@@ -23,8 +23,9 @@ CASES = [
 
 
 def _reference(x, k, b, stride, pads):
-    y = lax.conv_general_dilated(x, k, (stride, stride), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                 precision=lax.Precision.HIGHEST)
+    y = lax.conv_general_dilated(
+        x, k, (stride, stride), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
     return y + b
 
 
@@ -46,8 +47,9 @@ def test_no_bias_and_tuple_stride():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((1, 10, 10, 4), dtype=np.float32))
     k = jnp.asarray(rng.standard_normal((3, 3, 4, 5), dtype=np.float32))
-    want = lax.conv_general_dilated(x, k, (2, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                    precision=lax.Precision.HIGHEST)
+    want = lax.conv_general_dilated(
+        x, k, (2, 1), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
     for impl in IMPLEMENTATIONS:
         got = conv2d(x, k, None, stride=(2, 1), padding=1, impl=impl)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -60,11 +62,22 @@ def test_matches_torch():
     w_oihw = rng.standard_normal((16, 8, 3, 3), dtype=np.float32)
     b = rng.standard_normal((16,), dtype=np.float32)
     for stride, pad in ((1, 1), (2, 1)):
-        want = torch.nn.functional.conv2d(torch.from_numpy(x).permute(0, 3, 1, 2), torch.from_numpy(w_oihw),
-                                          torch.from_numpy(b), stride=stride, padding=pad).permute(0, 2, 3, 1)
+        want = torch.nn.functional.conv2d(
+            torch.from_numpy(x).permute(0, 3, 1, 2),
+            torch.from_numpy(w_oihw),
+            torch.from_numpy(b),
+            stride=stride,
+            padding=pad,
+        ).permute(0, 2, 3, 1)
         for impl in IMPLEMENTATIONS:
-            got = conv2d(jnp.asarray(x), jnp.asarray(w_oihw.transpose(2, 3, 1, 0)), jnp.asarray(b), stride=stride,
-                         padding=pad, impl=impl)
+            got = conv2d(
+                jnp.asarray(x),
+                jnp.asarray(w_oihw.transpose(2, 3, 1, 0)),
+                jnp.asarray(b),
+                stride=stride,
+                padding=pad,
+                impl=impl,
+            )
             np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-4, atol=1e-4)
 
 
@@ -76,12 +89,15 @@ def test_padding_forms():
     assert normalize_padding("SAME", (3, 3), (1, 1), (8, 8)) == ((1, 1), (1, 1))
 
 
-@pytest.mark.parametrize("bad", [
-    dict(impl="winograd"),
-    dict(padding="FULL"),
-    dict(padding=(1, 2, 3)),
-    dict(stride=0),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(impl="winograd"),
+        dict(padding="FULL"),
+        dict(padding=(1, 2, 3)),
+        dict(stride=0),
+    ],
+)
 def test_bad_arguments(bad):
     x, k = jnp.zeros((1, 4, 4, 3)), jnp.zeros((3, 3, 3, 2))
     with pytest.raises(ValueError, match="conv2d"):
@@ -107,14 +123,21 @@ def test_flax_module_params_and_torch_weights():
         assert {k: v.shape for k, v in params.items()} == {"kernel": (3, 3, 4, 6), "bias": (6,)}
     ref = nn.Conv(6, (3, 3), padding=((1, 1), (1, 1)))
     ref_params = ref.init(jax.random.key(0), x)["params"]
-    assert jax.tree.map(jnp.shape, ref_params) == jax.tree.map(jnp.shape, Conv2d(6, 3, padding=1).init(
-        jax.random.key(0), x)["params"])
+    assert jax.tree.map(jnp.shape, ref_params) == jax.tree.map(
+        jnp.shape, Conv2d(6, 3, padding=1).init(jax.random.key(0), x)["params"]
+    )
     rng = np.random.default_rng(3)
-    p = {"kernel": jnp.asarray(rng.standard_normal((3, 3, 4, 6), dtype=np.float32)),
-         "bias": jnp.asarray(rng.standard_normal((6,), dtype=np.float32))}
+    p = {
+        "kernel": jnp.asarray(rng.standard_normal((3, 3, 4, 6), dtype=np.float32)),
+        "bias": jnp.asarray(rng.standard_normal((6,), dtype=np.float32)),
+    }
     xr = jnp.asarray(rng.standard_normal((2, 8, 8, 4), dtype=np.float32))
-    np.testing.assert_allclose(np.asarray(Conv2d(6, 3, padding=1).apply({"params": p}, xr)),
-                               np.asarray(ref.apply({"params": p}, xr)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(Conv2d(6, 3, padding=1).apply({"params": p}, xr)),
+        np.asarray(ref.apply({"params": p}, xr)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_flax_module_dtype_and_no_bias():

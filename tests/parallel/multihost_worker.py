@@ -17,8 +17,12 @@ PROMPTS = ["a cat", "a dog", "a red car", "a tree in winter"]
 
 def main(process_id: int, num_processes: int, port: int, model_dir: str, out: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=120)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=120,
+    )
     from sdjax import StableDiffusionPipeline
 
     assert jax.process_count() == num_processes and jax.device_count() == 2 * num_processes

@@ -28,9 +28,16 @@ def test_two_processes_equal_single_process(sd1_dir, tmp_path):
     out = tmp_path / "images"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), str(sd1_dir), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), "2", str(port), str(sd1_dir), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     for p in procs:
         try:

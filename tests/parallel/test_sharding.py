@@ -30,8 +30,7 @@ def test_partition_specs_of_named_params(sd):
     assert layer["self_attn"]["out_proj"]["kernel"] == P("model", None)
     # The tiny CLIP MLP has 37 hidden units: not divisible by 2, so fc1/fc2 stay replicated.
     assert layer["mlp"]["fc1"]["kernel"] == P() and layer["mlp"]["fc2"]["kernel"] == P()
-    assert all(s == P() for s in jax.tree_util.tree_leaves(specs["scheduler"],
-                                                           is_leaf=lambda x: isinstance(x, P)))
+    assert all(s == P() for s in jax.tree_util.tree_leaves(specs["scheduler"], is_leaf=lambda x: isinstance(x, P)))
     # conv_out has 4 output channels: divisible by 2, so it splits; with model=8 nothing of width 4 can.
     assert specs["unet"]["conv_out"]["kernel"] == P(None, None, None, "model")
     wide = param_specs(params, make_mesh(data=1, model=8))
@@ -54,8 +53,7 @@ def test_model_axis_gives_the_same_images(sd):
         placed = pipe._placed[1]
         kernel = placed["unet"]["down_blocks_0"]["attentions_0"]["transformer_blocks_0"]["attn1"]["to_q"]["kernel"]
         assert kernel.sharding.spec == P(None, "model")
-        assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape[1] * 2 == \
-            kernel.shape[1]
+        assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape[1] * 2 == kernel.shape[1]
     finally:
         pipe.mesh = None
     assert np.abs(out.astype(int) - ref.astype(int)).max() <= 1
@@ -73,5 +71,6 @@ def test_shard_params_places_by_spec(sd):
     mesh = make_mesh(data=4, model=2)
     placed = shard_params({"unet": {"conv_in": params["unet"]["conv_in"]}}, mesh)
     assert placed["unet"]["conv_in"]["kernel"].sharding.spec == P(None, None, None, "model")
-    np.testing.assert_array_equal(np.asarray(placed["unet"]["conv_in"]["kernel"]),
-                                  np.asarray(params["unet"]["conv_in"]["kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(placed["unet"]["conv_in"]["kernel"]), np.asarray(params["unet"]["conv_in"]["kernel"])
+    )

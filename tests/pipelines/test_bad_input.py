@@ -61,8 +61,7 @@ def test_guidance_of_wrong_shape(sd):
     pipe, params = sd
     ids = shard(pipe.prepare_inputs(["a"] * 8))
     with pytest.raises(ValueError, match="guidance_scale has shape \\(3,\\)"):
-        pipe(ids, replicate(params), jax.random.split(jax.random.PRNGKey(0), 8), guidance_scale=jnp.ones(3),
-             jit=True)
+        pipe(ids, replicate(params), jax.random.split(jax.random.PRNGKey(0), 8), guidance_scale=jnp.ones(3), jit=True)
     with pytest.raises(ValueError, match="guidance_scale has shape \\(2, 2\\)"):
         pipe(pipe.prepare_inputs(["a"]), params, jax.random.PRNGKey(0), guidance_scale=np.ones((2, 2)))
 
@@ -70,8 +69,7 @@ def test_guidance_of_wrong_shape(sd):
 def test_negative_prompts_of_different_count(sd):
     pipe, params = sd
     with pytest.raises(ValueError, match="neg_prompt_ids has shape \\(1, 77\\) but prompt_ids has shape \\(2, 77\\)"):
-        pipe(pipe.prepare_inputs(["a", "b"]), params, jax.random.PRNGKey(0),
-             neg_prompt_ids=pipe.prepare_inputs(["c"]))
+        pipe(pipe.prepare_inputs(["a", "b"]), params, jax.random.PRNGKey(0), neg_prompt_ids=pipe.prepare_inputs(["c"]))
     with pytest.raises(ValueError, match="negative_prompt: got 3 for 2 prompts"):
         pipe.generate(["a", "b"], negative_prompt=["x", "y", "z"])
 
@@ -87,8 +85,7 @@ def test_unknown_sampler(sd, sd1_dir):
 def test_unsharded_ids_with_jit(sd):
     pipe, params = sd
     with pytest.raises(ValueError, match="with jit=True"):
-        pipe(pipe.prepare_inputs(["a"] * 8), replicate(params), jax.random.split(jax.random.PRNGKey(0), 8),
-             jit=True)
+        pipe(pipe.prepare_inputs(["a"] * 8), replicate(params), jax.random.split(jax.random.PRNGKey(0), 8), jit=True)
     with pytest.raises(ValueError, match="replicate\\(params\\)"):
         pipe(shard(pipe.prepare_inputs(["a"] * 8)), params, jax.random.split(jax.random.PRNGKey(0), 8), jit=True)
 
@@ -117,7 +114,12 @@ def test_sdxl_bad_size_guidance_and_negatives(sdxl):
         pipe(ids, params, jax.random.PRNGKey(0), width=36)
     p_ids = shard(pipe.prepare_inputs(["a"] * 8))
     with pytest.raises(ValueError, match="guidance_scale has shape \\(4, 1\\)"):
-        pipe(p_ids, replicate(params), jax.random.split(jax.random.PRNGKey(0), 8), guidance_scale=np.ones((4, 1)),
-             jit=True)
+        pipe(
+            p_ids,
+            replicate(params),
+            jax.random.split(jax.random.PRNGKey(0), 8),
+            guidance_scale=np.ones((4, 1)),
+            jit=True,
+        )
     with pytest.raises(ValueError, match="neg_prompt_ids has shape"):
         pipe(ids, params, jax.random.PRNGKey(0), neg_prompt_ids=pipe.prepare_inputs(["c"]))

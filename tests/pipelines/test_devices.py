@@ -14,8 +14,9 @@ def sd(sd1_dir):
 
 def test_different_prompt_per_device(sd):
     pipe, params = sd
-    prompts = [f"a photo of {w}" for w in ("a cat", "a dog", "a car", "a tree", "a boat", "a house", "the sea",
-                                           "a cake")]
+    prompts = [
+        f"a photo of {w}" for w in ("a cat", "a dog", "a car", "a tree", "a boat", "a house", "the sea", "a cake")
+    ]
     ids = shard(pipe.prepare_inputs(prompts))
     keys = jax.random.split(jax.random.PRNGKey(0), 8)
     # The same key on every device: differences between devices come from the prompts alone.
@@ -52,10 +53,12 @@ def _reference_images(pipe):
     if "ref" not in _cache:
         pipe.devices = jax.devices()[:1]
         try:
-            _cache["ref"] = [np.asarray(pipe.generate(p, seed=11, steps=3)[0], np.int16) if i == 0 else
-                             pipe.generate_arrays([p], [""], [11], [i], [7.5], steps=3, height=64,
-                                                  width=64)[0].astype(np.int16)
-                             for i, p in enumerate(["a cat", "a dog", "a car"])]
+            _cache["ref"] = [
+                np.asarray(pipe.generate(p, seed=11, steps=3)[0], np.int16)
+                if i == 0
+                else pipe.generate_arrays([p], [""], [11], [i], [7.5], steps=3, height=64, width=64)[0].astype(np.int16)
+                for i, p in enumerate(["a cat", "a dog", "a car"])
+            ]
         finally:
             pipe.devices = None
     return _cache["ref"]

@@ -97,8 +97,9 @@ def test_summary_pmap_of_call(guide):
 
     @pmap
     def generate(prompt_ids, p_params, rng):
-        return pipeline(prompt_ids=prompt_ids, params=p_params, prng_seed=rng, num_inference_steps=4,
-                        guidance_scale=7.5).images
+        return pipeline(
+            prompt_ids=prompt_ids, params=p_params, prng_seed=rng, num_inference_steps=4, guidance_scale=7.5
+        ).images
 
     images = generate(prompt_ids, p_params, rng)
     assert images.shape == (8, 1, 64, 64, 3)

@@ -20,8 +20,7 @@ def loaded(sdxl_dir, tmp_path_factory):
     from sdjax import compilation_cache as cc
 
     cc.initialize_cache(str(tmp_path_factory.mktemp("sdxl_cache")))
-    pipeline, params = FlaxStableDiffusionXLPipeline.from_pretrained(str(sdxl_dir), revision=None,
-                                                                     split_head_dim=True)
+    pipeline, params = FlaxStableDiffusionXLPipeline.from_pretrained(str(sdxl_dir), revision=None, split_head_dim=True)
     scheduler_state = params.pop("scheduler")
     params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
     params["scheduler"] = scheduler_state
@@ -56,12 +55,24 @@ def test_sdxl_single(loaded, tmp_path):
         rng = jax.random.split(rng, NUM_DEVICES)
         return p_prompt_ids, p_neg_prompt_ids, rng
 
-    def generate(prompt, negative_prompt, seed=default_seed, guidance_scale=default_guidance_scale,
-                 num_inference_steps=default_num_steps):
+    def generate(
+        prompt,
+        negative_prompt,
+        seed=default_seed,
+        guidance_scale=default_guidance_scale,
+        num_inference_steps=default_num_steps,
+    ):
         prompt_ids, neg_prompt_ids = tokenize_prompt(prompt, negative_prompt)
         prompt_ids, neg_prompt_ids, rng = replicate_all(prompt_ids, neg_prompt_ids, seed)
-        images = pipeline(prompt_ids, p_params, rng, num_inference_steps=num_inference_steps,
-                          neg_prompt_ids=neg_prompt_ids, guidance_scale=guidance_scale, jit=True).images
+        images = pipeline(
+            prompt_ids,
+            p_params,
+            rng,
+            num_inference_steps=num_inference_steps,
+            neg_prompt_ids=neg_prompt_ids,
+            guidance_scale=guidance_scale,
+            jit=True,
+        ).images
         images = images.reshape((images.shape[0] * images.shape[1],) + images.shape[-3:])
         return pipeline.numpy_to_pil(np.array(images))
 
@@ -95,15 +106,22 @@ def test_sdxl_single_aot(loaded):
         rng = jax.random.split(jax.random.PRNGKey(seed), NUM_DEVICES)
         return replicate(prompt_ids), replicate(neg_prompt_ids), rng
 
-    def aot_compile(prompt=default_prompt, negative_prompt=default_neg_prompt, seed=default_seed,
-                    guidance_scale=default_guidance_scale, num_inference_steps=default_num_steps):
+    def aot_compile(
+        prompt=default_prompt,
+        negative_prompt=default_neg_prompt,
+        seed=default_seed,
+        guidance_scale=default_guidance_scale,
+        num_inference_steps=default_num_steps,
+    ):
         prompt_ids, neg_prompt_ids = tokenize_prompt(prompt, negative_prompt)
         prompt_ids, neg_prompt_ids, rng = replicate_all(prompt_ids, neg_prompt_ids, seed)
         g = jnp.array([guidance_scale] * prompt_ids.shape[0], dtype=jnp.float32)
         g = g[:, None]
-        return pmap(pipeline._generate, static_broadcasted_argnums=[3, 4, 5, 9]).lower(
-            prompt_ids, p_params, rng, num_inference_steps, height, width, g, None, neg_prompt_ids, False
-        ).compile()
+        return (
+            pmap(pipeline._generate, static_broadcasted_argnums=[3, 4, 5, 9])
+            .lower(prompt_ids, p_params, rng, num_inference_steps, height, width, g, None, neg_prompt_ids, False)
+            .compile()
+        )
 
     p_generate = aot_compile()
 
@@ -124,6 +142,13 @@ def test_sdxl_single_aot(loaded):
     ids = replicate(pipeline.prepare_inputs(prompt))
     neg = replicate(pipeline.prepare_inputs(neg_prompt))
     rng = jax.random.split(jax.random.PRNGKey(default_seed), NUM_DEVICES)
-    ref = pipeline(ids, p_params, rng, num_inference_steps=default_num_steps, guidance_scale=default_guidance_scale,
-                   neg_prompt_ids=neg, jit=True).images
+    ref = pipeline(
+        ids,
+        p_params,
+        rng,
+        num_inference_steps=default_num_steps,
+        guidance_scale=default_guidance_scale,
+        neg_prompt_ids=neg,
+        jit=True,
+    ).images
     np.testing.assert_allclose(aot, ref.reshape(aot.shape), atol=2e-2)

@@ -11,8 +11,16 @@ import torch
 
 from sdjax import StableDiffusionPipeline, replicate, shard
 
-TINY_VISION = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "image_size": 224, "patch_size": 32, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}
+TINY_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 224,
+    "patch_size": 32,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+}
 
 
 def _folder_with_checker(base, tmp_path, weight: float):
@@ -24,19 +32,27 @@ def _folder_with_checker(base, tmp_path, weight: float):
     folder = tmp_path / "with-checker"
     shutil.copytree(base, folder)
     reference.seed_everything(0)
-    checker = Torch(CLIPConfig(text_config={"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1,
-                                            "num_attention_heads": 4},
-                               vision_config=TINY_VISION, projection_dim=16)).eval()
+    checker = Torch(
+        CLIPConfig(
+            text_config={"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1, "num_attention_heads": 4},
+            vision_config=TINY_VISION,
+            projection_dim=16,
+        )
+    ).eval()
     with torch.no_grad():
         checker.concept_embeds_weights.fill_(weight)
         checker.special_care_embeds_weights.fill_(weight)
     checker.save_pretrained(folder / "safety_checker", safe_serialization=True)
     CLIPImageProcessor(size={"shortest_edge": 224}, crop_size=224).save_pretrained(folder / "feature_extractor")
     index = (folder / "model_index.json").read_text()
-    index = index.replace('"safety_checker": [\n    null,\n    null\n  ]',
-                          '"safety_checker": [\n    "stable_diffusion",\n    "StableDiffusionSafetyChecker"\n  ]')
-    index = index.replace('"feature_extractor": [\n    null,\n    null\n  ]',
-                          '"feature_extractor": [\n    "transformers",\n    "CLIPImageProcessor"\n  ]')
+    index = index.replace(
+        '"safety_checker": [\n    null,\n    null\n  ]',
+        '"safety_checker": [\n    "stable_diffusion",\n    "StableDiffusionSafetyChecker"\n  ]',
+    )
+    index = index.replace(
+        '"feature_extractor": [\n    null,\n    null\n  ]',
+        '"feature_extractor": [\n    "transformers",\n    "CLIPImageProcessor"\n  ]',
+    )
     assert "StableDiffusionSafetyChecker" in index and "CLIPImageProcessor" in index
     (folder / "model_index.json").write_text(index)
     return folder

@@ -21,8 +21,17 @@ NEGATIVE = ["blurry, low quality", "green"]
 
 def torch_images(pipe, steps, latents, negative=NEGATIVE, guidance=7.5, **kw):
     with torch.no_grad():
-        out = pipe(prompt=PROMPTS, negative_prompt=negative, num_inference_steps=steps, guidance_scale=guidance,
-                   latents=torch.from_numpy(latents), output_type="np", height=64, width=64, **kw)
+        out = pipe(
+            prompt=PROMPTS,
+            negative_prompt=negative,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            latents=torch.from_numpy(latents),
+            output_type="np",
+            height=64,
+            width=64,
+            **kw,
+        )
     return out.images
 
 
@@ -34,8 +43,9 @@ def test_pipeline_matches_diffusers(kind, steps, request):
     latents = np.random.default_rng(0).standard_normal((2, 4, 8, 8)).astype(np.float32)
     ids = pipe.prepare_inputs(PROMPTS)
     neg = pipe.prepare_inputs(NEGATIVE)
-    out = pipe(ids, params, jax.random.PRNGKey(0), num_inference_steps=steps, latents=jnp.asarray(latents),
-               neg_prompt_ids=neg)
+    out = pipe(
+        ids, params, jax.random.PRNGKey(0), num_inference_steps=steps, latents=jnp.asarray(latents), neg_prompt_ids=neg
+    )
     ref = torch_images(torch_pipe, steps, latents)
     assert out.images.shape == ref.shape == (2, 64, 64, 3)
     err = np.abs(out.images - ref).max()
@@ -45,11 +55,14 @@ def test_pipeline_matches_diffusers(kind, steps, request):
     assert np.abs(other - ref).max() > 100 * ATOL
 
 
-@pytest.mark.parametrize("sampler,torch_cls,extra", [
-    ("euler", "EulerDiscreteScheduler", {}),
-    ("dpmpp_2m_karras", "DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
-    ("lms", "LMSDiscreteScheduler", {}),
-])
+@pytest.mark.parametrize(
+    "sampler,torch_cls,extra",
+    [
+        ("euler", "EulerDiscreteScheduler", {}),
+        ("dpmpp_2m_karras", "DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+        ("lms", "LMSDiscreteScheduler", {}),
+    ],
+)
 def test_swapped_sampler_matches_diffusers(sampler, torch_cls, extra, torch_sd1, sd1_dir):
     import diffusers
 
@@ -66,8 +79,14 @@ def test_swapped_sampler_matches_diffusers(sampler, torch_cls, extra, torch_sd1,
         ref = torch_images(torch_sd1, steps, latents)
     finally:
         torch_sd1.scheduler = saved
-    out = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.PRNGKey(0), num_inference_steps=steps,
-               latents=jnp.asarray(latents), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE))
+    out = pipe(
+        pipe.prepare_inputs(PROMPTS),
+        params,
+        jax.random.PRNGKey(0),
+        num_inference_steps=steps,
+        latents=jnp.asarray(latents),
+        neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
+    )
     err = np.abs(out.images - ref).max()
     assert err < ATOL, f"{sampler}: max abs image error {err:.2e}"
 

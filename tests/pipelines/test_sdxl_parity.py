@@ -30,8 +30,15 @@ def run_torch(pipe, latents, steps, negative, scheduler=None, **kw):
         pipe.scheduler = scheduler
     try:
         with torch.no_grad():
-            return pipe(prompt=PROMPTS, negative_prompt=negative, num_inference_steps=steps, guidance_scale=5.0,
-                        latents=torch.from_numpy(latents), output_type="np", **kw).images
+            return pipe(
+                prompt=PROMPTS,
+                negative_prompt=negative,
+                num_inference_steps=steps,
+                guidance_scale=5.0,
+                latents=torch.from_numpy(latents),
+                output_type="np",
+                **kw,
+            ).images
     finally:
         pipe.scheduler = saved
 
@@ -47,8 +54,15 @@ def test_sdxl_matches_diffusers(sampler, loaded, torch_sdxl, sdxl_dir):
         on_disk = json.loads((sdxl_dir / "scheduler" / "scheduler_config.json").read_text())
         torch_sched = diffusers.DPMSolverMultistepScheduler.from_config(on_disk)
     ref = run_torch(torch_sdxl, latents, steps, NEGATIVE, torch_sched)
-    out = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.PRNGKey(0), num_inference_steps=steps,
-               guidance_scale=5.0, latents=jnp.asarray(latents), neg_prompt_ids=pipe.prepare_inputs(NEGATIVE))
+    out = pipe(
+        pipe.prepare_inputs(PROMPTS),
+        params,
+        jax.random.PRNGKey(0),
+        num_inference_steps=steps,
+        guidance_scale=5.0,
+        latents=jnp.asarray(latents),
+        neg_prompt_ids=pipe.prepare_inputs(NEGATIVE),
+    )
     assert out.images.shape == ref.shape == (2, 64, 64, 3)
     err = np.abs(out.images - ref).max()
     assert err < ATOL, f"SDXL {sampler}: max abs image error {err:.2e}"
@@ -59,8 +73,14 @@ def test_sdxl_zero_negative_embeddings_match_diffusers(loaded, torch_sdxl):
     pipe, params = loaded
     latents = np.random.default_rng(2).standard_normal((2, 4, 8, 8)).astype(np.float32)
     ref = run_torch(torch_sdxl, latents, 4, None)
-    out = pipe(pipe.prepare_inputs(PROMPTS), params, jax.random.PRNGKey(0), num_inference_steps=4,
-               guidance_scale=5.0, latents=jnp.asarray(latents))
+    out = pipe(
+        pipe.prepare_inputs(PROMPTS),
+        params,
+        jax.random.PRNGKey(0),
+        num_inference_steps=4,
+        guidance_scale=5.0,
+        latents=jnp.asarray(latents),
+    )
     assert np.abs(out.images - ref).max() < ATOL
 
 
@@ -74,7 +94,8 @@ def test_sdxl_micro_conditioning_and_rescale_match_diffusers(loaded, torch_sdxl)
 
     latents = np.asarray(per_image_normal(keys, 0, (4, 8, 8)))
     ref = run_torch(torch_sdxl, latents, 4, NEGATIVE, guidance_rescale=0.7, **kw)
-    images = pipe.generate_arrays(PROMPTS, NEGATIVE, [7, 7], [0, 1], [5.0, 5.0], steps=4, height=64, width=64,
-                                  guidance_rescale=0.7, **kw)
+    images = pipe.generate_arrays(
+        PROMPTS, NEGATIVE, [7, 7], [0, 1], [5.0, 5.0], steps=4, height=64, width=64, guidance_rescale=0.7, **kw
+    )
     err = np.abs(images.astype(np.float32) / 255 - ref).max()
     assert err <= 1 / 255 + 1e-3, f"max abs error {err:.2e} (uint8 rounding allows 1/255)"

@@ -59,8 +59,7 @@ def prescribed_noise(scheduler):
         module.randn_tensor = original
 
 
-def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, init_sigma=None,
-              **step_kwargs):
+def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, init_sigma=None, **step_kwargs):
     """diffusers' loop -> (timesteps, init_noise_sigma, trajectory (calls, *shape)), float32 numpy.
 
     `init_sigma` (if given) replaces the scheduler's `init_noise_sigma` as the factor on `x0`, so that both loops

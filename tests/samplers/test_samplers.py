@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from sdjax import samplers
-from sdjax.loading.config import ConfigError
+from sdjax.config import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy 2 `__array__` notes from diffusers
 
@@ -33,21 +33,53 @@ diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
 
 # Stable Diffusion 1.x's scheduler_config.json (PNDM, scaled_linear, epsilon, leading spacing, steps_offset 1).
-SD1 = {"_class_name": "PNDMScheduler", "_diffusers_version": "0.6.0", "beta_end": 0.012,
-       "beta_schedule": "scaled_linear", "beta_start": 0.00085, "num_train_timesteps": 1000,
-       "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "trained_betas": None,
-       "clip_sample": False}
+SD1 = {
+    "_class_name": "PNDMScheduler",
+    "_diffusers_version": "0.6.0",
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "num_train_timesteps": 1000,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "trained_betas": None,
+    "clip_sample": False,
+}
 # Stable Diffusion 2.x (768, v-prediction): a DDIM config.
-SD2 = {"_class_name": "DDIMScheduler", "_diffusers_version": "0.8.0", "beta_end": 0.012,
-       "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False, "num_train_timesteps": 1000,
-       "prediction_type": "v_prediction", "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
-       "trained_betas": None}
+SD2 = {
+    "_class_name": "DDIMScheduler",
+    "_diffusers_version": "0.8.0",
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "clip_sample": False,
+    "num_train_timesteps": 1000,
+    "prediction_type": "v_prediction",
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "trained_betas": None,
+}
 # Stable Diffusion XL: EulerDiscrete, with leftovers of other schedulers' keys.
-SDXL = {"_class_name": "EulerDiscreteScheduler", "_diffusers_version": "0.19.0.dev0", "beta_end": 0.012,
-        "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False,
-        "interpolation_type": "linear", "num_train_timesteps": 1000, "prediction_type": "epsilon",
-        "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1,
-        "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False}
+SDXL = {
+    "_class_name": "EulerDiscreteScheduler",
+    "_diffusers_version": "0.19.0.dev0",
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "clip_sample": False,
+    "interpolation_type": "linear",
+    "num_train_timesteps": 1000,
+    "prediction_type": "epsilon",
+    "sample_max_value": 1.0,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "timestep_spacing": "leading",
+    "trained_betas": None,
+    "use_karras_sigmas": False,
+}
 V = {"prediction_type": "v_prediction"}
 ZERO_SNR = {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing", "prediction_type": "v_prediction"}
 
@@ -60,33 +92,54 @@ def case(name, base, n=10, **extra):
 
 PARITY = [
     # PNDM / PLMS (SD1 default) and with Runge-Kutta warm-up.
-    case("pndm", SD1), case("pndm", SD1, 25), case("pndm", SD2), case("pndm", SD1, timestep_spacing="linspace"),
-    case("pndm", SD1, timestep_spacing="trailing"), case("pndm_prk", SD1), case("pndm_prk", SD2, 25),
+    case("pndm", SD1),
+    case("pndm", SD1, 25),
+    case("pndm", SD2),
+    case("pndm", SD1, timestep_spacing="linspace"),
+    case("pndm", SD1, timestep_spacing="trailing"),
+    case("pndm_prk", SD1),
+    case("pndm_prk", SD2, 25),
     # DDIM
-    case("ddim", SD1), case("ddim", SD2), case("ddim", SD1, 25, timestep_spacing="linspace"),
-    case("ddim", SD1, **ZERO_SNR), case("ddim", SD1, eta=0.7, clip_sample=True, set_alpha_to_one=True),
+    case("ddim", SD1),
+    case("ddim", SD2),
+    case("ddim", SD1, 25, timestep_spacing="linspace"),
+    case("ddim", SD1, **ZERO_SNR),
+    case("ddim", SD1, eta=0.7, clip_sample=True, set_alpha_to_one=True),
     case("ddim", SD1, beta_schedule="squaredcos_cap_v2", prediction_type="sample"),
     # DDPM
-    case("ddpm", SD1), case("ddpm", SD2, timestep_spacing="trailing"),
+    case("ddpm", SD1),
+    case("ddpm", SD2, timestep_spacing="trailing"),
     case("ddpm", SD1, variance_type="fixed_small_log", clip_sample=True),
     case("ddpm", SD1, variance_type="fixed_large", beta_schedule="linear", beta_start=0.0001, beta_end=0.02),
     # Euler (SDXL default)
-    case("euler", SDXL), case("euler", SDXL, 25), case("euler", SD2), case("euler", SDXL, **ZERO_SNR),
-    case("euler_karras", SDXL), case("euler", SDXL, timestep_spacing="linspace", final_sigmas_type="sigma_min"),
+    case("euler", SDXL),
+    case("euler", SDXL, 25),
+    case("euler", SD2),
+    case("euler", SDXL, **ZERO_SNR),
+    case("euler_karras", SDXL),
+    case("euler", SDXL, timestep_spacing="linspace", final_sigmas_type="sigma_min"),
     case("euler", SDXL, interpolation_type="log_linear", timestep_type="continuous", prediction_type="v_prediction"),
     case("euler", SDXL, use_exponential_sigmas=True, sigma_min=0.1, sigma_max=10.0),
     # Euler ancestral
-    case("euler_a", SD1), case("euler_a", SD2, timestep_spacing="trailing"), case("euler_a", SD1, 25, **ZERO_SNR),
+    case("euler_a", SD1),
+    case("euler_a", SD2, timestep_spacing="trailing"),
+    case("euler_a", SD1, 25, **ZERO_SNR),
     # LMS
-    case("lms", SD1), case("lms", SD1, 25, timestep_spacing="linspace"), case("lms_karras", SD2),
+    case("lms", SD1),
+    case("lms", SD1, 25, timestep_spacing="linspace"),
+    case("lms_karras", SD2),
     case("lms", SD1, use_exponential_sigmas=True),
     # DPM-Solver++
-    case("dpmpp_2m", SD1), case("dpmpp_2m", SD1, 25), case("dpmpp_2m", SD2, timestep_spacing="trailing"),
-    case("dpmpp_2m_karras", SD1), case("dpmpp_2m_karras", SD1, beta_schedule="squaredcos_cap_v2"),
+    case("dpmpp_2m", SD1),
+    case("dpmpp_2m", SD1, 25),
+    case("dpmpp_2m", SD2, timestep_spacing="trailing"),
+    case("dpmpp_2m_karras", SD1),
+    case("dpmpp_2m_karras", SD1, beta_schedule="squaredcos_cap_v2"),
     case("dpmpp_2m", SD1, 16, solver_type="heun", final_sigmas_type="sigma_min", lower_order_final=False),
     case("dpmpp_2m", SD1, solver_order=3, euler_at_final=True, timestep_spacing="leading"),
     case("dpmpp_2m", SD1, **ZERO_SNR, lambda_min_clipped=-5.1),
-    case("dpmpp_2m_sde", SD1), case("dpmpp_2m_sde_karras", SD2, 25),
+    case("dpmpp_2m_sde", SD1),
+    case("dpmpp_2m_sde_karras", SD2, 25),
     case("dpmpp_2m_sde", SD1, solver_type="heun", solver_order=3, use_exponential_sigmas=True),
 ]
 
@@ -123,8 +176,7 @@ def test_full_loop_matches_diffusers(name, base, n, extra, options):
     # Both loops start from x0 * sdjax's init_noise_sigma (compared to diffusers' below): with zero SNR
     # sigma_max = sqrt(2^24 - 1) = 4095.9998 (torch's CPU sqrt rounds it to 4096), and that ulp on a sample
     # of ~16000 would persist through the loop as an absolute error of ~5e-4.
-    t_ref, sigma_ref, traj_ref = loops.run_torch(torch_scheduler(sampler), n, x0, noises, float(sigma_ours),
-                                                 **options)
+    t_ref, sigma_ref, traj_ref = loops.run_torch(torch_scheduler(sampler), n, x0, noises, float(sigma_ours), **options)
 
     assert len(t_ours) == len(t_ref) == sampler.num_model_calls(n)
     # Integer timesteps exactly; fractional ones (Karras/exponential/continuous) to float32 rounding.
@@ -136,8 +188,23 @@ def test_full_loop_matches_diffusers(name, base, n, extra, options):
     assert_trajectory_close(traj_ours, traj_ref, x0 * sigma_ours, f"{name} {extra}")
 
 
-@pytest.mark.parametrize("name", ["pndm", "pndm_prk", "ddim", "ddpm", "euler", "euler_karras", "euler_a", "lms",
-                                  "lms_karras", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pndm",
+        "pndm_prk",
+        "ddim",
+        "ddpm",
+        "euler",
+        "euler_karras",
+        "euler_a",
+        "lms",
+        "lms_karras",
+        "dpmpp_2m",
+        "dpmpp_2m_karras",
+        "dpmpp_2m_sde",
+    ],
+)
 @pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
 def test_timesteps_and_sigmas_match_diffusers(name, spacing):
     """Schedules only (numpy, no loop) over many step counts, including ones where trailing spacing yields an
@@ -150,8 +217,9 @@ def test_timesteps_and_sigmas_match_diffusers(name, spacing):
         ref.set_timesteps(n)
         tables = sampler._tables(n)
         assert sampler.num_model_calls(n) == len(ref.timesteps), n
-        np.testing.assert_allclose(tables["timesteps"], ref.timesteps.numpy().astype(np.float32), rtol=1e-6,
-                                   err_msg=str(n))
+        np.testing.assert_allclose(
+            tables["timesteps"], ref.timesteps.numpy().astype(np.float32), rtol=1e-6, err_msg=str(n)
+        )
         if "sigmas" in tables:
             np.testing.assert_allclose(tables["sigmas"], ref.sigmas.numpy(), rtol=3e-7, err_msg=str(n))
 
@@ -178,9 +246,21 @@ def test_train_schedule_matches_diffusers():
 
 
 # ------------------------------------------------------------------------------------------------ add_noise
-@pytest.mark.parametrize("name, extra", [("pndm", {}), ("ddim", {}), ("ddpm", {}), ("euler", {}),
-                                         ("euler_karras", {}), ("euler_a", {}), ("lms", {}), ("dpmpp_2m", {}),
-                                         ("dpmpp_2m_karras", {}), ("euler", ZERO_SNR)])
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("pndm", {}),
+        ("ddim", {}),
+        ("ddpm", {}),
+        ("euler", {}),
+        ("euler_karras", {}),
+        ("euler_a", {}),
+        ("lms", {}),
+        ("dpmpp_2m", {}),
+        ("dpmpp_2m_karras", {}),
+        ("euler", ZERO_SNR),
+    ],
+)
 def test_add_noise_matches_diffusers(name, extra):
     sampler = samplers.get_sampler(name, SD1, **extra)
     ref = torch_scheduler(sampler)
@@ -256,8 +336,16 @@ def test_step_with_traced_index_and_sampler_as_static_argument():
 
 def test_stochastic_samplers_require_noise():
     x = jnp.ones((1, 4, 2, 2))
-    for name, stochastic in [("euler_a", True), ("ddpm", True), ("dpmpp_2m_sde", True), ("euler", False),
-                             ("dpmpp_2m", False), ("ddim", False), ("pndm", False), ("lms", False)]:
+    for name, stochastic in [
+        ("euler_a", True),
+        ("ddpm", True),
+        ("dpmpp_2m_sde", True),
+        ("euler", False),
+        ("dpmpp_2m", False),
+        ("ddim", False),
+        ("pndm", False),
+        ("lms", False),
+    ]:
         sampler = samplers.get_sampler(name, SD1)
         assert sampler.stochastic is stochastic, name
         state = sampler.set_timesteps(sampler.create_state(), 5, x.shape)
@@ -284,19 +372,35 @@ def test_unknown_name_lists_valid_names():
     with pytest.raises(samplers.UnknownSamplerError) as info:
         samplers.get_sampler("euler_b", SD1)
     message = str(info.value)
-    for valid in ("euler_a", "dpmpp_2m_karras", "DPM++ 2M Karras", "Euler a", "Euler", "PLMS",
-                  "EulerDiscreteScheduler"):
+    for valid in (
+        "euler_a",
+        "dpmpp_2m_karras",
+        "DPM++ 2M Karras",
+        "Euler a",
+        "Euler",
+        "PLMS",
+        "EulerDiscreteScheduler",
+    ):
         assert valid in message
     assert isinstance(info.value, ConfigError)
 
 
-@pytest.mark.parametrize("alias, expected", [
-    ("Euler a", ("euler_a", "EulerAncestralDiscreteScheduler")), ("DPM++ 2M Karras", ("dpmpp_2m_karras", None)),
-    ("DDIM", ("ddim", None)), ("PLMS", ("pndm", None)), ("LMS", ("lms", None)), ("Euler", ("euler", None)),
-    ("DPM++ 2M", ("dpmpp_2m", None)), ("DPM++ 2M SDE", ("dpmpp_2m_sde", None)),
-    ("dpm++ 2m karras", ("dpmpp_2m_karras", None)),
-    ("EulerDiscreteScheduler", ("euler", None)), ("DPMSolverMultistepScheduler", ("dpmpp_2m", None)),
-])
+@pytest.mark.parametrize(
+    "alias, expected",
+    [
+        ("Euler a", ("euler_a", "EulerAncestralDiscreteScheduler")),
+        ("DPM++ 2M Karras", ("dpmpp_2m_karras", None)),
+        ("DDIM", ("ddim", None)),
+        ("PLMS", ("pndm", None)),
+        ("LMS", ("lms", None)),
+        ("Euler", ("euler", None)),
+        ("DPM++ 2M", ("dpmpp_2m", None)),
+        ("DPM++ 2M SDE", ("dpmpp_2m_sde", None)),
+        ("dpm++ 2m karras", ("dpmpp_2m_karras", None)),
+        ("EulerDiscreteScheduler", ("euler", None)),
+        ("DPMSolverMultistepScheduler", ("dpmpp_2m", None)),
+    ],
+)
 def test_names_resolve(alias, expected):
     sampler = samplers.get_sampler(alias, SD1)
     assert samplers.name_of(sampler) == expected[0]
@@ -312,8 +416,10 @@ def test_registry_round_trip():
 
 
 @pytest.mark.parametrize("base", [SD1, SD2, SDXL], ids=["sd1", "sd2", "sdxl"])
-@pytest.mark.parametrize("name", ["pndm", "ddim", "ddpm", "euler", "euler_karras", "euler_a", "lms",
-                                  "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde"])
+@pytest.mark.parametrize(
+    "name",
+    ["pndm", "ddim", "ddpm", "euler", "euler_karras", "euler_a", "lms", "dpmpp_2m", "dpmpp_2m_karras", "dpmpp_2m_sde"],
+)
 def test_swap_config_like_diffusers_from_config(base, name):
     """get_sampler(name, pipe_config) == diffusers' Scheduler.from_config(pipe.scheduler.config, **fixed)."""
     ours = samplers.get_sampler(name, base)
@@ -326,8 +432,12 @@ def test_swap_config_like_diffusers_from_config(base, name):
 def test_swap_respects_use_default_values():
     """A config loaded by diffusers lists keys it did not contain in `_use_default_values`; they do not carry over
     (PNDM's default leading spacing must not replace Euler's linspace)."""
-    base = dict(SD1, timestep_spacing="leading", prediction_type="epsilon",
-                _use_default_values=["timestep_spacing", "prediction_type"])
+    base = dict(
+        SD1,
+        timestep_spacing="leading",
+        prediction_type="epsilon",
+        _use_default_values=["timestep_spacing", "prediction_type"],
+    )
     assert samplers.get_sampler("euler", base).timestep_spacing == "linspace"
     assert samplers.get_sampler("euler", dict(SD1, timestep_spacing="leading")).timestep_spacing == "leading"
 
@@ -354,20 +464,23 @@ def test_unknown_config_key_raises():
         samplers.DDIM.from_config(SD1, etaa=0.1)
 
 
-@pytest.mark.parametrize("cls, raw, key", [
-    (samplers.DDIM, {"thresholding": True}, "thresholding"),
-    (samplers.Euler, {"use_beta_sigmas": True}, "use_beta_sigmas"),
-    (samplers.DPMSolverMultistep, {"algorithm_type": "dpmsolver"}, "algorithm_type"),
-    (samplers.DPMSolverMultistep, {"use_lu_lambdas": True}, "use_lu_lambdas"),
-    (samplers.DPMSolverMultistep, {"variance_type": "learned_range"}, "variance_type"),
-    (samplers.PNDM, {"prediction_type": "sample"}, "prediction_type"),
-    (samplers.PNDM, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
-    (samplers.LMS, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
-    (samplers.EulerAncestral, {"prediction_type": "sample"}, "prediction_type"),
-    (samplers.DDPM, {"variance_type": "learned"}, "variance_type"),
-    (samplers.Euler, {"timestep_spacing": "uniform"}, "timestep_spacing"),
-    (samplers.DDIM, {"beta_schedule": "sigmoid"}, "beta_schedule"),
-])
+@pytest.mark.parametrize(
+    "cls, raw, key",
+    [
+        (samplers.DDIM, {"thresholding": True}, "thresholding"),
+        (samplers.Euler, {"use_beta_sigmas": True}, "use_beta_sigmas"),
+        (samplers.DPMSolverMultistep, {"algorithm_type": "dpmsolver"}, "algorithm_type"),
+        (samplers.DPMSolverMultistep, {"use_lu_lambdas": True}, "use_lu_lambdas"),
+        (samplers.DPMSolverMultistep, {"variance_type": "learned_range"}, "variance_type"),
+        (samplers.PNDM, {"prediction_type": "sample"}, "prediction_type"),
+        (samplers.PNDM, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+        (samplers.LMS, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+        (samplers.EulerAncestral, {"prediction_type": "sample"}, "prediction_type"),
+        (samplers.DDPM, {"variance_type": "learned"}, "variance_type"),
+        (samplers.Euler, {"timestep_spacing": "uniform"}, "timestep_spacing"),
+        (samplers.DDIM, {"beta_schedule": "sigmoid"}, "beta_schedule"),
+    ],
+)
 def test_unsupported_values_raise(cls, raw, key):
     with pytest.raises(ConfigError, match=key):
         cls.from_config(dict(SD1, **raw))
@@ -388,8 +501,7 @@ def test_trained_betas_and_config_round_trip():
     np.testing.assert_array_equal(sampler.alphas_cumprod, ref.alphas_cumprod.numpy())
     for name in samplers.available():
         sampler = samplers.get_sampler(name, SD1)
-        assert type(sampler).from_config(sampler.config, **{k: getattr(sampler, k) for k in sampler.options}) == \
-            sampler
+        assert type(sampler).from_config(sampler.config, **{k: getattr(sampler, k) for k in sampler.options}) == sampler
         assert dataclasses.replace(sampler) == sampler
 
 

@@ -19,11 +19,21 @@ from sdjax.metadata import sampler_id
 SAMPLERS = samplers.available()
 
 
-def expected(prompt: str, negative: str, seed: int, index: int, guidance: float, steps: int, height: int,
-             width: int, sampler: str) -> np.ndarray:
+def expected(
+    prompt: str,
+    negative: str,
+    seed: int,
+    index: int,
+    guidance: float,
+    steps: int,
+    height: int,
+    width: int,
+    sampler: str,
+) -> np.ndarray:
     """The uint8 `(H, W, 3)` image the fake makes for these parameters."""
-    digest = hashlib.sha256(repr((prompt, negative, int(seed), int(index), float(guidance), int(steps),
-                                  sampler_id(sampler))).encode()).digest()
+    digest = hashlib.sha256(
+        repr((prompt, negative, int(seed), int(index), float(guidance), int(steps), sampler_id(sampler))).encode()
+    ).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
     base = rng.integers(0, 256, size=(1, 1, 3))
     noise = rng.integers(0, 32, size=(height, width, 3))
@@ -37,8 +47,14 @@ class FakePipeline:
     default_sampler = "euler_a"
     sampler_names = SAMPLERS
 
-    def __init__(self, *, delay_s: float = 0.0, size: tuple[int, int] = (64, 64), multiple: int = 8,
-                 fail_prompt: str | None = None):
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.0,
+        size: tuple[int, int] = (64, 64),
+        multiple: int = 8,
+        fail_prompt: str | None = None,
+    ):
         self.default_size = size
         self.name = "fake"
         self.params = {}
@@ -51,8 +67,18 @@ class FakePipeline:
         self._active = 0
         self.max_concurrent = 0
 
-    def validate(self, *, prompts=None, negative_prompts=None, steps=None, height=None, width=None,
-                 guidance_scales=None, sampler=None, num_images=None) -> None:
+    def validate(
+        self,
+        *,
+        prompts=None,
+        negative_prompts=None,
+        steps=None,
+        height=None,
+        width=None,
+        guidance_scales=None,
+        sampler=None,
+        num_images=None,
+    ) -> None:
         if prompts is not None and (not prompts or not all(isinstance(p, str) for p in prompts)):
             raise ValueError("prompt must be a non-empty str or list of str")
         if steps is not None and (not isinstance(steps, int) or steps < 1):
@@ -65,16 +91,45 @@ class FakePipeline:
         if sampler is not None and sampler_id(sampler) not in SAMPLERS:
             raise samplers.UnknownSamplerError(f"unknown sampler {sampler!r}; valid: {SAMPLERS}")
 
-    def generate_arrays(self, prompts, negative_prompts, seeds, image_indices, guidance_scales, *, steps, height,
-                        width, sampler=None, pad_to=None, progress=None) -> np.ndarray:
+    def generate_arrays(
+        self,
+        prompts,
+        negative_prompts,
+        seeds,
+        image_indices,
+        guidance_scales,
+        *,
+        steps,
+        height,
+        width,
+        sampler=None,
+        pad_to=None,
+        progress=None,
+    ) -> np.ndarray:
         sampler = sampler or self.default_sampler
-        self.validate(prompts=list(prompts), steps=steps, height=height, width=width,
-                      guidance_scales=list(guidance_scales), sampler=sampler)
+        self.validate(
+            prompts=list(prompts),
+            steps=steps,
+            height=height,
+            width=width,
+            guidance_scales=list(guidance_scales),
+            sampler=sampler,
+        )
         with self._lock:
             self._active += 1
             self.max_concurrent = max(self.max_concurrent, self._active)
-            self.calls.append(dict(n=len(prompts), pad_to=pad_to, steps=steps, height=height, width=width,
-                                   sampler=sampler, prompts=list(prompts), seeds=list(seeds)))
+            self.calls.append(
+                dict(
+                    n=len(prompts),
+                    pad_to=pad_to,
+                    steps=steps,
+                    height=height,
+                    width=width,
+                    sampler=sampler,
+                    prompts=list(prompts),
+                    seeds=list(seeds),
+                )
+            )
         try:
             if self.fail_prompt is not None and self.fail_prompt in prompts:
                 raise RuntimeError("the fake pipeline was told to fail")
@@ -87,9 +142,12 @@ class FakePipeline:
                     progress("denoise", i + 1, steps)
             if progress:
                 progress("decode", 1, 1)
-            return np.stack([expected(p, q, s, i, g, steps, height, width, sampler)
-                             for p, q, s, i, g in zip(prompts, negative_prompts, seeds, image_indices,
-                                                      guidance_scales)])
+            return np.stack(
+                [
+                    expected(p, q, s, i, g, steps, height, width, sampler)
+                    for p, q, s, i, g in zip(prompts, negative_prompts, seeds, image_indices, guidance_scales)
+                ]
+            )
         finally:
             with self._lock:
                 self._active -= 1
@@ -97,16 +155,35 @@ class FakePipeline:
     def warmup(self, batch_size, height, width, steps, sampler=None) -> None:
         self.warmups.append((batch_size, height, width, steps, sampler))
 
-    def generate(self, prompt, negative_prompt=None, num_images=1, seed=0, steps=None, guidance_scale=None,
-                 height=None, width=None, sampler=None, progress=None):
+    def generate(
+        self,
+        prompt,
+        negative_prompt=None,
+        num_images=1,
+        seed=0,
+        steps=None,
+        guidance_scale=None,
+        height=None,
+        width=None,
+        sampler=None,
+        progress=None,
+    ):
         from PIL import Image
 
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         all_prompts = [p for p in prompts for _ in range(num_images)]
         n = len(all_prompts)
         h, w = self.default_size
-        arrays = self.generate_arrays(all_prompts, [negative_prompt or ""] * n, [seed] * n, list(range(n)),
-                                      [7.5 if guidance_scale is None else guidance_scale] * n,
-                                      steps=steps or self.default_steps, height=height or h, width=width or w,
-                                      sampler=sampler, progress=progress)
+        arrays = self.generate_arrays(
+            all_prompts,
+            [negative_prompt or ""] * n,
+            [seed] * n,
+            list(range(n)),
+            [7.5 if guidance_scale is None else guidance_scale] * n,
+            steps=steps or self.default_steps,
+            height=height or h,
+            width=width or w,
+            sampler=sampler,
+            progress=progress,
+        )
         return [Image.fromarray(a) for a in arrays]

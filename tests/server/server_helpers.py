@@ -29,8 +29,9 @@ class LiveServer:
 
         self.pipeline = pipeline
         self.app = build_asgi(pipeline, config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                                    access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -74,8 +75,17 @@ def decode_png(b64: str) -> tuple[np.ndarray, str | None]:
 def expected_for(params: metadata.ImageParameters) -> np.ndarray:
     from fake_pipeline import expected
 
-    return expected(params.prompt, params.negative_prompt, params.seed, params.image_index, params.guidance_scale,
-                    params.steps, params.height, params.width, params.sampler)
+    return expected(
+        params.prompt,
+        params.negative_prompt,
+        params.seed,
+        params.image_index,
+        params.guidance_scale,
+        params.steps,
+        params.height,
+        params.width,
+        params.sampler,
+    )
 
 
 def check_image(b64: str, **want) -> metadata.ImageParameters:

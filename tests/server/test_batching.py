@@ -15,15 +15,28 @@ from sdjax.server.metrics import Metrics
 
 
 def images(prompt, n=1, seed=0, size=64, steps=4):
-    return GenerationRequest(prompt, num_images=n, seed=seed, steps=steps, width=size, height=size,
-                             sampler="euler_a").images()
+    return GenerationRequest(
+        prompt, num_images=n, seed=seed, steps=steps, width=size, height=size, sampler="euler_a"
+    ).images()
 
 
 def check(arrays, params):
     assert arrays.shape[0] == len(params)
     for a, p in zip(arrays, params):
-        np.testing.assert_array_equal(a, expected(p.prompt, p.negative_prompt, p.seed, p.image_index,
-                                                  p.guidance_scale, p.steps, p.height, p.width, p.sampler))
+        np.testing.assert_array_equal(
+            a,
+            expected(
+                p.prompt,
+                p.negative_prompt,
+                p.seed,
+                p.image_index,
+                p.guidance_scale,
+                p.steps,
+                p.height,
+                p.width,
+                p.sampler,
+            ),
+        )
 
 
 def run(coro):
@@ -51,8 +64,13 @@ def test_shapes_are_never_mixed_and_big_requests_span_batches():
     async def main():
         b = make(pipe, window_s=0.05)
         await b.start()
-        requests = [images("a", 3, seed=0), images("b", 1, seed=10, size=32), images("c", 6, seed=20),
-                    images("d", 2, seed=30, steps=5), images("e", 1, seed=40)]
+        requests = [
+            images("a", 3, seed=0),
+            images("b", 1, seed=10, size=32),
+            images("c", 6, seed=20),
+            images("d", 2, seed=30, steps=5),
+            images("e", 1, seed=40),
+        ]
         jobs = [b.submit(r) for r in requests]
         results = await asyncio.gather(*(j.future for j in jobs))
         await b.stop()
@@ -122,8 +140,11 @@ def test_a_failing_batch_fails_only_its_requests():
     async def main():
         b = make(FakePipeline(fail_prompt="boom"), window_s=0.05)
         await b.start()
-        bad, good, other = (b.submit(images("boom")), b.submit(images("ok", 2)),
-                            b.submit(images("other shape", size=32)))
+        bad, good, other = (
+            b.submit(images("boom")),
+            b.submit(images("ok", 2)),
+            b.submit(images("other shape", size=32)),
+        )
         results = await asyncio.gather(bad.future, good.future, other.future, return_exceptions=True)
         await b.stop()
         return results

@@ -30,8 +30,9 @@ def pipe(sd1_dir):
 
 def direct(pipe, prompt: str, seed: int, sampler: str = "pndm") -> np.ndarray:
     h, w = pipe.default_size
-    request = metadata.GenerationRequest(prompt, num_images=1, seed=seed, steps=STEPS, width=w, height=h,
-                                         sampler=sampler)
+    request = metadata.GenerationRequest(
+        prompt, num_images=1, seed=seed, steps=STEPS, width=w, height=h, sampler=sampler
+    )
     return metadata.generate_images(pipe, request.images())[0]
 
 
@@ -43,8 +44,22 @@ def pixels(png: bytes) -> np.ndarray:
 def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path, monkeypatch):
     loads = []
     monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: loads.append((model, dtype.value)) or pipe)
-    args = ["generate", "a red square", "--model", str(sd1_dir), "--steps", str(STEPS), "--seed", "5", "-N", "2",
-            "--sampler", "PLMS", "--out", str(tmp_path)]
+    args = [
+        "generate",
+        "a red square",
+        "--model",
+        str(sd1_dir),
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "5",
+        "-N",
+        "2",
+        "--sampler",
+        "PLMS",
+        "--out",
+        str(tmp_path),
+    ]
     r = CliRunner().invoke(cli.app, args)
     assert r.exit_code == 0, r.output
     assert "Denoising" in r.stderr and "compile" in r.stderr
@@ -54,8 +69,7 @@ def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path, monkeypatch):
     h, w = pipe.default_size
     for k, path in enumerate(first):
         p = metadata.parameters_from_text(metadata.read_parameters(path))
-        assert p == metadata.ImageParameters("a red square", "", STEPS, "pndm", 7.5, 5 + k, w, h,
-                                             model=sd1_dir.name)
+        assert p == metadata.ImageParameters("a red square", "", STEPS, "pndm", 7.5, 5 + k, w, h, model=sd1_dir.name)
         assert f"Sampler: PLMS, CFG scale: 7.5, Seed: {5 + k}, Size: {w}x{h}" in metadata.read_parameters(path)
         # the CLI's image is the pipeline's for that seed alone (it does not depend on the batch)
         np.testing.assert_allclose(pixels(path.read_bytes()), direct(pipe, "a red square", 5 + k), atol=2)
@@ -74,25 +88,35 @@ def test_server_batches_real_requests(pipe):
             async with httpx.AsyncClient(base_url=s.url, timeout=600) as c:
                 return await asyncio.gather(
                     c.post("/v1/images/generations", json={"prompt": "a cat", "seed": 1, "steps": STEPS, "n": 2}),
-                    c.post("/sdapi/v1/txt2img", json={"prompt": "a dog", "seed": 9, "steps": STEPS,
-                                                       "sampler_name": "PLMS"}))
+                    c.post(
+                        "/sdapi/v1/txt2img", json={"prompt": "a dog", "seed": 9, "steps": STEPS, "sampler_name": "PLMS"}
+                    ),
+                )
 
         openai, a1111 = asyncio.run(send())
         assert openai.status_code == 200 and a1111.status_code == 200, (openai.text, a1111.text)
         got = [base64.b64decode(d["b64_json"]) for d in openai.json()["data"]] + [
-            base64.b64decode(a1111.json()["images"][0])]
+            base64.b64decode(a1111.json()["images"][0])
+        ]
         want = [("a cat", 1), ("a cat", 2), ("a dog", 9)]
         for png, (prompt, seed) in zip(got, want):
             p = metadata.parameters_from_text(metadata.read_parameters(png))
             assert (p.prompt, p.seed, p.steps, p.width, p.height, p.model, p.sampler) == (
-                prompt, seed, STEPS, w, h, "tiny", "pndm")
+                prompt,
+                seed,
+                STEPS,
+                w,
+                h,
+                "tiny",
+                "pndm",
+            )
             np.testing.assert_allclose(pixels(png), direct(pipe, prompt, seed), atol=2)
         assert json.loads(a1111.json()["info"])["sampler_name"] == "PLMS"
         with client(s.url) as c:
             metrics = c.get("/metrics").text
             assert "sdjax_batch_images_bucket" in metrics
             # both requests shared one batch of the compiled size 4
-            assert "sdjax_batch_fill_ratio_bucket{le=\"0.75\"} 1.0" in metrics
+            assert 'sdjax_batch_fill_ratio_bucket{le="0.75"} 1.0' in metrics
             r = c.post("/v1/images/generations", json={"prompt": "x", "size": "72x64"})
             assert r.status_code == 422 and r.json()["error"]["param"] == "size"
             assert c.get("/health").json()["status"] == "ok"

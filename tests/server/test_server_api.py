@@ -32,21 +32,50 @@ def test_openai_minimal_request(http):
     assert set(body) == {"created", "data"} and isinstance(body["created"], int)
     (item,) = body["data"]
     assert set(item) == {"b64_json"}
-    check_image(item["b64_json"], prompt="a lighthouse at dusk", width=64, height=64, steps=4, sampler="euler_a",
-                model="fake-model")
+    check_image(
+        item["b64_json"],
+        prompt="a lighthouse at dusk",
+        width=64,
+        height=64,
+        steps=4,
+        sampler="euler_a",
+        model="fake-model",
+    )
 
 
 def test_openai_full_request(http):
-    r = http.post("/v1/images/generations", json={
-        "prompt": "a cat", "n": 3, "size": "48x32", "response_format": "b64_json", "model": "dall-e-2",
-        "user": "someone", "quality": "standard", "negative_prompt": "dog", "steps": 6, "guidance_scale": 3.5,
-        "seed": 42, "sampler": "ddim"})
+    r = http.post(
+        "/v1/images/generations",
+        json={
+            "prompt": "a cat",
+            "n": 3,
+            "size": "48x32",
+            "response_format": "b64_json",
+            "model": "dall-e-2",
+            "user": "someone",
+            "quality": "standard",
+            "negative_prompt": "dog",
+            "steps": 6,
+            "guidance_scale": 3.5,
+            "seed": 42,
+            "sampler": "ddim",
+        },
+    )
     assert r.status_code == 200, r.text
     data = r.json()["data"]
     assert len(data) == 3
     for k, item in enumerate(data):
-        check_image(item["b64_json"], prompt="a cat", negative_prompt="dog", width=48, height=32, steps=6,
-                    guidance_scale=3.5, seed=42 + k, sampler="ddim")
+        check_image(
+            item["b64_json"],
+            prompt="a cat",
+            negative_prompt="dog",
+            width=48,
+            height=32,
+            steps=6,
+            guidance_scale=3.5,
+            seed=42 + k,
+            sampler="ddim",
+        )
 
 
 def test_openai_size_auto(http):
@@ -64,18 +93,37 @@ def test_openai_random_seed_when_none_given(http):
 
 def test_openai_python_client_shape(http):
     """What the `openai` package's `images.generate` sends and reads (`data[i].b64_json`)."""
-    r = http.post("/v1/images/generations", json={"model": "sdjax", "prompt": "p", "n": 1, "size": "64x64",
-                                                  "response_format": "b64_json"},
-                  headers={"Authorization": "Bearer sk-anything"})
+    r = http.post(
+        "/v1/images/generations",
+        json={"model": "sdjax", "prompt": "p", "n": 1, "size": "64x64", "response_format": "b64_json"},
+        headers={"Authorization": "Bearer sk-anything"},
+    )
     assert r.status_code == 200 and r.json()["data"][0]["b64_json"]
 
 
 def test_a1111_txt2img(http):
-    body = {"prompt": "a dog", "negative_prompt": "cat", "steps": 5, "cfg_scale": 6, "width": 32, "height": 48,
-            "seed": 7, "batch_size": 2, "n_iter": 2, "sampler_name": "DDIM",
-            # fields existing clients send that sdjax ignores
-            "styles": [], "send_images": True, "save_images": False, "alwayson_scripts": {}, "override_settings": {},
-            "denoising_strength": 0, "enable_hr": False, "restore_faces": False, "tiling": False}
+    body = {
+        "prompt": "a dog",
+        "negative_prompt": "cat",
+        "steps": 5,
+        "cfg_scale": 6,
+        "width": 32,
+        "height": 48,
+        "seed": 7,
+        "batch_size": 2,
+        "n_iter": 2,
+        "sampler_name": "DDIM",
+        # fields existing clients send that sdjax ignores
+        "styles": [],
+        "send_images": True,
+        "save_images": False,
+        "alwayson_scripts": {},
+        "override_settings": {},
+        "denoising_strength": 0,
+        "enable_hr": False,
+        "restore_faces": False,
+        "tiling": False,
+    }
     r = http.post("/sdapi/v1/txt2img", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -86,11 +134,24 @@ def test_a1111_txt2img(http):
     assert info["all_seeds"] == [7, 8, 9, 10] and info["seed"] == 7
     assert info["all_prompts"] == ["a dog"] * 4 and info["all_negative_prompts"] == ["cat"] * 4
     assert (info["width"], info["height"], info["steps"], info["cfg_scale"], info["sampler_name"]) == (
-        32, 48, 5, 6.0, "DDIM")
+        32,
+        48,
+        5,
+        6.0,
+        "DDIM",
+    )
     assert info["sd_model_name"] == "fake-model" and re.fullmatch(r"\d{14}", info["job_timestamp"])
     for k, (b64, infotext) in enumerate(zip(out["images"], info["infotexts"])):
-        p = check_image(b64, seed=7 + k, prompt="a dog", negative_prompt="cat", width=32, height=48,
-                        sampler="ddim", guidance_scale=6.0)
+        p = check_image(
+            b64,
+            seed=7 + k,
+            prompt="a dog",
+            negative_prompt="cat",
+            width=32,
+            height=48,
+            sampler="ddim",
+            guidance_scale=6.0,
+        )
         assert p.infotext() == infotext
 
 
@@ -107,10 +168,22 @@ def test_a1111_defaults_and_scheduler(http):
 
 
 def test_both_apis_give_the_same_image_for_the_same_parameters(http):
-    a = http.post("/v1/images/generations", json={"prompt": "same", "seed": 9, "steps": 3, "size": "32x32",
-                                                  "guidance_scale": 2, "sampler": "euler_a"}).json()
-    b = http.post("/sdapi/v1/txt2img", json={"prompt": "same", "seed": 9, "steps": 3, "width": 32, "height": 32,
-                                             "cfg_scale": 2, "sampler_name": "Euler a"}).json()
+    a = http.post(
+        "/v1/images/generations",
+        json={"prompt": "same", "seed": 9, "steps": 3, "size": "32x32", "guidance_scale": 2, "sampler": "euler_a"},
+    ).json()
+    b = http.post(
+        "/sdapi/v1/txt2img",
+        json={
+            "prompt": "same",
+            "seed": 9,
+            "steps": 3,
+            "width": 32,
+            "height": 32,
+            "cfg_scale": 2,
+            "sampler_name": "Euler a",
+        },
+    ).json()
     assert a["data"][0]["b64_json"] == b["images"][0]
 
 
@@ -135,15 +208,23 @@ def test_service_endpoints(server, http):
     assert http.get("/docs").status_code == 200 and "/sdapi/v1/txt2img" in http.get("/openapi.json").text
     # start-up compiled every batch size for each configured size, at the default steps and sampler
     assert sorted(server.pipeline.warmups) == sorted(
-        (b, h, w, 4, "euler_a") for b in (1, 2, 4) for (w, h) in ((64, 64), (32, 48)))
+        (b, h, w, 4, "euler_a") for b in (1, 2, 4) for (w, h) in ((64, 64), (32, 48))
+    )
 
 
 def test_metrics(http):
     http.post("/v1/images/generations", json={"prompt": "m", "n": 3})
     text = http.get("/metrics").text
-    for name in ("sdjax_requests_total", "sdjax_request_latency_seconds_bucket", "sdjax_queue_depth_images",
-                 "sdjax_batch_fill_ratio_bucket", "sdjax_batch_images_bucket", "sdjax_batches_total",
-                 "sdjax_images_generated_total", "sdjax_ready 1.0"):
+    for name in (
+        "sdjax_requests_total",
+        "sdjax_request_latency_seconds_bucket",
+        "sdjax_queue_depth_images",
+        "sdjax_batch_fill_ratio_bucket",
+        "sdjax_batch_images_bucket",
+        "sdjax_batches_total",
+        "sdjax_images_generated_total",
+        "sdjax_ready 1.0",
+    ):
         assert name in text, name
     assert re.search(r'sdjax_requests_total\{endpoint="/v1/images/generations",status="200"\} [1-9]', text)
     # 3 images padded to a compiled batch of 4
@@ -156,8 +237,18 @@ def test_progress_of_a_task():
 
     with live_server(FakePipeline(delay_s=1.0), max_batch=1, batch_window_s=0.0) as s, client(s.url) as c:
         results = {}
-        threads = [threading.Thread(target=lambda i=i: results.update({i: c.post("/sdapi/v1/txt2img", json={
-            "prompt": f"p{i}", "steps": 10, "force_task_id": f"task-{i}"})})) for i in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results.update(
+                    {
+                        i: c.post(
+                            "/sdapi/v1/txt2img", json={"prompt": f"p{i}", "steps": 10, "force_task_id": f"task-{i}"}
+                        )
+                    }
+                )
+            )
+            for i in range(2)
+        ]
         for t in threads:
             t.start()
             time.sleep(0.2)
@@ -181,8 +272,10 @@ def test_progress_of_a_task():
 
 def test_configured_defaults_are_served_and_compiled_ahead():
     pipe = FakePipeline()
-    with live_server(pipe, default_steps=6, default_sampler="DDIM", warm_sizes=((32, 32),), max_batch=2) as s, \
-            client(s.url) as c:
+    with (
+        live_server(pipe, default_steps=6, default_sampler="DDIM", warm_sizes=((32, 32),), max_batch=2) as s,
+        client(s.url) as c,
+    ):
         assert sorted(pipe.warmups) == [(1, 32, 32, 6, "ddim"), (2, 32, 32, 6, "ddim")]
         config = c.get("/v1/config").json()
         assert (config["default_steps"], config["default_sampler"], config["warm_sizes"]) == (6, "ddim", [[32, 32]])

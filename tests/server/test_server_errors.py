@@ -17,9 +17,11 @@ A1111 = "/sdapi/v1/txt2img"
 
 @pytest.fixture(scope="module")
 def server():
-    with live_server(max_batch=4, max_body_bytes=4096,
-                     limits=__import__("sdjax.server", fromlist=["Limits"]).Limits(max_images=8, max_steps=50,
-                                                                                    max_size=256)) as s:
+    with live_server(
+        max_batch=4,
+        max_body_bytes=4096,
+        limits=__import__("sdjax.server", fromlist=["Limits"]).Limits(max_images=8, max_steps=50, max_size=256),
+    ) as s:
         yield s
 
 
@@ -40,44 +42,50 @@ def assert_error(r: httpx.Response, status: int, param: str | None, words: str =
     return error
 
 
-@pytest.mark.parametrize("body,param,words", [
-    ({}, "prompt", "required"),
-    ({"negative_prompt": "x"}, "prompt", "required"),
-    ({"prompt": ""}, "prompt", "at least 1"),
-    ({"prompt": 5}, "prompt", "string"),
-    ({"prompt": "x", "n": 1000}, "n", "at most 8"),
-    ({"prompt": "x", "n": 0}, "n", "greater than"),
-    ({"prompt": "x", "n": 1.5}, "n", "integer"),
-    ({"prompt": "x", "size": "65x64"}, "size", "multiple of 8"),
-    ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
-    ({"prompt": "x", "size": "1024x1024"}, "size", "outside"),
-    ({"prompt": "x", "steps": -3}, "steps", "greater than"),
-    ({"prompt": "x", "steps": 0}, "steps", "greater than"),
-    ({"prompt": "x", "steps": 500}, "steps", "at most 50"),
-    ({"prompt": "x", "sampler": "no-such-sampler"}, "sampler", "unknown sampler"),
-    ({"prompt": "x", "guidance_scale": -1}, "guidance_scale", "greater than"),
-    ({"prompt": "x", "guidance_scale": 1000}, "guidance_scale", "at most"),
-    ({"prompt": "x", "seed": 2**40}, "seed", "less than"),
-    ({"prompt": "x", "response_format": "url"}, "response_format", "b64_json"),
-])
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({}, "prompt", "required"),
+        ({"negative_prompt": "x"}, "prompt", "required"),
+        ({"prompt": ""}, "prompt", "at least 1"),
+        ({"prompt": 5}, "prompt", "string"),
+        ({"prompt": "x", "n": 1000}, "n", "at most 8"),
+        ({"prompt": "x", "n": 0}, "n", "greater than"),
+        ({"prompt": "x", "n": 1.5}, "n", "integer"),
+        ({"prompt": "x", "size": "65x64"}, "size", "multiple of 8"),
+        ({"prompt": "x", "size": "big"}, "size", "WIDTHxHEIGHT"),
+        ({"prompt": "x", "size": "1024x1024"}, "size", "outside"),
+        ({"prompt": "x", "steps": -3}, "steps", "greater than"),
+        ({"prompt": "x", "steps": 0}, "steps", "greater than"),
+        ({"prompt": "x", "steps": 500}, "steps", "at most 50"),
+        ({"prompt": "x", "sampler": "no-such-sampler"}, "sampler", "unknown sampler"),
+        ({"prompt": "x", "guidance_scale": -1}, "guidance_scale", "greater than"),
+        ({"prompt": "x", "guidance_scale": 1000}, "guidance_scale", "at most"),
+        ({"prompt": "x", "seed": 2**40}, "seed", "less than"),
+        ({"prompt": "x", "response_format": "url"}, "response_format", "b64_json"),
+    ],
+)
 def test_openai_bad_fields(http, body, param, words):
     assert_error(http.post(OPENAI, json=body), 422, param, words)
 
 
-@pytest.mark.parametrize("body,param,words", [
-    ({}, "prompt", "required"),
-    ({"prompt": "x", "batch_size": 100}, "batch_size", "at most 8"),
-    ({"prompt": "x", "batch_size": 4, "n_iter": 3}, "batch_size", "at most 8"),
-    ({"prompt": "x", "width": 65}, "width", "multiple of 8"),
-    ({"prompt": "x", "height": 0}, "height", "greater than"),
-    ({"prompt": "x", "width": 512}, "width", "outside"),
-    ({"prompt": "x", "steps": -1}, "steps", "greater than"),
-    ({"prompt": "x", "sampler_name": "Nope a"}, "sampler_name", "unknown sampler"),
-    ({"prompt": "x", "cfg_scale": "high"}, "cfg_scale", "number"),
-    ({"prompt": "x", "seed": -5}, "seed", "greater than"),
-    ({"prompt": "x", "enable_hr": True}, "enable_hr", "not supported"),
-    ({"prompt": "x", "subseed_strength": 0.5}, "subseed_strength", "not supported"),
-])
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({}, "prompt", "required"),
+        ({"prompt": "x", "batch_size": 100}, "batch_size", "at most 8"),
+        ({"prompt": "x", "batch_size": 4, "n_iter": 3}, "batch_size", "at most 8"),
+        ({"prompt": "x", "width": 65}, "width", "multiple of 8"),
+        ({"prompt": "x", "height": 0}, "height", "greater than"),
+        ({"prompt": "x", "width": 512}, "width", "outside"),
+        ({"prompt": "x", "steps": -1}, "steps", "greater than"),
+        ({"prompt": "x", "sampler_name": "Nope a"}, "sampler_name", "unknown sampler"),
+        ({"prompt": "x", "cfg_scale": "high"}, "cfg_scale", "number"),
+        ({"prompt": "x", "seed": -5}, "seed", "greater than"),
+        ({"prompt": "x", "enable_hr": True}, "enable_hr", "not supported"),
+        ({"prompt": "x", "subseed_strength": 0.5}, "subseed_strength", "not supported"),
+    ],
+)
 def test_a1111_bad_fields(http, body, param, words):
     assert_error(http.post(A1111, json=body), 422, param, words)
 
@@ -127,6 +135,7 @@ def test_wrong_method_and_path(http):
 def test_queue_full_answers_429_with_retry_after():
     pipe = FakePipeline(delay_s=0.4)
     with live_server(pipe, max_batch=2, max_queue_images=3, batch_window_s=0.0) as s:
+
         def post(i):
             with client(s.url) as c:
                 return c.post(OPENAI, json={"prompt": f"p{i}", "n": 2, "seed": i})

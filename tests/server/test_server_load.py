@@ -30,14 +30,21 @@ def request_for(client_id: int, i: int) -> tuple[str, dict, dict]:
     seed = 1000 * client_id + 10 * i
     size = (64, 64) if i % 4 else (32, 32)  # two shapes: batches must never mix them
     if i % 2:
-        return OPENAI, {"prompt": prompt, "n": n, "seed": seed, "size": f"{size[0]}x{size[1]}"}, dict(
-            prompt=prompt, n=n, seed=seed, width=size[0])
-    return A1111, {"prompt": prompt, "batch_size": n, "seed": seed, "width": size[0], "height": size[1]}, dict(
-        prompt=prompt, n=n, seed=seed, width=size[0])
+        return (
+            OPENAI,
+            {"prompt": prompt, "n": n, "seed": seed, "size": f"{size[0]}x{size[1]}"},
+            dict(prompt=prompt, n=n, seed=seed, width=size[0]),
+        )
+    return (
+        A1111,
+        {"prompt": prompt, "batch_size": n, "seed": seed, "width": size[0], "height": size[1]},
+        dict(prompt=prompt, n=n, seed=seed, width=size[0]),
+    )
 
 
 async def one_client(url: str, client_id: int, count: int) -> list[tuple[dict, httpx.Response]]:
     async with httpx.AsyncClient(base_url=url, timeout=30.0) as c:
+
         async def go(i):
             path, body, want = request_for(client_id, i)
             return want, await c.post(path, json=body)
@@ -52,8 +59,7 @@ def images_of(r: httpx.Response) -> list[str]:
 
 def test_64_concurrent_requests_from_4_clients():
     pipe = FakePipeline(delay_s=0.04)
-    with live_server(pipe, max_batch=8, max_queue_images=40, batch_window_s=0.02,
-                     warm_sizes=((64, 64), (32, 32))) as s:
+    with live_server(pipe, max_batch=8, max_queue_images=40, batch_window_s=0.02, warm_sizes=((64, 64), (32, 32))) as s:
 
         async def main():
             return await asyncio.gather(*(one_client(s.url, k, 16) for k in range(4)))
@@ -87,8 +93,7 @@ def test_64_concurrent_requests_from_4_clients():
         assert len(calls) < len(ok), (len(calls), len(ok))
 
         with client(s.url) as c:
-            assert c.get("/health").json() == {"status": "ok", "model": "fake-model", "queue_depth": 0,
-                                               "busy": False}
+            assert c.get("/health").json() == {"status": "ok", "model": "fake-model", "queue_depth": 0, "busy": False}
             check_image(images_of(c.post(OPENAI, json={"prompt": "after", "seed": 5}))[0], seed=5)
             metrics = c.get("/metrics").text
         fill_sum = _metric(metrics, "sdjax_batch_fill_ratio_sum")
@@ -97,8 +102,10 @@ def test_64_concurrent_requests_from_4_clients():
         assert fill_sum / fill_count > 0.5, "batches were mostly empty"
         assert _metric(metrics, "sdjax_images_generated_total") == returned + 1
         assert _metric(metrics, "sdjax_queue_depth_images") == 0
-        print(f"64 requests in {elapsed:.2f} s: {len(ok)} answered, {codes.count(429)} x 429, "
-              f"{len(calls)} batches, mean fill {fill_sum / fill_count:.2f}")
+        print(
+            f"64 requests in {elapsed:.2f} s: {len(ok)} answered, {codes.count(429)} x 429, "
+            f"{len(calls)} batches, mean fill {fill_sum / fill_count:.2f}"
+        )
 
 
 def _metric(text: str, name: str) -> float:
@@ -127,8 +134,13 @@ def free_port() -> int:
 def test_sigterm_finishes_in_flight_requests():
     port = free_port()
     script = SERVER_SCRIPT.format(tests=str(Path(__file__).parent), src=str(SRC), port=port)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

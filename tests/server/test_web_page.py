@@ -16,12 +16,21 @@ from server_helpers import live_server
 from sdjax import metadata
 
 CHROMIUM = os.environ.get("SDJAX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="the test extra installs playwright")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary: `apt-get install -y chromium` "
-                                                         "(Debian) or set SDJAX_CHROMIUM to a Chromium binary")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no chromium binary: `apt-get install -y chromium` (Debian) or set SDJAX_CHROMIUM to a Chromium binary",
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +87,10 @@ def test_generate_from_the_page(page, tmp_path):
         assert len(figures) == 2
         for k, fig in enumerate(figures):
             params = fig.query_selector("pre.params").text_content()
-            assert params == ("a lighthouse, at night\nNegative prompt: fog\nSteps: 6, Sampler: DDIM, CFG scale: 5.5, "
-                              f"Seed: {77 + k}, Size: 48x32, Model: fake-model")
+            assert params == (
+                "a lighthouse, at night\nNegative prompt: fog\nSteps: 6, Sampler: DDIM, CFG scale: 5.5, "
+                f"Seed: {77 + k}, Size: 48x32, Model: fake-model"
+            )
             link = fig.query_selector("a.download")
             assert link.get_attribute("download") == f"sdjax-{77 + k}.png"
             # the image is displayed at its size
@@ -95,8 +106,9 @@ def test_generate_from_the_page(page, tmp_path):
         from PIL import Image
 
         with Image.open(path) as im:
-            np.testing.assert_array_equal(np.asarray(im), expected("a lighthouse, at night", "fog", 78, 0, 5.5, 6,
-                                                                   32, 48, "ddim"))
+            np.testing.assert_array_equal(
+                np.asarray(im), expected("a lighthouse, at night", "fog", 78, 0, 5.5, 6, 32, 48, "ddim")
+            )
         page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
         if os.environ.get("SDJAX_SCREENSHOT_DIR"):
             shutil.copy(tmp_path / "page.png", Path(os.environ["SDJAX_SCREENSHOT_DIR"]) / "web_page.png")

@@ -111,26 +111,50 @@ def _write_folder(path, pad, style):
     shutil.copy(reference.ASSETS / "merges.txt", path)
 
     def serialized(content, normalized=True):
-        return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": normalized,
-                "rstrip": False, "single_word": False}
+        return {
+            "__type": "AddedToken",
+            "content": content,
+            "lstrip": False,
+            "normalized": normalized,
+            "rstrip": False,
+            "single_word": False,
+        }
 
-    config = {"add_prefix_space": False, "do_lower_case": True, "errors": "replace", "model_max_length": 77,
-              "pad_token": pad, "tokenizer_class": "CLIPTokenizer"}
+    config = {
+        "add_prefix_space": False,
+        "do_lower_case": True,
+        "errors": "replace",
+        "model_max_length": 77,
+        "pad_token": pad,
+        "tokenizer_class": "CLIPTokenizer",
+    }
     if style == "legacy":
-        config.update(bos_token=serialized("<|startoftext|>"), eos_token=serialized("<|endoftext|>"),
-                      unk_token=serialized("<|endoftext|>"))
-        special_map = {k: {kk: vv for kk, vv in v.items() if kk != "__type"} for k, v in config.items()
-                       if k.endswith("_token") and isinstance(v, dict)}
+        config.update(
+            bos_token=serialized("<|startoftext|>"),
+            eos_token=serialized("<|endoftext|>"),
+            unk_token=serialized("<|endoftext|>"),
+        )
+        special_map = {
+            k: {kk: vv for kk, vv in v.items() if kk != "__type"}
+            for k, v in config.items()
+            if k.endswith("_token") and isinstance(v, dict)
+        }
         (path / "special_tokens_map.json").write_text(json.dumps({**special_map, "pad_token": pad}))
     else:
-        decoder = {"49406": {**serialized("<|startoftext|>"), "special": True},
-                   "49407": {**serialized("<|endoftext|>", normalized=False), "special": True}}
+        decoder = {
+            "49406": {**serialized("<|startoftext|>"), "special": True},
+            "49407": {**serialized("<|endoftext|>", normalized=False), "special": True},
+        }
         if pad == "!":
             decoder["0"] = {**serialized("!", normalized=False), "special": True}
         for v in decoder.values():
             v.pop("__type")
-        config.update(added_tokens_decoder=decoder, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
-                      unk_token="<|endoftext|>")
+        config.update(
+            added_tokens_decoder=decoder,
+            bos_token="<|startoftext|>",
+            eos_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
+        )
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 

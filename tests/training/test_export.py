@@ -28,17 +28,27 @@ def _random_params(shapes, seed):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    params = {"text_encoder": _random_params(CLIPTextModel.init_params_shape(TEXT), 0),
-              "unet": _random_params(UNet2DConditionModel.init_params_shape(UNET), 1),
-              "vae": _random_params(AutoencoderKL.init_params_shape(VAE), 2)}
-    out = export.export_pipeline(tmp_path_factory.mktemp("exported"), text_config=TEXT, unet_config=UNET,
-                                 vae_config=VAE, scheduler_config=SCHEDULER, params=params)
+    params = {
+        "text_encoder": _random_params(CLIPTextModel.init_params_shape(TEXT), 0),
+        "unet": _random_params(UNet2DConditionModel.init_params_shape(UNET), 1),
+        "vae": _random_params(AutoencoderKL.init_params_shape(VAE), 2),
+    }
+    out = export.export_pipeline(
+        tmp_path_factory.mktemp("exported"),
+        text_config=TEXT,
+        unet_config=UNET,
+        vae_config=VAE,
+        scheduler_config=SCHEDULER,
+        params=params,
+    )
     return out, params
 
 
 def test_torch_key_names():
-    assert export.path_to_torch_key(("down_blocks_0", "resnets_1", "conv1", "kernel")) == \
-        "down_blocks.0.resnets.1.conv1.weight"
+    assert (
+        export.path_to_torch_key(("down_blocks_0", "resnets_1", "conv1", "kernel"))
+        == "down_blocks.0.resnets.1.conv1.weight"
+    )
     assert export.path_to_torch_key(("time_embedding", "linear_1", "bias")) == "time_embedding.linear_1.bias"
     assert export.path_to_torch_key(("attn1", "to_out_0", "kernel")) == "attn1.to_out.0.weight"
     assert export.path_to_torch_key(("ff", "net_0", "proj", "kernel")) == "ff.net.0.proj.weight"
@@ -48,8 +58,13 @@ def test_torch_key_names():
 
 
 def test_layouts_are_pytorch_ones():
-    sd = export.params_to_state_dict({"lin": {"kernel": np.zeros((3, 5))}, "conv": {"kernel": np.zeros((3, 3, 2, 7))},
-                                      "emb": {"embedding": np.zeros((10, 4))}})
+    sd = export.params_to_state_dict(
+        {
+            "lin": {"kernel": np.zeros((3, 5))},
+            "conv": {"kernel": np.zeros((3, 3, 2, 7))},
+            "emb": {"embedding": np.zeros((10, 4))},
+        }
+    )
     assert sd["lin.weight"].shape == (5, 3)
     assert sd["conv.weight"].shape == (7, 2, 3, 3)
     assert sd["emb.weight"].shape == (10, 4)
@@ -93,7 +108,8 @@ def test_diffusers_and_transformers_load_the_folder_without_missing_or_unexpecte
     np.testing.assert_array_equal(w.numpy(), k.transpose(3, 2, 0, 1))
     emb = pipe.text_encoder.get_input_embeddings().weight
     np.testing.assert_array_equal(
-        emb.detach().numpy(), params["text_encoder"]["text_model"]["embeddings"]["token_embedding"]["embedding"])
+        emb.detach().numpy(), params["text_encoder"]["text_model"]["embeddings"]["token_embedding"]["embedding"]
+    )
     assert torch.is_tensor(w)
 
 
@@ -105,6 +121,7 @@ def test_tokenizer_folder_gives_transformers_ids(exported):
     folder, _ = exported
     prompts = ["a small green triangle in the top left on a white background", "", "Red CIRCLE, center!!"]
     ours = CLIPTokenizer.from_folder(folder / "tokenizer")(prompts)
-    theirs = TorchTokenizer.from_pretrained(folder / "tokenizer")(prompts, padding="max_length", max_length=77,
-                                                                   truncation=True).input_ids
+    theirs = TorchTokenizer.from_pretrained(folder / "tokenizer")(
+        prompts, padding="max_length", max_length=77, truncation=True
+    ).input_ids
     np.testing.assert_array_equal(ours, np.asarray(theirs))

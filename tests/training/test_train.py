@@ -42,9 +42,12 @@ def test_diffusion_loss_is_finite_and_falls_on_a_fixed_batch():
     latents = jax.random.normal(key, (4, 4, 16, 16))
     used = train.caption_vocabulary_ids(tokenizer)
     assert {tokenizer.encode("triangle")[0], tokenizer.bos_token_id, tokenizer.eos_token_id} <= set(used.tolist())
-    params = {"text_encoder": train.init_text_params(text_config, key, used),
-              "unet": UNet2DConditionModel(unet_config).init(key, latents[:1], jnp.zeros((1,)),
-                                                             jnp.zeros((1, 77, text_config.hidden_size)))["params"]}
+    params = {
+        "text_encoder": train.init_text_params(text_config, key, used),
+        "unet": UNet2DConditionModel(unet_config).init(
+            key, latents[:1], jnp.zeros((1,)), jnp.zeros((1, 77, text_config.hidden_size))
+        )["params"],
+    }
     # Rows of words the captions never use start at zero.
     emb = params["text_encoder"]["text_model"]["embeddings"]["token_embedding"]["embedding"]
     assert float(jnp.abs(emb[tokenizer.encode("dog")[0]]).sum()) == 0.0
@@ -110,6 +113,7 @@ def test_training_schedule_matches_the_exported_scheduler():
     assert np.sqrt(ab[-1]) < 0.01  # at t=999 the noise keeps < 1% of the image (SD's scaled_linear keeps 6.8%)
     # The schedule the model learns is the one the exported scheduler samples with.
     from sdjax.samplers import get_sampler
+
     np.testing.assert_allclose(ab, get_sampler(dict(train.SCHEDULER)).alphas_cumprod, rtol=1e-5)
 
 
@@ -121,8 +125,14 @@ def test_tiny_run_writes_a_pipeline_that_sdjax_loads(tmp_path):
     assert main(["--preset", "tiny", "--out", str(out), "--log", str(tmp_path / "log.txt")]) == 0
     log = (tmp_path / "log.txt").read_text()
     assert "vae step" in log and "diffusion step" in log and "nan" not in log.lower()
-    for sub in ("model_index.json", "unet/diffusion_pytorch_model.safetensors", "vae/config.json",
-                "text_encoder/model.safetensors", "tokenizer/vocab.json", "scheduler/scheduler_config.json"):
+    for sub in (
+        "model_index.json",
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/config.json",
+        "text_encoder/model.safetensors",
+        "tokenizer/vocab.json",
+        "scheduler/scheduler_config.json",
+    ):
         assert (out / sub).is_file(), sub
     pipe, _ = StableDiffusionPipeline.from_pretrained(str(out))
     assert pipe.default_size == (64, 64)

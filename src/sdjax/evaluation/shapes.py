@@ -60,9 +60,13 @@ class Analysis:
     count: int = 0
 
     def matches(self, scene: Scene) -> dict[str, bool]:
-        return {"colour": self.colour == scene.colour, "background": self.background == scene.background,
-                "shape": self.shape == scene.shape, "position": self.position == scene.position,
-                "size": self.size == scene.size}
+        return {
+            "colour": self.colour == scene.colour,
+            "background": self.background == scene.background,
+            "shape": self.shape == scene.shape,
+            "position": self.position == scene.position,
+            "size": self.size == scene.size,
+        }
 
 
 def nearest_colour(rgb: np.ndarray) -> str:
@@ -110,8 +114,9 @@ def analyze(image, *, threshold: float = 90.0, min_pixels: int = 12) -> Analysis
         raise ValueError(f"analyze: expected an RGB image of shape (H, W, 3), got {rgb.shape}")
     rgb = rgb.astype(np.float32)
     h, w, _ = rgb.shape
-    border = np.concatenate([rgb[:2].reshape(-1, 3), rgb[-2:].reshape(-1, 3), rgb[:, :2].reshape(-1, 3),
-                             rgb[:, -2:].reshape(-1, 3)])
+    border = np.concatenate(
+        [rgb[:2].reshape(-1, 3), rgb[-2:].reshape(-1, 3), rgb[:, :2].reshape(-1, 3), rgb[:, -2:].reshape(-1, 3)]
+    )
     bg_rgb = np.median(border, axis=0)
     background = nearest_colour(bg_rgb)
     far = np.sqrt(np.sum((rgb - bg_rgb) ** 2, axis=-1)) > threshold
@@ -183,14 +188,17 @@ def negative_colour_test(pipe, scenes: Sequence[Scene], **generate_kwargs) -> di
     kept_plain = sum(analyze(im).colour == s.colour for im, s in zip(plain, scenes)) / len(scenes)
     kept_negated = sum(analyze(im).colour == s.colour for im, s in zip(negated, scenes)) / len(scenes)
     changed = sum(analyze(a).colour != analyze(b).colour for a, b in zip(plain, negated)) / len(scenes)
-    return {"colour_kept_without_negative": kept_plain, "colour_kept_with_negative": kept_negated,
-            "colour_changed": changed}
+    return {
+        "colour_kept_without_negative": kept_plain,
+        "colour_kept_with_negative": kept_negated,
+        "colour_changed": changed,
+    }
 
 
 def _next_colour(colour: str, background: str) -> str:
     """The palette colour after `colour` (cyclically) that is neither `colour` nor `background`."""
     k = _PALETTE_NAMES.index(colour)
-    rotated = _PALETTE_NAMES[k + 1:] + _PALETTE_NAMES[:k]
+    rotated = _PALETTE_NAMES[k + 1 :] + _PALETTE_NAMES[:k]
     return next(c for c in rotated if c != background)
 
 
@@ -211,8 +219,11 @@ def negative_drawn_colour_test(pipe, scenes: Sequence[Scene], **generate_kwargs)
     chosen = [prompts[i] for i in found]
     negated = [analyze(im).colour for im in pipe.generate(chosen, negative_prompt=drawn, **generate_kwargs)]
     control = [analyze(im).colour for im in pipe.generate(chosen, negative_prompt=others, **generate_kwargs)]
-    return {"images": len(found), "colour_avoided": sum(a != b for a, b in zip(drawn, negated)) / len(found),
-            "colour_changed_by_other_negative": sum(a != b for a, b in zip(drawn, control)) / len(found)}
+    return {
+        "images": len(found),
+        "colour_avoided": sum(a != b for a, b in zip(drawn, negated)) / len(found),
+        "colour_changed_by_other_negative": sum(a != b for a, b in zip(drawn, control)) / len(found),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -234,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     model = args.model
     if model is None:
         from sdjax.training.export import EMBEDDED_MODEL_DIR
+
         model = str(EMBEDDED_MODEL_DIR)
     pipe, _ = StableDiffusionPipeline.from_pretrained(model)
     prompts, scenes = held_out_prompts(args.per_combination)

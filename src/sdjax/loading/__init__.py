@@ -1,8 +1,7 @@
 """Checkpoint loading: configs, PyTorch -> Flax conversion, checkpoint files and whole pipeline folders."""
 
+from sdjax.config import ConfigError, config_from_dict
 from sdjax.loading.components import load_pipeline_components
-from sdjax.loading.config import ConfigError, config_from_dict
-from sdjax.loading.convert import WeightLoadError, convert_state_dict
 from sdjax.loading.files import (
     CheckpointError,
     MissingWeightsError,
@@ -13,6 +12,7 @@ from sdjax.loading.files import (
     resolve_model_dir,
     select_weight_files,
 )
+from sdjax.models.convert import WeightLoadError, convert_state_dict
 
 __all__ = [
     "CheckpointError",

@@ -24,9 +24,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.config import config_from_dict, read_json
 from sdjax.loading import files
-from sdjax.loading.config import config_from_dict, read_json
-from sdjax.loading.convert import WeightLoadError
+from sdjax.models.convert import WeightLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +51,26 @@ class ModelSpec:
     convert_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
-CLIP_TEXT = ModelSpec("sdjax.models.clip", "CLIPTextConfig", "CLIPTextModel", "convert_clip_text", "clip",
-                      (("with_projection", False),))
-CLIP_TEXT_PROJ = ModelSpec("sdjax.models.clip", "CLIPTextConfig", "CLIPTextModelWithProjection", "convert_clip_text",
-                           "clip", (("with_projection", True),))
+CLIP_TEXT = ModelSpec(
+    "sdjax.models.clip", "CLIPTextConfig", "CLIPTextModel", "convert_clip_text", "clip", (("with_projection", False),)
+)
+CLIP_TEXT_PROJ = ModelSpec(
+    "sdjax.models.clip",
+    "CLIPTextConfig",
+    "CLIPTextModelWithProjection",
+    "convert_clip_text",
+    "clip",
+    (("with_projection", True),),
+)
 UNET = ModelSpec("sdjax.models.unet", "UNet2DConditionConfig", "UNet2DConditionModel", "convert_unet", "unet")
 VAE = ModelSpec("sdjax.models.vae", "AutoencoderKLConfig", "AutoencoderKL", "convert_vae", "vae")
-SAFETY_CHECKER = ModelSpec("sdjax.models.safety_checker", "SafetyCheckerConfig", "StableDiffusionSafetyChecker",
-                           "convert_safety_checker", "safety_checker")
+SAFETY_CHECKER = ModelSpec(
+    "sdjax.models.safety_checker",
+    "SafetyCheckerConfig",
+    "StableDiffusionSafetyChecker",
+    "convert_safety_checker",
+    "safety_checker",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +89,10 @@ def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
     config_cls, model_cls, convert = getattr(mod, spec.config), getattr(mod, spec.model), getattr(mod, spec.convert)
     config_path = req.folder / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{req.folder}: component {req.name!r} has no config.json (files present: "
-                                f"{sorted(p.name for p in req.folder.iterdir())})")
+        raise FileNotFoundError(
+            f"{req.folder}: component {req.name!r} has no config.json (files present: "
+            f"{sorted(p.name for p in req.folder.iterdir())})"
+        )
     raw = read_json(config_path)
     if hasattr(config_cls, "from_dict"):
         config = config_cls.from_dict(raw, source=str(config_path))
@@ -89,8 +103,9 @@ def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
     component = f"{req.name} ({req.folder})"
     if weights.format == "flax":
         tree = files.read_flax_msgpack(weights.files[0])
-        params = files.flax_params_to_sdjax(tree, model_cls.init_params_shape(config), family=spec.flax_family,
-                                            component=component, cast=cast)
+        params = files.flax_params_to_sdjax(
+            tree, model_cls.init_params_shape(config), family=spec.flax_family, component=component, cast=cast
+        )
     else:
         state_dict = files.read_weights(weights)
         try:
@@ -122,7 +137,7 @@ def load_scheduler(class_name: str, req: LoadRequest) -> tuple[Any, Any]:
     """A diffusers scheduler folder -> `(sampler, float32 state)`. The class comes from `model_index.json`
     (`FlaxPNDMScheduler` reads as `PNDMScheduler`), the settings from `scheduler_config.json`."""
     from sdjax import samplers
-    from sdjax.loading.config import ConfigError
+    from sdjax.config import ConfigError
 
     path = req.folder / "scheduler_config.json"
     raw = read_json(path)
@@ -176,8 +191,9 @@ def _normalize_class(name: str | None) -> str | None:
     return name[4:] if name and name.startswith("Flax") else name
 
 
-def _plan(model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: str
-          ) -> tuple[dict[str, tuple[str, str]], list[str]]:
+def _plan(
+    model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: str
+) -> tuple[dict[str, tuple[str, str]], list[str]]:
     """Which components to load from disk -> ({name: (library, class)}, warnings for skipped optional ones)."""
     entries = files.component_entries(model_index)
     todo: dict[str, tuple[str, str]] = {}
@@ -201,8 +217,10 @@ def _plan(model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: s
 
         known = sorted(f"[{lib!r}, {cls!r}]" for lib, cls in COMPONENT_LOADERS)
         known += [f"['diffusers', {c!r}]" for c in samplers.CLASSES]
-        raise ValueError(f"{where}/{files.MODEL_INDEX}: sdjax cannot load component(s) {'; '.join(unknown)} "
-                         f"(known: {', '.join(known)})")
+        raise ValueError(
+            f"{where}/{files.MODEL_INDEX}: sdjax cannot load component(s) {'; '.join(unknown)} "
+            f"(known: {', '.join(known)})"
+        )
     return todo, skipped
 
 
@@ -243,18 +261,27 @@ def load_pipeline_components(
         """Everything that can be checked from `model_index.json` alone; on the Hub, before any download."""
         found = _normalize_class(model_index["_class_name"])
         if expected_class is not None and found != _normalize_class(expected_class):
-            raise ValueError(f"{where}: {files.MODEL_INDEX} describes a {model_index['_class_name']}, not a "
-                             f"{expected_class}; load it with the matching pipeline class")
+            raise ValueError(
+                f"{where}: {files.MODEL_INDEX} describes a {model_index['_class_name']}, not a "
+                f"{expected_class}; load it with the matching pipeline class"
+            )
         entries = files.component_entries(model_index)
         stray = sorted(n for n in overrides if n not in entries and n not in OPTIONAL_COMPONENTS)
         if stray:
-            raise ValueError(f"{where}: override(s) {stray} name no component of this pipeline "
-                             f"(components: {sorted(entries)})")
+            raise ValueError(
+                f"{where}: override(s) {stray} name no component of this pipeline (components: {sorted(entries)})"
+            )
         return _plan(model_index, overrides, where)[0]
 
     folder = files.resolve_model_dir(
-        path_or_repo_id, revision=revision, variant=variant, local_files_only=local_files_only,
-        components=lambda index: list(check(index, str(path_or_repo_id))), cache_dir=cache_dir, token=token)
+        path_or_repo_id,
+        revision=revision,
+        variant=variant,
+        local_files_only=local_files_only,
+        components=lambda index: list(check(index, str(path_or_repo_id))),
+        cache_dir=cache_dir,
+        token=token,
+    )
     model_index = files.read_model_index(folder)
     todo = check(model_index, str(folder))
     for s in _plan(model_index, overrides, str(folder))[1]:
@@ -262,8 +289,9 @@ def load_pipeline_components(
     absent = [f"{name}/ ([{lib}, {cls}])" for name, (lib, cls) in todo.items() if not (folder / name).is_dir()]
     if absent:
         hint = " (pass safety_checker=None to load without the safety checker)" if "safety_checker" in todo else ""
-        raise FileNotFoundError(f"{folder}: component folder(s) {', '.join(absent)} named in {files.MODEL_INDEX} "
-                                f"do not exist{hint}")
+        raise FileNotFoundError(
+            f"{folder}: component folder(s) {', '.join(absent)} named in {files.MODEL_INDEX} do not exist{hint}"
+        )
 
     components: dict[str, Any] = {}
     params: dict[str, Any] = {}

@@ -50,8 +50,19 @@ TORCH_STEMS = ("diffusion_pytorch_model", "pytorch_model")
 # Variants that are only a rounding of the full weights; see the module docstring for why bf16 may fall back.
 ROUNDING_FALLBACK_VARIANTS = frozenset({"bf16"})
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".msgpack", ".ckpt", ".pt", ".pth", ".onnx", ".onnx_data", ".pb", ".h5",
-                    ".gguf")
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".msgpack",
+    ".ckpt",
+    ".pt",
+    ".pth",
+    ".onnx",
+    ".onnx_data",
+    ".pb",
+    ".h5",
+    ".gguf",
+)
 _SMALL_SUFFIXES = (".json", ".txt", ".model")  # configs, tokenizer vocabularies, sentencepiece models
 _INDEX_RE = re.compile(r".*\.(safetensors|bin|msgpack)(\.[^.]+)?\.index(\.[^.]+)?\.json$")
 
@@ -93,14 +104,20 @@ def _candidates(variant: str | None) -> list[tuple[str, str, bool]]:
     out: list[tuple[str, str, bool]] = []
     out += [("safetensors", f"{s}.{v}.safetensors" if v else f"{s}.safetensors", False) for s in SAFETENSORS_STEMS]
     for s in SAFETENSORS_STEMS:
-        names = ([f"{s}.safetensors.index.{v}.json", f"{s}.safetensors.{v}.index.json",
-                  f"{s}.{v}.safetensors.index.json"] if v else [f"{s}.safetensors.index.json"])
+        names = (
+            [f"{s}.safetensors.index.{v}.json", f"{s}.safetensors.{v}.index.json", f"{s}.{v}.safetensors.index.json"]
+            if v
+            else [f"{s}.safetensors.index.json"]
+        )
         out += [("safetensors", n, True) for n in names]
     out += [("flax", f"{s}.{v}.msgpack" if v else f"{s}.msgpack", False) for s in FLAX_STEMS]
     out += [("torch", f"{s}.{v}.bin" if v else f"{s}.bin", False) for s in TORCH_STEMS]
     for s in TORCH_STEMS:
-        names = ([f"{s}.bin.index.{v}.json", f"{s}.bin.{v}.index.json", f"{s}.{v}.bin.index.json"]
-                 if v else [f"{s}.bin.index.json"])
+        names = (
+            [f"{s}.bin.index.{v}.json", f"{s}.bin.{v}.index.json", f"{s}.{v}.bin.index.json"]
+            if v
+            else [f"{s}.bin.index.json"]
+        )
         out += [("torch", n, True) for n in names]
     return out
 
@@ -110,8 +127,9 @@ def _describe(names: Iterable[str]) -> str:
     return ", ".join(names) if names else "(no files)"
 
 
-def choose_weight_name(names: Iterable[str], *, variant: str | None = None, where: str = "",
-                       allow_torch: bool | None = None) -> tuple[str, str, bool, str | None]:
+def choose_weight_name(
+    names: Iterable[str], *, variant: str | None = None, where: str = "", allow_torch: bool | None = None
+) -> tuple[str, str, bool, str | None]:
     """Pick the weights among the file `names` of one component folder by the module's rules.
 
     Returns `(format, file name, is_index, variant used)`. `where` names the folder in errors. Raises
@@ -130,26 +148,38 @@ def choose_weight_name(names: Iterable[str], *, variant: str | None = None, wher
                 raise MissingWeightsError(
                     f"{where}: the weights to load are PyTorch pickles ({name}) and torch is not installed; sdjax "
                     f"reads them only through torch. Convert them to safetensors (e.g. load and `save_pretrained("
-                    f"safe_serialization=True)` with diffusers once) or install torch. Files: {_describe(names)}")
+                    f"safe_serialization=True)` with diffusers once) or install torch. Files: {_describe(names)}"
+                )
             if v != variant:
-                logger.warning("%s: no %s variant of the weights; using %s and rounding to the requested dtype "
-                               "(bf16 variants are plain weights rounded to bfloat16)", where, variant, name)
+                logger.warning(
+                    "%s: no %s variant of the weights; using %s and rounding to the requested dtype "
+                    "(bf16 variants are plain weights rounded to bfloat16)",
+                    where,
+                    variant,
+                    name,
+                )
             return fmt, name, is_index, v
     if variant is not None:
-        raise MissingWeightsError(f"{where}: no weights of variant {variant!r} (looked for e.g. "
-                                  f"{_candidates(variant)[0][1]}, {_candidates(variant)[2][1]}); files present: "
-                                  f"{_describe(names)}")
+        raise MissingWeightsError(
+            f"{where}: no weights of variant {variant!r} (looked for e.g. "
+            f"{_candidates(variant)[0][1]}, {_candidates(variant)[2][1]}); files present: "
+            f"{_describe(names)}"
+        )
     found = sorted(_variants_present(names))
     hint = f"; this folder has weights of variant(s) {found}: pass variant=" if found else ""
-    raise MissingWeightsError(f"{where}: no weight file found (looked for diffusion_pytorch_model.safetensors, "
-                              f"model.safetensors, their sharded *.safetensors.index.json, "
-                              f"diffusion_flax_model.msgpack, flax_model.msgpack, *.bin){hint}; files present: "
-                              f"{_describe(names)}")
+    raise MissingWeightsError(
+        f"{where}: no weight file found (looked for diffusion_pytorch_model.safetensors, "
+        f"model.safetensors, their sharded *.safetensors.index.json, "
+        f"diffusion_flax_model.msgpack, flax_model.msgpack, *.bin){hint}; files present: "
+        f"{_describe(names)}"
+    )
 
 
-_VARIANT_RE = re.compile(r"(?:diffusion_pytorch_model|model|pytorch_model|diffusion_flax_model|flax_model)"
-                         r"(?:\.(?P<a>[^.\-]+)(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin|msgpack)"
-                         r"|\.(?:safetensors|bin)\.index\.(?P<b>[^.]+)\.json)")
+_VARIANT_RE = re.compile(
+    r"(?:diffusion_pytorch_model|model|pytorch_model|diffusion_flax_model|flax_model)"
+    r"(?:\.(?P<a>[^.\-]+)(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin|msgpack)"
+    r"|\.(?:safetensors|bin)\.index\.(?P<b>[^.]+)\.json)"
+)
 
 
 def _variants_present(names: Iterable[str]) -> set[str]:
@@ -196,18 +226,31 @@ def _index_shards(index: Path) -> list[str]:
     shards = list(dict.fromkeys(weight_map.values()))
     missing = [s for s in shards if not (index.parent / s).is_file()]
     if missing:
-        raise MissingWeightsError(f"{index}: names shard file(s) that do not exist: {', '.join(missing)} "
-                                  f"(files present: {_describe(p.name for p in index.parent.iterdir())})")
+        raise MissingWeightsError(
+            f"{index}: names shard file(s) that do not exist: {', '.join(missing)} "
+            f"(files present: {_describe(p.name for p in index.parent.iterdir())})"
+        )
     return shards
 
 
 # ---------------------------------------------------------------------------------------------------- safetensors
 
 _ST_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -246,8 +289,9 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, _TensorInfo], d
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         n = int.from_bytes(head, "little")
         if n <= 0 or n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: corrupt or truncated safetensors header (header size {n}, file size "
-                                  f"{size} bytes)")
+            raise CheckpointError(
+                f"{path}: corrupt or truncated safetensors header (header size {n}, file size {size} bytes)"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
@@ -271,11 +315,15 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, _TensorInfo], d
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {entry!r}") from e
         nbytes = math.prod(shape) * dtype.itemsize
         if any(d < 0 for d in shape) or begin < 0 or end - begin != nbytes:
-            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {key!r} {entry['dtype']}{list(shape)} "
-                                  f"needs {nbytes} bytes but spans [{begin}, {end})")
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {key!r} {entry['dtype']}{list(shape)} "
+                f"needs {nbytes} bytes but spans [{begin}, {end})"
+            )
         if data_start + end > size:
-            raise CheckpointError(f"{path}: truncated safetensors file: tensor {key!r} ends at byte "
-                                  f"{data_start + end} but the file has {size} bytes")
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {key!r} ends at byte "
+                f"{data_start + end} but the file has {size} bytes"
+            )
         infos[key] = _TensorInfo(path, dtype, shape, data_start + begin, nbytes)
     return infos, metadata
 
@@ -303,8 +351,10 @@ class SafetensorsReader(Mapping[str, np.ndarray]):
         except OSError as e:
             raise CheckpointError(f"{info.path}: cannot read tensor {key!r} ({e})") from e
         if got != info.nbytes:
-            raise CheckpointError(f"{info.path}: truncated while reading tensor {key!r} ({got} of {info.nbytes} "
-                                  f"bytes); the file changed since its header was checked")
+            raise CheckpointError(
+                f"{info.path}: truncated while reading tensor {key!r} ({got} of {info.nbytes} "
+                f"bytes); the file changed since its header was checked"
+            )
         return out
 
     def __iter__(self) -> Iterator[str]:
@@ -352,12 +402,17 @@ def read_safetensors(paths: str | Path | Iterable[str | Path]) -> SafetensorsRea
                 raise CheckpointError(f"tensor {key!r} is stored twice: in {infos[key].path} and in {path}")
             infos[key] = info
     if expected is not None:
-        wrong = [f"{k} (index: {s}, found in: {infos[k].path.name if k in infos else 'no shard'})"
-                 for k, s in expected.items() if k not in infos or infos[k].path.name != s]
+        wrong = [
+            f"{k} (index: {s}, found in: {infos[k].path.name if k in infos else 'no shard'})"
+            for k, s in expected.items()
+            if k not in infos or infos[k].path.name != s
+        ]
         extra = [f"{k} (in {infos[k].path.name})" for k in infos if k not in expected]
         if wrong or extra:
-            raise CheckpointError(f"{index}: the shards do not match the index: "
-                                  + "; ".join(wrong[:10] + [f"not in the index: {e}" for e in extra[:10]]))
+            raise CheckpointError(
+                f"{index}: the shards do not match the index: "
+                + "; ".join(wrong[:10] + [f"not in the index: {e}" for e in extra[:10]])
+            )
     return SafetensorsReader(infos, metadata)
 
 
@@ -388,7 +443,7 @@ def read_flax_msgpack(path: str | Path) -> dict[str, Any]:
 
 
 # Old Flax param names -> sdjax names, per model family: (regex on the '/'-joined path, replacement). sdjax paths
-# mirror the current PyTorch state-dict keys (`loading.convert.torch_key_to_path`); the old Flax modules differed
+# mirror the current PyTorch state-dict keys (`models.convert.torch_key_to_path`); the old Flax modules differed
 # from them only here (checked against diffusers 0.35 / transformers 4.57 Flax modules built from the tiny test
 # configs: every other path of the UNet, VAE and CLIP text models is identical).
 FLAX_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -397,18 +452,27 @@ FLAX_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     # diffusers FlaxUNet2DConditionModel: the attention Dense layers were already named to_q/to_k/to_v/to_out_0.
     "unet": (),
     # diffusers FlaxAutoencoderKL: the mid-block attention kept the pre-0.14 names query/key/value/proj_attn.
-    "vae": ((r"/attentions_(\d+)/query/", r"/attentions_\1/to_q/"),
-            (r"/attentions_(\d+)/key/", r"/attentions_\1/to_k/"),
-            (r"/attentions_(\d+)/value/", r"/attentions_\1/to_v/"),
-            (r"/attentions_(\d+)/proj_attn/", r"/attentions_\1/to_out_0/")),
+    "vae": (
+        (r"/attentions_(\d+)/query/", r"/attentions_\1/to_q/"),
+        (r"/attentions_(\d+)/key/", r"/attentions_\1/to_k/"),
+        (r"/attentions_(\d+)/value/", r"/attentions_\1/to_v/"),
+        (r"/attentions_(\d+)/proj_attn/", r"/attentions_\1/to_out_0/"),
+    ),
     # diffusers FlaxStableDiffusionSafetyChecker: a transformers CLIP vision tower, layers named "0", "1", ...
-    "safety_checker": ((r"^vision_model/vision_model/encoder/layers/(\d+)/",
-                        r"vision_model/vision_model/encoder/layers_\1/"),),
+    "safety_checker": (
+        (r"^vision_model/vision_model/encoder/layers/(\d+)/", r"vision_model/vision_model/encoder/layers_\1/"),
+    ),
 }
 
 
-def flax_params_to_sdjax(tree: Mapping[str, Any], expected: Mapping[str, Any], *, family: str, component: str,
-                         cast: Callable[[np.ndarray], Any] | None = None) -> dict[str, Any]:
+def flax_params_to_sdjax(
+    tree: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    *,
+    family: str,
+    component: str,
+    cast: Callable[[np.ndarray], Any] | None = None,
+) -> dict[str, Any]:
     """Rename an old-Flax params tree (`read_flax_msgpack`) into the sdjax layout; no transposes (both are Flax).
 
     `family` picks the rename table in `FLAX_RENAMES` ("clip", "unet", "vae"); `expected` is the params shape
@@ -417,11 +481,13 @@ def flax_params_to_sdjax(tree: Mapping[str, Any], expected: Mapping[str, Any], *
     """
     from flax.traverse_util import flatten_dict, unflatten_dict
 
-    from sdjax.loading.convert import WeightLoadError
+    from sdjax.models.convert import WeightLoadError
 
     if family not in FLAX_RENAMES:
-        raise ValueError(f"{component}: no old-Flax naming table for model family {family!r} "
-                         f"(known: {sorted(FLAX_RENAMES)}); convert this checkpoint to safetensors")
+        raise ValueError(
+            f"{component}: no old-Flax naming table for model family {family!r} "
+            f"(known: {sorted(FLAX_RENAMES)}); convert this checkpoint to safetensors"
+        )
     renames = [(re.compile(p), r) for p, r in FLAX_RENAMES[family]]
     want = {"/".join(k): tuple(v.shape) for k, v in flatten_dict(dict(expected)).items()}
     strip_text_model = family == "clip" and not any(k.startswith("text_model/") for k in want)
@@ -435,7 +501,7 @@ def flax_params_to_sdjax(tree: Mapping[str, Any], expected: Mapping[str, Any], *
         for pattern, repl in renames:
             new = pattern.sub(repl, new)
         if strip_text_model and new.startswith("text_model/"):
-            new = new[len("text_model/"):]
+            new = new[len("text_model/") :]
         if new not in want or new in seen:
             unexpected.append(old if new not in seen else f"{old} (a second key for {new})")
             continue
@@ -497,8 +563,10 @@ def read_model_index(folder: str | Path) -> dict[str, Any]:
     """`model_index.json` of a diffusers folder, checked to be a JSON object with a `_class_name`."""
     path = Path(folder) / MODEL_INDEX
     if not path.is_file():
-        raise FileNotFoundError(f"{folder}: not a diffusers pipeline folder: {MODEL_INDEX} not found "
-                                f"(files present: {_describe(p.name for p in Path(folder).iterdir())})")
+        raise FileNotFoundError(
+            f"{folder}: not a diffusers pipeline folder: {MODEL_INDEX} not found "
+            f"(files present: {_describe(p.name for p in Path(folder).iterdir())})"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -535,8 +603,14 @@ def _list_repo_files(repo_id: str, revision: str | None, token: str | bool | Non
     return HfApi(token=token).list_repo_files(repo_id, revision=revision)
 
 
-def hub_allow_patterns(repo_files: Iterable[str], model_index: Mapping[str, Any], components: Iterable[str], *,
-                       variant: str | None = None, where: str = "") -> list[str]:
+def hub_allow_patterns(
+    repo_files: Iterable[str],
+    model_index: Mapping[str, Any],
+    components: Iterable[str],
+    *,
+    variant: str | None = None,
+    where: str = "",
+) -> list[str]:
     """The exact files of a repo listing that loading `components` needs: `model_index.json`, each component's
     configs and tokenizer files, and the weights `choose_weight_name` picks (plus their shards)."""
     repo_files = list(repo_files)
@@ -546,7 +620,7 @@ def hub_allow_patterns(repo_files: Iterable[str], model_index: Mapping[str, Any]
         if name not in entries:
             raise ValueError(f"{where}: component {name!r} is not in {MODEL_INDEX} (components: {sorted(entries)})")
         prefix = f"{name}/"
-        names = {f[len(prefix):] for f in repo_files if f.startswith(prefix) and "/" not in f[len(prefix):]}
+        names = {f[len(prefix) :] for f in repo_files if f.startswith(prefix) and "/" not in f[len(prefix) :]}
         if not names:
             raise FileNotFoundError(f"{where}: component folder {name}/ named in {MODEL_INDEX} is not in the repo")
         patterns += sorted(prefix + n for n in names if n.endswith(_SMALL_SUFFIXES) and not _INDEX_RE.match(n))
@@ -570,10 +644,16 @@ def _is_shard_of(name: str, index_name: str, variant: str | None) -> bool:
     return re.fullmatch(pattern, name) is not None
 
 
-def resolve_model_dir(path_or_repo_id: str | os.PathLike, *, revision: str | None = None, variant: str | None = None,
-                      local_files_only: bool = False,
-                      components: Iterable[str] | Callable[[dict[str, Any]], Iterable[str]] | None = None,
-                      cache_dir: str | os.PathLike | None = None, token: str | bool | None = None) -> Path:
+def resolve_model_dir(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    local_files_only: bool = False,
+    components: Iterable[str] | Callable[[dict[str, Any]], Iterable[str]] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> Path:
     """A local diffusers folder, or the local snapshot of a Hub repo id holding just the files needed.
 
     A local folder is returned as is. A repo id is listed once, then `huggingface_hub.snapshot_download` fetches
@@ -619,8 +699,9 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike, *, revision: str | Non
             return folder
         repo_files = _list_repo_files(text, revision, token)
         if MODEL_INDEX not in repo_files:
-            raise FileNotFoundError(f"{where}: not a diffusers pipeline repo: {MODEL_INDEX} not found "
-                                    f"(files: {_describe(repo_files[:30])})")
+            raise FileNotFoundError(
+                f"{where}: not a diffusers pipeline repo: {MODEL_INDEX} not found (files: {_describe(repo_files[:30])})"
+            )
         index_path = hf_hub_download(text, MODEL_INDEX, **common)
         model_index = read_model_index(Path(index_path).parent)
         if components is None:
@@ -631,13 +712,16 @@ def resolve_model_dir(path_or_repo_id: str | os.PathLike, *, revision: str | Non
         logger.info("%s: downloading %d files", where, len(patterns))
         return Path(snapshot_download(text, allow_patterns=patterns, **common))
     except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(f"{where}: not in the Hugging Face cache ({cache_dir or 'default cache'}) and "
-                                f"downloads are off (local_files_only=True or HF_HUB_OFFLINE=1): {e}") from e
+        raise FileNotFoundError(
+            f"{where}: not in the Hugging Face cache ({cache_dir or 'default cache'}) and "
+            f"downloads are off (local_files_only=True or HF_HUB_OFFLINE=1): {e}"
+        ) from e
     except GatedRepoError as e:
         raise PermissionError(f"{where}: gated repo; accept its license on the Hub and pass token= ({e})") from e
     except RepositoryNotFoundError as e:
-        raise FileNotFoundError(f"{text!r}: no such local folder and no such Hub repo (or it is private: pass "
-                                f"token=) ({e})") from e
+        raise FileNotFoundError(
+            f"{text!r}: no such local folder and no such Hub repo (or it is private: pass token=) ({e})"
+        ) from e
     except RevisionNotFoundError as e:
         raise FileNotFoundError(f"{where}: revision {revision!r} not found ({e})") from e
     except EntryNotFoundError as e:

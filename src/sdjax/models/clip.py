@@ -10,7 +10,7 @@ causal self-attention, a final LayerNorm, and the pooled feature taken at the en
   penultimate layers `hidden_states[-2]` (before the final LayerNorm) and the projected pooled `text_embeds`.
 
 Parameter paths mirror transformers' state-dict keys (`text_model/encoder/layers_0/self_attn/q_proj/kernel`,
-`text_projection/kernel`), so `loading.convert.convert_state_dict` converts checkpoints by its one rule; the only
+`text_projection/kernel`), so `models.convert.convert_state_dict` converts checkpoints by its one rule; the only
 exceptions are the buffer `position_ids` and the transformers-v5 `CLIPTextModel` files that drop the `text_model.`
 prefix (see `convert_clip_text`). `dtype` is the compute dtype of the matmuls and of the returned arrays; layer
 norms, the attention softmax and the residual stream stay float32 (cheap at 77 tokens, and it halves the bf16 error).
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.loading.config import config_from_dict
-from sdjax.loading.convert import convert_state_dict
+from sdjax.config import config_from_dict
+from sdjax.models.convert import convert_state_dict
 
 
 def _quick_gelu(x):
@@ -55,8 +55,16 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 # `config.json` keys transformers may write that only steer its own PyTorch runtime (outputs returned, attention
 # kernel); they do not change the architecture, so `CLIPTextConfig.from_dict` accepts and drops them.
-RUNTIME_KEYS = frozenset({"_attn_implementation_autoset", "output_attentions", "output_hidden_states",
-                          "return_dict", "use_return_dict", "torchscript"})
+RUNTIME_KEYS = frozenset(
+    {
+        "_attn_implementation_autoset",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "use_return_dict",
+        "torchscript",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +94,9 @@ class CLIPTextConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; known: {sorted(ACTIVATIONS)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
-                             f"num_attention_heads={self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}"
+            )
         if not isinstance(self.eos_token_id, int):
             raise ValueError(f"eos_token_id must be one int, got {self.eos_token_id!r}")
 
@@ -133,8 +142,9 @@ class CLIPTextEmbeddings(nn.Module):
         if seq_len > c.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings={c.max_position_embeddings}")
         tokens_btd = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, name="token_embedding")(input_ids_bt)
-        positions_td = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
-                                name="position_embedding")(jnp.arange(seq_len))
+        positions_td = nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype, name="position_embedding")(
+            jnp.arange(seq_len)
+        )
         return tokens_btd.astype(jnp.float32) + positions_td[None].astype(jnp.float32)
 
 
@@ -233,8 +243,11 @@ class CLIPTextTransformer(nn.Module):
         x_btd = CLIPTextEmbeddings(self.config, self.dtype, name="embeddings")(input_ids_bt)
         hidden_states = CLIPEncoder(self.config, self.dtype, name="encoder")(x_btd, mask_bqk)
         last_btd = _layer_norm(self.config, "final_layer_norm")(hidden_states[-1]).astype(self.dtype)
-        return CLIPTextOutput(last_hidden_state=last_btd, pooler_output=_pool(self.config, last_btd, input_ids_bt),
-                              hidden_states=tuple(h.astype(self.dtype) for h in hidden_states))
+        return CLIPTextOutput(
+            last_hidden_state=last_btd,
+            pooler_output=_pool(self.config, last_btd, input_ids_bt),
+            hidden_states=tuple(h.astype(self.dtype) for h in hidden_states),
+        )
 
 
 class _InitShapes:
@@ -271,8 +284,9 @@ class CLIPTextModelWithProjection(_InitShapes, nn.Module):
     @nn.compact
     def __call__(self, input_ids_bt, attention_mask_bt=None) -> CLIPTextOutput:
         out = CLIPTextTransformer(self.config, self.dtype, name="text_model")(input_ids_bt, attention_mask_bt)
-        embeds = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype,
-                          name="text_projection")(out.pooler_output)
+        embeds = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")(
+            out.pooler_output
+        )
         return out.replace(text_embeds=embeds)
 
 
@@ -286,11 +300,23 @@ _RENAMES = ((r"^(embeddings|encoder|final_layer_norm)\.", r"text_model.\1."),)
 _IGNORE = (r"(text_model\.)?embeddings\.position_ids",)
 
 
-def convert_clip_text(state_dict: Mapping[str, Any], config: CLIPTextConfig, *, with_projection: bool,
-                      cast: Callable[[np.ndarray], Any] | None = None, component: str | None = None):
+def convert_clip_text(
+    state_dict: Mapping[str, Any],
+    config: CLIPTextConfig,
+    *,
+    with_projection: bool,
+    cast: Callable[[np.ndarray], Any] | None = None,
+    component: str | None = None,
+):
     """A transformers CLIP text-encoder state dict (name -> array) -> Flax params for `CLIPTextModel`
-    (`with_projection=False`) or `CLIPTextModelWithProjection`. Raises `loading.convert.WeightLoadError` naming
+    (`with_projection=False`) or `CLIPTextModelWithProjection`. Raises `models.convert.WeightLoadError` naming
     every missing, unexpected and mis-shaped key."""
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
-    return convert_state_dict(state_dict, cls.init_params_shape(config), component=component or cls.__name__,
-                              renames=_RENAMES, ignore=_IGNORE, cast=cast)
+    return convert_state_dict(
+        state_dict,
+        cls.init_params_shape(config),
+        component=component or cls.__name__,
+        renames=_RENAMES,
+        ignore=_IGNORE,
+        cast=cast,
+    )

@@ -1,7 +1,7 @@
 """Building blocks shared by the UNet and the VAE, in flax.linen, channels-last (NHWC) throughout.
 
 Every module is named after the diffusers class it mirrors and its submodules after the PyTorch attributes, so
-`loading.convert.torch_key_to_path` maps state-dict keys onto these param paths without a table.
+`models.convert.torch_key_to_path` maps state-dict keys onto these param paths without a table.
 
 Layout: the models' public calls take and return NCHW arrays, as diffusers does; `nchw_to_nhwc` /
 `nhwc_to_nchw` below are the one place where that conversion happens. Everything inside is NHWC, the layout
@@ -112,12 +112,27 @@ class LayerNorm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
 
 
-def conv(features: int, kernel: int = 3, *, stride: int = 1, padding: int | None = None, dtype: Dtype,
-         name: str | None = None, use_bias: bool = True) -> nn.Conv:
+def conv(
+    features: int,
+    kernel: int = 3,
+    *,
+    stride: int = 1,
+    padding: int | None = None,
+    dtype: Dtype,
+    name: str | None = None,
+    use_bias: bool = True,
+) -> nn.Conv:
     """`torch.nn.Conv2d(kernel, stride, padding)` on NHWC; padding defaults to `(kernel - 1) // 2`."""
     p = (kernel - 1) // 2 if padding is None else padding
-    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=((p, p), (p, p)),
-                   use_bias=use_bias, dtype=dtype, name=name)
+    return nn.Conv(
+        features,
+        (kernel, kernel),
+        strides=(stride, stride),
+        padding=((p, p), (p, p)),
+        use_bias=use_bias,
+        dtype=dtype,
+        name=name,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -172,8 +187,17 @@ def resolve_implementation(implementation: str, query_tokens: int) -> str:
     return "xla"
 
 
-def attention(q_btc, k_bsc, v_bsc, *, heads: int, implementation: str = "auto", split_head_dim: bool = False,
-              upcast: bool = False, chunk_size: int = 1024) -> jax.Array:
+def attention(
+    q_btc,
+    k_bsc,
+    v_bsc,
+    *,
+    heads: int,
+    implementation: str = "auto",
+    split_head_dim: bool = False,
+    upcast: bool = False,
+    chunk_size: int = 1024,
+) -> jax.Array:
     """Multi-head scaled dot-product attention on projected inputs `(B, T, H*D)`, `(B, S, H*D)` -> `(B, T, H*D)`.
 
     `implementation`: "xla" (einsum + softmax), "dot_product" (`jax.nn.dot_product_attention`, cuDNN flash
@@ -190,8 +214,10 @@ def attention(q_btc, k_bsc, v_bsc, *, heads: int, implementation: str = "auto", 
     if split_head_dim:
         q, k, v = q_btc.reshape(b, t, heads, d), k_bsc.reshape(b, s, heads, d), v_bsc.reshape(b, s, heads, -1)
     else:
+
         def fold(x, n):
             return x.reshape(b, n, heads, -1).transpose(0, 2, 1, 3).reshape(b * heads, n, 1, -1)
+
         q, k, v = fold(q_btc, t), fold(k_bsc, s), fold(v_bsc, s)
     implementation = resolve_implementation(implementation, t)
     if implementation == "xla":
@@ -201,8 +227,9 @@ def attention(q_btc, k_bsc, v_bsc, *, heads: int, implementation: str = "auto", 
     elif implementation == "chunked":
         out = _attend_chunked(q, k, v, upcast, chunk_size)
     else:
-        raise ValueError(f"unknown attention implementation {implementation!r}; "
-                         f"choose one of {ATTENTION_IMPLEMENTATIONS}")
+        raise ValueError(
+            f"unknown attention implementation {implementation!r}; choose one of {ATTENTION_IMPLEMENTATIONS}"
+        )
     if split_head_dim:
         return out.reshape(b, t, -1)
     return out.reshape(b, heads, t, -1).transpose(0, 2, 1, 3).reshape(b, t, -1)
@@ -243,8 +270,16 @@ class Attention(nn.Module):
         q = dense("to_q", self.qkv_bias)(x_btc)
         k = dense("to_k", self.qkv_bias)(context_bsd)
         v = dense("to_v", self.qkv_bias)(context_bsd)
-        out = attention(q, k, v, heads=self.heads, implementation=self.implementation,
-                        split_head_dim=self.split_head_dim, upcast=self.upcast, chunk_size=self.chunk_size)
+        out = attention(
+            q,
+            k,
+            v,
+            heads=self.heads,
+            implementation=self.implementation,
+            split_head_dim=self.split_head_dim,
+            upcast=self.upcast,
+            chunk_size=self.chunk_size,
+        )
         out = nn.Dense(x_btc.shape[-1], dtype=self.dtype, name="to_out_0")(out)
         if self.residual_connection:
             out = out + residual.astype(out.dtype)
@@ -295,9 +330,16 @@ class BasicTransformerBlock(nn.Module):
     @nn.compact
     def __call__(self, x_btc: jax.Array, context_bsd: jax.Array) -> jax.Array:
         def attn(name):
-            return Attention(self.heads, self.dim_head, upcast=self.upcast, implementation=self.implementation,
-                             split_head_dim=self.split_head_dim, chunk_size=self.chunk_size, dtype=self.dtype,
-                             name=name)
+            return Attention(
+                self.heads,
+                self.dim_head,
+                upcast=self.upcast,
+                implementation=self.implementation,
+                split_head_dim=self.split_head_dim,
+                chunk_size=self.chunk_size,
+                dtype=self.dtype,
+                name=name,
+            )
 
         def norm(name):
             return LayerNorm(1e-5, dtype=self.dtype, name=name)
@@ -334,9 +376,15 @@ class Transformer2DModel(nn.Module):
             y_btc = conv(c, 1, dtype=self.dtype, name="proj_in")(y).reshape(b, h * w, c)
         for i in range(self.depth):
             y_btc = BasicTransformerBlock(
-                self.heads, c // self.heads, only_cross_attention=self.only_cross_attention, upcast=self.upcast,
-                implementation=self.implementation, split_head_dim=self.split_head_dim,
-                chunk_size=self.chunk_size, dtype=self.dtype, name=f"transformer_blocks_{i}",
+                self.heads,
+                c // self.heads,
+                only_cross_attention=self.only_cross_attention,
+                upcast=self.upcast,
+                implementation=self.implementation,
+                split_head_dim=self.split_head_dim,
+                chunk_size=self.chunk_size,
+                dtype=self.dtype,
+                name=f"transformer_blocks_{i}",
             )(y_btc, context_bsd)
         if self.use_linear_projection:
             y = nn.Dense(c, dtype=self.dtype, name="proj_out")(y_btc).reshape(b, h, w, c)
@@ -422,8 +470,9 @@ class Upsample2D(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------- time
-def timestep_embedding(t: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_shift: float,
-                       max_period: float = 10000.0) -> jax.Array:
+def timestep_embedding(
+    t: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_shift: float, max_period: float = 10000.0
+) -> jax.Array:
     """diffusers `get_timestep_embedding` (DDPM / transformer sinusoids), float32: `(N,)` -> `(N, dim)`.
 
     freq_k = exp(-ln(max_period) * k / (dim/2 - freq_shift)); [sin, cos] (or [cos, sin] with flip_sin_to_cos);

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.loading.config import config_from_dict
-from sdjax.loading.convert import convert_state_dict
+from sdjax.config import config_from_dict
 from sdjax.models.clip import ACTIVATIONS, CLIPEncoder, _layer_norm
+from sdjax.models.convert import convert_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +42,63 @@ NUM_CONCEPTS, NUM_SPECIAL_CARE = 17, 3
 # transformers < 4.30 dumped every generic `PretrainedConfig` attribute into the nested `text_config` /
 # `vision_config` of a CLIPConfig (the released SD 1.x `safety_checker/config.json` does). None of them describes
 # the vision architecture (they steer generation, labels, serialization), so they are accepted and dropped.
-GENERIC_PRETRAINED_KEYS = frozenset({
-    "add_cross_attention", "architectures", "bad_words_ids", "begin_suppress_tokens", "bos_token_id",
-    "chunk_size_feed_forward", "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty",
-    "do_sample", "early_stopping", "encoder_no_repeat_ngram_size", "eos_token_id", "exponential_decay_length_penalty",
-    "finetuning_task", "forced_bos_token_id", "forced_eos_token_id", "id2label", "is_decoder", "is_encoder_decoder",
-    "label2id", "length_penalty", "max_length", "min_length", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
-    "num_return_sequences", "output_attentions", "output_hidden_states", "output_scores", "pad_token_id", "prefix",
-    "problem_type", "pruned_heads", "remove_invalid_values", "repetition_penalty", "return_dict",
-    "return_dict_in_generate", "sep_token_id", "suppress_tokens", "task_specific_params", "temperature",
-    "tf_legacy_loss", "tie_encoder_decoder", "tie_word_embeddings", "tokenizer_class", "top_k", "top_p", "torchscript",
-    "typical_p", "use_bfloat16", "_attn_implementation_autoset",
-})
+GENERIC_PRETRAINED_KEYS = frozenset(
+    {
+        "add_cross_attention",
+        "architectures",
+        "bad_words_ids",
+        "begin_suppress_tokens",
+        "bos_token_id",
+        "chunk_size_feed_forward",
+        "cross_attention_hidden_size",
+        "decoder_start_token_id",
+        "diversity_penalty",
+        "do_sample",
+        "early_stopping",
+        "encoder_no_repeat_ngram_size",
+        "eos_token_id",
+        "exponential_decay_length_penalty",
+        "finetuning_task",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "id2label",
+        "is_decoder",
+        "is_encoder_decoder",
+        "label2id",
+        "length_penalty",
+        "max_length",
+        "min_length",
+        "no_repeat_ngram_size",
+        "num_beam_groups",
+        "num_beams",
+        "num_return_sequences",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "pad_token_id",
+        "prefix",
+        "problem_type",
+        "pruned_heads",
+        "remove_invalid_values",
+        "repetition_penalty",
+        "return_dict",
+        "return_dict_in_generate",
+        "sep_token_id",
+        "suppress_tokens",
+        "task_specific_params",
+        "temperature",
+        "tf_legacy_loss",
+        "tie_encoder_decoder",
+        "tie_word_embeddings",
+        "tokenizer_class",
+        "top_k",
+        "top_p",
+        "torchscript",
+        "typical_p",
+        "use_bfloat16",
+        "_attn_implementation_autoset",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +124,9 @@ class CLIPVisionConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; known: {sorted(ACTIVATIONS)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
-                             f"num_attention_heads={self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}"
+            )
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
 
@@ -111,8 +157,9 @@ class SafetyCheckerConfig:
         vision = {**(raw.pop("vision_config", None) or {}), **(raw.pop("vision_config_dict", None) or {})}
         for key in ("text_config", "text_config_dict"):
             raw.pop(key, None)
-        vision_config = config_from_dict(CLIPVisionConfig, vision, source=f"{source} (vision_config)",
-                                         ignore=GENERIC_PRETRAINED_KEYS)
+        vision_config = config_from_dict(
+            CLIPVisionConfig, vision, source=f"{source} (vision_config)", ignore=GENERIC_PRETRAINED_KEYS
+        )
         config = config_from_dict(cls, raw, source=source, ignore=GENERIC_PRETRAINED_KEYS)
         return dataclasses.replace(config, vision_config=vision_config)
 
@@ -148,7 +195,7 @@ def preprocess(images, image_size: int = 224, mean=CLIP_MEAN, std=CLIP_STD) -> n
         new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
         arr = np.asarray(img.resize((new_w, new_h), resample=Image.BICUBIC))
         top, left = (new_h - image_size) // 2, (new_w - image_size) // 2
-        out[i] = arr[top:top + image_size, left:left + image_size].astype(np.float32) / 255.0
+        out[i] = arr[top : top + image_size, left : left + image_size].astype(np.float32) / 255.0
     return (out - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 
 
@@ -165,10 +212,19 @@ class CLIPVisionEmbeddings(nn.Module):
     def __call__(self, pixels_bhwc):
         c = self.config
         if pixels_bhwc.shape[1:] != (c.image_size, c.image_size, c.num_channels):
-            raise ValueError(f"pixel_values must be (N, {c.image_size}, {c.image_size}, {c.num_channels}) NHWC, "
-                             f"got {pixels_bhwc.shape}")
-        patches = nn.Conv(c.hidden_size, (c.patch_size, c.patch_size), strides=(c.patch_size, c.patch_size),
-                          padding="VALID", use_bias=False, dtype=self.dtype, name="patch_embedding")(pixels_bhwc)
+            raise ValueError(
+                f"pixel_values must be (N, {c.image_size}, {c.image_size}, {c.num_channels}) NHWC, "
+                f"got {pixels_bhwc.shape}"
+            )
+        patches = nn.Conv(
+            c.hidden_size,
+            (c.patch_size, c.patch_size),
+            strides=(c.patch_size, c.patch_size),
+            padding="VALID",
+            use_bias=False,
+            dtype=self.dtype,
+            name="patch_embedding",
+        )(pixels_bhwc)
         batch = patches.shape[0]
         patches_btd = patches.reshape(batch, -1, c.hidden_size)  # row-major grid, as torch's flatten(2)
         cls_d = self.param("class_embedding", nn.initializers.normal(c.hidden_size**-0.5), (c.hidden_size,))
@@ -239,7 +295,8 @@ class StableDiffusionSafetyChecker(nn.Module):
     def __call__(self, pixel_values_bhwc) -> SafetyCheckerOutput:
         c = self.config
         pooled_bd = CLIPVisionModel(c.vision_config, self.dtype, name="vision_model")(
-            jnp.asarray(pixel_values_bhwc, self.dtype))
+            jnp.asarray(pixel_values_bhwc, self.dtype)
+        )
         embeds_bp = nn.Dense(c.projection_dim, use_bias=False, dtype=self.dtype, name="visual_projection")(pooled_bd)
         ones = nn.initializers.ones
         concept_kp = self.param("concept_embeds", ones, (NUM_CONCEPTS, c.projection_dim))
@@ -252,9 +309,12 @@ class StableDiffusionSafetyChecker(nn.Module):
         special_scores = jnp.round(_cosine(embeds_bp, f32(special_kp)) - f32(special_k), 3)
         adjustment_b = jnp.where(jnp.any(special_scores > 0, axis=1), 0.01, 0.0)
         concept_scores = jnp.round(_cosine(embeds_bp, f32(concept_kp)) - f32(concept_k) + adjustment_b[:, None], 3)
-        return SafetyCheckerOutput(image_embeds=embeds_bp, special_scores=special_scores,
-                                   concept_scores=concept_scores,
-                                   has_nsfw_concepts=jnp.any(concept_scores > 0, axis=1))
+        return SafetyCheckerOutput(
+            image_embeds=embeds_bp,
+            special_scores=special_scores,
+            concept_scores=concept_scores,
+            has_nsfw_concepts=jnp.any(concept_scores > 0, axis=1),
+        )
 
     def check(self, params, images) -> tuple[np.ndarray, np.ndarray]:
         """Decoded images (floats in [0, 1], `(N, H, W, 3)`) -> `(images with flagged ones black, has_nsfw (N,)
@@ -264,8 +324,11 @@ class StableDiffusionSafetyChecker(nn.Module):
         has_nsfw = np.asarray(_apply(self, params, pixels).has_nsfw_concepts, bool)
         if has_nsfw.any():
             images[has_nsfw] = 0
-            logger.warning("Potential NSFW content was detected in %d of %d images; they are returned black.",
-                           int(has_nsfw.sum()), len(has_nsfw))
+            logger.warning(
+                "Potential NSFW content was detected in %d of %d images; they are returned black.",
+                int(has_nsfw.sum()),
+                len(has_nsfw),
+            )
         return images, has_nsfw
 
     @classmethod
@@ -281,9 +344,20 @@ _RENAMES = ((r"^vision_model\.(embeddings|pre_layrnorm|encoder|post_layernorm)\.
 _IGNORE = (r"vision_model\.(vision_model\.)?embeddings\.position_ids",)
 
 
-def convert_safety_checker(state_dict: Mapping[str, Any], config: SafetyCheckerConfig, *,
-                           cast: Callable[[np.ndarray], Any] | None = None, component: str = "safety_checker"):
+def convert_safety_checker(
+    state_dict: Mapping[str, Any],
+    config: SafetyCheckerConfig,
+    *,
+    cast: Callable[[np.ndarray], Any] | None = None,
+    component: str = "safety_checker",
+):
     """A diffusers `StableDiffusionSafetyChecker` state dict -> Flax params; raises `WeightLoadError` naming every
     missing, unexpected and mis-shaped key."""
-    return convert_state_dict(state_dict, StableDiffusionSafetyChecker.init_params_shape(config),
-                              component=component, renames=_RENAMES, ignore=_IGNORE, cast=cast)
+    return convert_state_dict(
+        state_dict,
+        StableDiffusionSafetyChecker.init_params_shape(config),
+        component=component,
+        renames=_RENAMES,
+        ignore=_IGNORE,
+        cast=cast,
+    )

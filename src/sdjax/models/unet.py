@@ -24,8 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sdjax.loading.config import ConfigError, config_from_dict
-from sdjax.loading.convert import convert_state_dict
+from sdjax.config import ConfigError, config_from_dict
+from sdjax.models.convert import convert_state_dict
 from sdjax.models.layers import (
     ACTIVATIONS,
     ATTENTION_IMPLEMENTATIONS,
@@ -69,11 +69,14 @@ class UNet2DConditionConfig:
     center_input_sample: bool = False
     flip_sin_to_cos: bool = True
     freq_shift: int = 0
-    down_block_types: tuple[str, ...] = ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
-                                         "DownBlock2D")
+    down_block_types: tuple[str, ...] = (
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    )
     mid_block_type: str | None = "UNetMidBlock2DCrossAttn"
-    up_block_types: tuple[str, ...] = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
-                                       "CrossAttnUpBlock2D")
+    up_block_types: tuple[str, ...] = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D")
     only_cross_attention: bool | tuple[bool, ...] = False
     block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
     layers_per_block: int | tuple[int, ...] = 2
@@ -131,49 +134,70 @@ class UNet2DConditionConfig:
         for key, default in _UNSUPPORTED.items():
             value = getattr(self, key)
             if value != default and not (default is False and value is None):
-                raise ConfigError(f"UNet2DConditionConfig: {key}={value!r} is not supported (only {default!r}); "
-                                  f"sdjax builds the Stable Diffusion UNet family only")
+                raise ConfigError(
+                    f"UNet2DConditionConfig: {key}={value!r} is not supported (only {default!r}); "
+                    f"sdjax builds the Stable Diffusion UNet family only"
+                )
         n = len(self.block_out_channels)
         if len(self.down_block_types) != n or len(self.up_block_types) != n:
-            raise ConfigError(f"UNet2DConditionConfig: down_block_types ({len(self.down_block_types)}), "
-                              f"up_block_types ({len(self.up_block_types)}) and block_out_channels ({n}) "
-                              f"must have the same length")
+            raise ConfigError(
+                f"UNet2DConditionConfig: down_block_types ({len(self.down_block_types)}), "
+                f"up_block_types ({len(self.up_block_types)}) and block_out_channels ({n}) "
+                f"must have the same length"
+            )
         for key, allowed in (("down_block_types", DOWN_BLOCKS), ("up_block_types", UP_BLOCKS)):
             bad = [b for b in getattr(self, key) if b not in allowed]
             if bad:
                 raise ConfigError(f"UNet2DConditionConfig: {key} contains {bad}; supported: {list(allowed)}")
         if self.mid_block_type not in MID_BLOCKS:
-            raise ConfigError(f"UNet2DConditionConfig: mid_block_type={self.mid_block_type!r} is not supported; "
-                              f"supported: {list(MID_BLOCKS)}")
+            raise ConfigError(
+                f"UNet2DConditionConfig: mid_block_type={self.mid_block_type!r} is not supported; "
+                f"supported: {list(MID_BLOCKS)}"
+            )
         if self.addition_embed_type not in (None, "text_time"):
-            raise ConfigError(f"UNet2DConditionConfig: addition_embed_type={self.addition_embed_type!r} is not "
-                              f"supported (only None or 'text_time', SDXL)")
+            raise ConfigError(
+                f"UNet2DConditionConfig: addition_embed_type={self.addition_embed_type!r} is not "
+                f"supported (only None or 'text_time', SDXL)"
+            )
         if self.addition_embed_type == "text_time" and (
-                self.addition_time_embed_dim is None or self.projection_class_embeddings_input_dim is None):
-            raise ConfigError("UNet2DConditionConfig: addition_embed_type='text_time' needs "
-                              "addition_time_embed_dim and projection_class_embeddings_input_dim")
+            self.addition_time_embed_dim is None or self.projection_class_embeddings_input_dim is None
+        ):
+            raise ConfigError(
+                "UNet2DConditionConfig: addition_embed_type='text_time' needs "
+                "addition_time_embed_dim and projection_class_embeddings_input_dim"
+            )
         if self.act_fn not in ACTIVATIONS:
             raise ConfigError(f"UNet2DConditionConfig: act_fn={self.act_fn!r} unknown; known: {sorted(ACTIVATIONS)}")
         if self.norm_num_groups is None:
             raise ConfigError("UNet2DConditionConfig: norm_num_groups=None is not supported")
         if self.conv_in_kernel % 2 == 0 or self.conv_out_kernel % 2 == 0:
             raise ConfigError("UNet2DConditionConfig: conv_in_kernel and conv_out_kernel must be odd")
-        for key in ("only_cross_attention", "layers_per_block", "cross_attention_dim",
-                    "transformer_layers_per_block", "attention_head_dim", "num_attention_heads"):
+        for key in (
+            "only_cross_attention",
+            "layers_per_block",
+            "cross_attention_dim",
+            "transformer_layers_per_block",
+            "attention_head_dim",
+            "num_attention_heads",
+        ):
             value = getattr(self, key)
             if isinstance(value, tuple) and len(value) != n:
                 raise ConfigError(f"UNet2DConditionConfig: {key} has {len(value)} entries for {n} blocks")
         if isinstance(self.transformer_layers_per_block, tuple) and any(
-                isinstance(x, tuple) for x in self.transformer_layers_per_block):
-            raise ConfigError("UNet2DConditionConfig: per-layer transformer_layers_per_block (asymmetric UNets) "
-                              "is not supported")
+            isinstance(x, tuple) for x in self.transformer_layers_per_block
+        ):
+            raise ConfigError(
+                "UNet2DConditionConfig: per-layer transformer_layers_per_block (asymmetric UNets) is not supported"
+            )
         heads = self.heads_per_block
         if any(h is None for h in heads):
             raise ConfigError("UNet2DConditionConfig: attention_head_dim (or num_attention_heads) must be set")
         for i, (c, h) in enumerate(zip(self.block_out_channels, heads)):
             if c % h or c % self.norm_num_groups:
-                raise ConfigError(f"UNet2DConditionConfig: block {i} has {c} channels, not divisible by its "
-                                  f"{h} attention heads or {self.norm_num_groups} norm groups")
+                raise ConfigError(
+                    f"UNet2DConditionConfig: block {i} has {c} channels, not divisible by its "
+                    f"{h} attention heads or {self.norm_num_groups} norm groups"
+                )
 
     # ------------------------------------------------------------------ per-block values
     def _per_block(self, value) -> tuple:
@@ -246,8 +270,9 @@ class DownBlock(nn.Module):
     def __call__(self, x, temb, context):
         skips = []
         for i in range(self.num_layers):
-            x = ResnetBlock2D(self.out_channels, self.groups, self.eps, self.act_fn, dtype=self.dtype,
-                              name=f"resnets_{i}")(x, temb)
+            x = ResnetBlock2D(
+                self.out_channels, self.groups, self.eps, self.act_fn, dtype=self.dtype, name=f"resnets_{i}"
+            )(x, temb)
             if self.transformer is not None:
                 x = self.transformer.build(f"attentions_{i}")(x, context)
             skips.append(x)
@@ -275,8 +300,9 @@ class UpBlock(nn.Module):
         skips = list(skips)
         for i in range(self.num_layers):
             x = jnp.concatenate([x, skips.pop().astype(x.dtype)], axis=-1)
-            x = ResnetBlock2D(self.out_channels, self.groups, self.eps, self.act_fn, dtype=self.dtype,
-                              name=f"resnets_{i}")(x, temb)
+            x = ResnetBlock2D(
+                self.out_channels, self.groups, self.eps, self.act_fn, dtype=self.dtype, name=f"resnets_{i}"
+            )(x, temb)
             if self.transformer is not None:
                 x = self.transformer.build(f"attentions_{i}")(x, context)
         if self.add_upsample:
@@ -299,8 +325,9 @@ class MidBlock(nn.Module):
         c = x.shape[-1]
 
         def resnet(name):
-            return ResnetBlock2D(c, self.groups, self.eps, self.act_fn, self.output_scale_factor, dtype=self.dtype,
-                                 name=name)
+            return ResnetBlock2D(
+                c, self.groups, self.eps, self.act_fn, self.output_scale_factor, dtype=self.dtype, name=name
+            )
 
         x = resnet("resnets_0")(x, temb)
         x = self.transformer.build("attentions_0")(x, context)
@@ -335,33 +362,47 @@ class UNet2DConditionModel(nn.Module):
     def _transformer(self, i: int, depth: int, only_cross: bool) -> TransformerSpec:
         cfg = self.config
         return TransformerSpec(
-            heads=cfg.heads_per_block[i], depth=depth, groups=cfg.norm_num_groups,
-            use_linear_projection=bool(cfg.use_linear_projection), only_cross_attention=bool(only_cross),
-            upcast=bool(cfg.upcast_attention), implementation=self.attention, split_head_dim=self.split_head_dim,
-            chunk_size=self.attention_chunk_size, dtype=self.dtype)
+            heads=cfg.heads_per_block[i],
+            depth=depth,
+            groups=cfg.norm_num_groups,
+            use_linear_projection=bool(cfg.use_linear_projection),
+            only_cross_attention=bool(only_cross),
+            upcast=bool(cfg.upcast_attention),
+            implementation=self.attention,
+            split_head_dim=self.split_head_dim,
+            chunk_size=self.attention_chunk_size,
+            dtype=self.dtype,
+        )
 
     def _check_inputs(self, sample, encoder_hidden_states, text_embeds, time_ids, timestep_cond):
         cfg = self.config
         if sample.ndim != 4 or sample.shape[1] != cfg.in_channels:
             raise ValueError(f"UNet: sample must be NCHW (B, {cfg.in_channels}, h, w); got shape {sample.shape}")
         if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[0] != sample.shape[0]:
-            raise ValueError(f"UNet: encoder_hidden_states must be (B={sample.shape[0]}, S, D); "
-                             f"got shape {encoder_hidden_states.shape}")
+            raise ValueError(
+                f"UNet: encoder_hidden_states must be (B={sample.shape[0]}, S, D); "
+                f"got shape {encoder_hidden_states.shape}"
+            )
         if isinstance(cfg.cross_attention_dim, int) and encoder_hidden_states.shape[-1] != cfg.cross_attention_dim:
-            raise ValueError(f"UNet: encoder_hidden_states width {encoder_hidden_states.shape[-1]} != "
-                             f"cross_attention_dim {cfg.cross_attention_dim}")
+            raise ValueError(
+                f"UNet: encoder_hidden_states width {encoder_hidden_states.shape[-1]} != "
+                f"cross_attention_dim {cfg.cross_attention_dim}"
+            )
         if cfg.addition_embed_type == "text_time":
             if text_embeds is None or time_ids is None:
-                raise ValueError("UNet: this SDXL UNet (addition_embed_type='text_time') needs text_embeds (B, D) "
-                                 "and time_ids (B, 6)")
+                raise ValueError(
+                    "UNet: this SDXL UNet (addition_embed_type='text_time') needs text_embeds (B, D) "
+                    "and time_ids (B, 6)"
+                )
         elif text_embeds is not None or time_ids is not None:
             raise ValueError("UNet: text_embeds/time_ids given, but the config has no addition_embed_type")
         if timestep_cond is not None and cfg.time_cond_proj_dim is None:
             raise ValueError("UNet: timestep_cond given, but the config has no time_cond_proj_dim")
 
     @nn.compact
-    def __call__(self, sample, timesteps, encoder_hidden_states, *, text_embeds=None, time_ids=None,
-                 timestep_cond=None):
+    def __call__(
+        self, sample, timesteps, encoder_hidden_states, *, text_embeds=None, time_ids=None, timestep_cond=None
+    ):
         cfg = self.config
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"UNet: unknown attention {self.attention!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
@@ -375,23 +416,31 @@ class UNet2DConditionModel(nn.Module):
 
         # time (and SDXL's added) embedding
         t = jnp.broadcast_to(jnp.asarray(timesteps, jnp.float32).reshape(-1), (batch,))
-        t_emb = timestep_embedding(t, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos,
-                                   freq_shift=cfg.freq_shift).astype(self.dtype)
+        t_emb = timestep_embedding(
+            t, cfg.block_out_channels[0], flip_sin_to_cos=cfg.flip_sin_to_cos, freq_shift=cfg.freq_shift
+        ).astype(self.dtype)
         if timestep_cond is not None:
             timestep_cond = timestep_cond.astype(self.dtype)
-        emb = TimestepEmbedding(cfg.time_embed_dim, cfg.act_fn, cfg.time_cond_proj_dim, dtype=self.dtype,
-                                name="time_embedding")(t_emb, timestep_cond)
+        emb = TimestepEmbedding(
+            cfg.time_embed_dim, cfg.act_fn, cfg.time_cond_proj_dim, dtype=self.dtype, name="time_embedding"
+        )(t_emb, timestep_cond)
         if cfg.addition_embed_type == "text_time":
-            time_embeds = timestep_embedding(jnp.asarray(time_ids, jnp.float32).reshape(-1),
-                                             cfg.addition_time_embed_dim, flip_sin_to_cos=cfg.flip_sin_to_cos,
-                                             freq_shift=cfg.freq_shift).reshape(batch, -1)
+            time_embeds = timestep_embedding(
+                jnp.asarray(time_ids, jnp.float32).reshape(-1),
+                cfg.addition_time_embed_dim,
+                flip_sin_to_cos=cfg.flip_sin_to_cos,
+                freq_shift=cfg.freq_shift,
+            ).reshape(batch, -1)
             add_embeds = jnp.concatenate([text_embeds.astype(jnp.float32), time_embeds], axis=-1)
             if add_embeds.shape[-1] != cfg.projection_class_embeddings_input_dim:
-                raise ValueError(f"UNet: text_embeds width {text_embeds.shape[-1]} + 6 * addition_time_embed_dim "
-                                 f"({time_embeds.shape[-1]}) != projection_class_embeddings_input_dim "
-                                 f"{cfg.projection_class_embeddings_input_dim}")
+                raise ValueError(
+                    f"UNet: text_embeds width {text_embeds.shape[-1]} + 6 * addition_time_embed_dim "
+                    f"({time_embeds.shape[-1]}) != projection_class_embeddings_input_dim "
+                    f"{cfg.projection_class_embeddings_input_dim}"
+                )
             emb = emb + TimestepEmbedding(cfg.time_embed_dim, "silu", dtype=self.dtype, name="add_embedding")(
-                add_embeds.astype(self.dtype))
+                add_embeds.astype(self.dtype)
+            )
 
         layers = cfg._per_block(cfg.layers_per_block)
         depths = cfg._per_block(cfg.transformer_layers_per_block)
@@ -402,14 +451,24 @@ class UNet2DConditionModel(nn.Module):
         skips = [x]
         for i, kind in enumerate(cfg.down_block_types):
             spec = self._transformer(i, depths[i], only_cross[i]) if kind == "CrossAttnDownBlock2D" else None
-            x, block_skips = DownBlock(cfg.block_out_channels[i], layers[i], i < n_blocks - 1, cfg.downsample_padding,
-                                       transformer=spec, name=f"down_blocks_{i}", **common)(x, emb, context)
+            x, block_skips = DownBlock(
+                cfg.block_out_channels[i],
+                layers[i],
+                i < n_blocks - 1,
+                cfg.downsample_padding,
+                transformer=spec,
+                name=f"down_blocks_{i}",
+                **common,
+            )(x, emb, context)
             skips += block_skips
 
         if cfg.mid_block_type is not None:
-            x = MidBlock(output_scale_factor=cfg.mid_block_scale_factor,
-                         transformer=self._transformer(n_blocks - 1, depths[-1], False), name="mid_block",
-                         **common)(x, emb, context)
+            x = MidBlock(
+                output_scale_factor=cfg.mid_block_scale_factor,
+                transformer=self._transformer(n_blocks - 1, depths[-1], False),
+                name="mid_block",
+                **common,
+            )(x, emb, context)
 
         for i, kind in enumerate(cfg.up_block_types):
             r = n_blocks - 1 - i  # the down block this up block mirrors
@@ -419,8 +478,9 @@ class UNet2DConditionModel(nn.Module):
             spec = self._transformer(r, depths[r], only_cross[r]) if kind == "CrossAttnUpBlock2D" else None
             # Upsample to the next skip's size: 2x, except where a downsampler rounded an odd size up.
             size = None if final else tuple(skips[-1].shape[1:3])
-            x = UpBlock(cfg.block_out_channels[r], n, not final, transformer=spec, name=f"up_blocks_{i}",
-                        **common)(x, block_skips, emb, context, size)
+            x = UpBlock(cfg.block_out_channels[r], n, not final, transformer=spec, name=f"up_blocks_{i}", **common)(
+                x, block_skips, emb, context, size
+            )
 
         x = GroupNorm(cfg.norm_num_groups, cfg.norm_eps, dtype=self.dtype, name="conv_norm_out")(x)
         x = activation(cfg.act_fn)(x)
@@ -466,5 +526,4 @@ UNET_RENAMES: tuple[tuple[str, str], ...] = ()
 
 def convert_unet(state_dict: Mapping[str, Any], config: UNet2DConditionConfig, *, cast=None) -> dict:
     """diffusers UNet state dict (name -> array) -> params; raises `WeightLoadError` naming every bad key."""
-    return convert_state_dict(state_dict, init_params_shape(config), component="unet", renames=UNET_RENAMES,
-                              cast=cast)
+    return convert_state_dict(state_dict, init_params_shape(config), component="unet", renames=UNET_RENAMES, cast=cast)

@@ -26,8 +26,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sdjax.loading.config import ConfigError, config_from_dict
-from sdjax.loading.convert import convert_state_dict
+from sdjax.config import ConfigError, config_from_dict
+from sdjax.models.convert import convert_state_dict
 from sdjax.models.layers import (
     ACTIVATIONS,
     ATTENTION_IMPLEMENTATIONS,
@@ -87,9 +87,11 @@ class AutoencoderKLConfig:
                 object.__setattr__(self, f.name, tuple(v))
         n = len(self.block_out_channels)
         if len(self.down_block_types) != n or len(self.up_block_types) != n:
-            raise ConfigError(f"AutoencoderKLConfig: down_block_types ({len(self.down_block_types)}), "
-                              f"up_block_types ({len(self.up_block_types)}) and block_out_channels ({n}) must "
-                              f"have the same length")
+            raise ConfigError(
+                f"AutoencoderKLConfig: down_block_types ({len(self.down_block_types)}), "
+                f"up_block_types ({len(self.up_block_types)}) and block_out_channels ({n}) must "
+                f"have the same length"
+            )
         for key, allowed in (("down_block_types", "DownEncoderBlock2D"), ("up_block_types", "UpDecoderBlock2D")):
             bad = [b for b in getattr(self, key) if b != allowed]
             if bad:
@@ -98,8 +100,9 @@ class AutoencoderKLConfig:
             raise ConfigError(f"AutoencoderKLConfig: act_fn={self.act_fn!r} unknown; known: {sorted(ACTIVATIONS)}")
         bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
         if bad:
-            raise ConfigError(f"AutoencoderKLConfig: block_out_channels {bad} not divisible by norm_num_groups "
-                              f"{self.norm_num_groups}")
+            raise ConfigError(
+                f"AutoencoderKLConfig: block_out_channels {bad} not divisible by norm_num_groups {self.norm_num_groups}"
+            )
 
 
 @flax.struct.dataclass
@@ -154,9 +157,19 @@ class MidBlock(nn.Module):
         dtype = self.rt.dtype
         x_nhwc = ResnetBlock2D(c, self.groups, VAE_EPS, self.act_fn, dtype=dtype, name="resnets_0")(x_nhwc)
         if self.add_attention:
-            attn = Attention(1, c, qkv_bias=True, norm_groups=self.groups, norm_eps=VAE_EPS, residual_connection=True,
-                             implementation=self.rt.attention, split_head_dim=self.rt.split_head_dim,
-                             chunk_size=self.rt.chunk_size, dtype=dtype, name="attentions_0")
+            attn = Attention(
+                1,
+                c,
+                qkv_bias=True,
+                norm_groups=self.groups,
+                norm_eps=VAE_EPS,
+                residual_connection=True,
+                implementation=self.rt.attention,
+                split_head_dim=self.rt.split_head_dim,
+                chunk_size=self.rt.chunk_size,
+                dtype=dtype,
+                name="attentions_0",
+            )
             x_nhwc = attn(x_nhwc.reshape(b, h * w, c)).reshape(b, h, w, c)
         return ResnetBlock2D(c, self.groups, VAE_EPS, self.act_fn, dtype=dtype, name="resnets_1")(x_nhwc)
 
@@ -174,8 +187,9 @@ class DownEncoderBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x_nhwc):
         for j in range(self.num_layers):
-            x_nhwc = ResnetBlock2D(self.out_channels, self.groups, VAE_EPS, self.act_fn, dtype=self.dtype,
-                                   name=f"resnets_{j}")(x_nhwc)
+            x_nhwc = ResnetBlock2D(
+                self.out_channels, self.groups, VAE_EPS, self.act_fn, dtype=self.dtype, name=f"resnets_{j}"
+            )(x_nhwc)
         if self.add_downsample:
             x_nhwc = Downsample2D(self.out_channels, padding=0, dtype=self.dtype, name="downsamplers_0")(x_nhwc)
         return x_nhwc
@@ -194,8 +208,9 @@ class UpDecoderBlock2D(nn.Module):
     @nn.compact
     def __call__(self, x_nhwc):
         for j in range(self.num_layers):
-            x_nhwc = ResnetBlock2D(self.out_channels, self.groups, VAE_EPS, self.act_fn, dtype=self.dtype,
-                                   name=f"resnets_{j}")(x_nhwc)
+            x_nhwc = ResnetBlock2D(
+                self.out_channels, self.groups, VAE_EPS, self.act_fn, dtype=self.dtype, name=f"resnets_{j}"
+            )(x_nhwc)
         if self.add_upsample:
             x_nhwc = Upsample2D(self.out_channels, dtype=self.dtype, name="upsamplers_0")(x_nhwc)
         return x_nhwc
@@ -213,8 +228,9 @@ class Encoder(nn.Module):
         n = len(cfg.block_out_channels)
         x = conv(cfg.block_out_channels[0], 3, dtype=dtype, name="conv_in")(x_nhwc.astype(dtype))
         for i, ch in enumerate(cfg.block_out_channels):
-            x = DownEncoderBlock2D(ch, cfg.layers_per_block, i < n - 1, cfg.norm_num_groups, cfg.act_fn, dtype,
-                                   name=f"down_blocks_{i}")(x)
+            x = DownEncoderBlock2D(
+                ch, cfg.layers_per_block, i < n - 1, cfg.norm_num_groups, cfg.act_fn, dtype, name=f"down_blocks_{i}"
+            )(x)
         x = MidBlock(cfg.norm_num_groups, cfg.act_fn, cfg.mid_block_add_attention, self.rt, name="mid_block")(x)
         x = activation(cfg.act_fn)(GroupNorm(cfg.norm_num_groups, VAE_EPS, dtype=dtype, name="conv_norm_out")(x))
         return conv(2 * cfg.latent_channels, 3, dtype=dtype, name="conv_out")(x)
@@ -233,8 +249,15 @@ class Decoder(nn.Module):
         x = conv(chans[0], 3, dtype=dtype, name="conv_in")(z_nhwc.astype(dtype))
         x = MidBlock(cfg.norm_num_groups, cfg.act_fn, cfg.mid_block_add_attention, self.rt, name="mid_block")(x)
         for i, ch in enumerate(chans):
-            x = UpDecoderBlock2D(ch, cfg.layers_per_block + 1, i < len(chans) - 1, cfg.norm_num_groups, cfg.act_fn,
-                                 dtype, name=f"up_blocks_{i}")(x)
+            x = UpDecoderBlock2D(
+                ch,
+                cfg.layers_per_block + 1,
+                i < len(chans) - 1,
+                cfg.norm_num_groups,
+                cfg.act_fn,
+                dtype,
+                name=f"up_blocks_{i}",
+            )(x)
         x = activation(cfg.act_fn)(GroupNorm(cfg.norm_num_groups, VAE_EPS, dtype=dtype, name="conv_norm_out")(x))
         return conv(cfg.out_channels, 3, dtype=dtype, name="conv_out")(x)
 
@@ -271,8 +294,9 @@ class AutoencoderKL(nn.Module):
 
     def encode(self, images_nchw: jax.Array) -> DiagonalGaussian:
         if images_nchw.ndim != 4 or images_nchw.shape[1] != self.config.in_channels:
-            raise ValueError(f"VAE.encode: images must be NCHW (B, {self.config.in_channels}, H, W); "
-                             f"got shape {images_nchw.shape}")
+            raise ValueError(
+                f"VAE.encode: images must be NCHW (B, {self.config.in_channels}, H, W); got shape {images_nchw.shape}"
+            )
         moments = self.encoder(nchw_to_nhwc(images_nchw))
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
@@ -280,8 +304,10 @@ class AutoencoderKL(nn.Module):
 
     def decode(self, latents_nchw: jax.Array) -> jax.Array:
         if latents_nchw.ndim != 4 or latents_nchw.shape[1] != self.config.latent_channels:
-            raise ValueError(f"VAE.decode: latents must be NCHW (B, {self.config.latent_channels}, h, w); "
-                             f"got shape {latents_nchw.shape}")
+            raise ValueError(
+                f"VAE.decode: latents must be NCHW (B, {self.config.latent_channels}, h, w); "
+                f"got shape {latents_nchw.shape}"
+            )
         z = nchw_to_nhwc(latents_nchw).astype(self.dtype)
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
@@ -302,8 +328,9 @@ class AutoencoderKL(nn.Module):
 def _init_params_shape(config: AutoencoderKLConfig) -> dict:
     model = AutoencoderKL(config)
     size = 2 ** (len(config.block_out_channels) - 1)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, config.in_channels, size, size)))
-                          ["params"])
+    return jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, config.in_channels, size, size)))["params"]
+    )
 
 
 def init_params_shape(config: AutoencoderKLConfig) -> dict:

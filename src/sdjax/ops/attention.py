@@ -117,13 +117,17 @@ def _attend_flash(q_btnd, k_bsnd, v_bsnd, block):
         m_new = jnp.maximum(m_nt, jnp.max(sc, axis=-1))
         p = jnp.exp(sc - m_new[..., None])
         alpha = jnp.exp(m_nt - m_new)
-        acc = acc_ntd * alpha[..., None] + jnp.einsum("nts,nsd->ntd", p.astype(v_sd.dtype), v_sd,
-                                                      preferred_element_type=jnp.float32)
+        acc = acc_ntd * alpha[..., None] + jnp.einsum(
+            "nts,nsd->ntd", p.astype(v_sd.dtype), v_sd, preferred_element_type=jnp.float32
+        )
         return (m_new, l_nt * alpha + jnp.sum(p, axis=-1), acc), None
 
     dv = v_bsnd.shape[-1]
-    init = (jnp.full((b * n, t), -jnp.inf, jnp.float32), jnp.zeros((b * n, t), jnp.float32),
-            jnp.zeros((b * n, t, dv), jnp.float32))
+    init = (
+        jnp.full((b * n, t), -jnp.inf, jnp.float32),
+        jnp.zeros((b * n, t), jnp.float32),
+        jnp.zeros((b * n, t, dv), jnp.float32),
+    )
     blocks = (k_cnsd, v_cnsd, valid)
     (_, l_nt, acc_ntd), _ = lax.scan(step, init, blocks)
     out_ntd = (acc_ntd / l_nt[..., None]).astype(v_bsnd.dtype)
@@ -136,8 +140,16 @@ def _attend_dot_product(q_btnd, k_bsnd, v_bsnd):
     return jax.nn.dot_product_attention(q, k, v, implementation="xla").astype(dtype)
 
 
-def attention(q_btc: jax.Array, k_bsc: jax.Array, v_bsc: jax.Array, *, heads: int, impl: str = "auto",
-              chunk: int = 1024, block: int = 512) -> jax.Array:
+def attention(
+    q_btc: jax.Array,
+    k_bsc: jax.Array,
+    v_bsc: jax.Array,
+    *,
+    heads: int,
+    impl: str = "auto",
+    chunk: int = 1024,
+    block: int = 512,
+) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v per head on `(B, T, H*D)` inputs -> `(B, T, H*Dv)`; see the module docstring.
 
     `chunk`: queries per block for "chunked" (a block's float32 scores are chunk*S*4 bytes: 16 MiB at 1024 x
@@ -146,8 +158,9 @@ def attention(q_btc: jax.Array, k_bsc: jax.Array, v_bsc: jax.Array, *, heads: in
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     if q_btc.ndim != 3 or k_bsc.ndim != 3 or v_bsc.ndim != 3 or k_bsc.shape[:2] != v_bsc.shape[:2]:
-        raise ValueError(f"attention: expected q (B, T, C), k and v (B, S, C); got {q_btc.shape}, {k_bsc.shape}, "
-                         f"{v_bsc.shape}")
+        raise ValueError(
+            f"attention: expected q (B, T, C), k and v (B, S, C); got {q_btc.shape}, {k_bsc.shape}, {v_bsc.shape}"
+        )
     q, k, v = _split_heads(q_btc, heads), _split_heads(k_bsc, heads), _split_heads(v_bsc, heads)
     if impl == "auto":
         impl = "chunked" if q.shape[1] * k.shape[1] >= CHUNKED_MIN_SCORES else "deferred"

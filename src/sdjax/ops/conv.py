@@ -47,8 +47,9 @@ def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
     return value
 
 
-def normalize_padding(padding: Padding, kernel_hw: tuple[int, int], stride: tuple[int, int],
-                      in_hw: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+def normalize_padding(
+    padding: Padding, kernel_hw: tuple[int, int], stride: tuple[int, int], in_hw: tuple[int, int]
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """Any accepted `padding` -> `((top, bottom), (left, right))`."""
     if isinstance(padding, str):
         mode = padding.upper()
@@ -64,13 +65,13 @@ def normalize_padding(padding: Padding, kernel_hw: tuple[int, int], stride: tupl
     if len(padding) == 2 and all(isinstance(p, Sequence) and len(p) == 2 for p in padding):
         (top, bottom), (left, right) = padding
         return (int(top), int(bottom)), (int(left), int(right))
-    raise ValueError(f"conv2d: padding must be an int, (ph, pw), ((top, bottom), (left, right)), 'SAME' or "
-                     f"'VALID'; got {padding!r}")
+    raise ValueError(
+        f"conv2d: padding must be an int, (ph, pw), ((top, bottom), (left, right)), 'SAME' or 'VALID'; got {padding!r}"
+    )
 
 
 def _conv_xla(x, k, stride, pads, precision):
-    return lax.conv_general_dilated(x, k, stride, pads, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                    precision=precision)
+    return lax.conv_general_dilated(x, k, stride, pads, dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision)
 
 
 def _taps(x_nhwc, kernel_hw, stride, pads):
@@ -87,16 +88,24 @@ def _taps(x_nhwc, kernel_hw, stride, pads):
     ho, wo = (hp - kh) // sh + 1, (wp - kw) // sw + 1
     if ho <= 0 or wo <= 0:
         raise ValueError(f"conv2d: kernel {kernel_hw} does not fit the padded input {(hp, wp)}")
-    return [lax.slice(x, (0, i, j, 0), (n, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c), (1, sh, sw, 1))
-            for i in range(kh) for j in range(kw)]
+    return [
+        lax.slice(x, (0, i, j, 0), (n, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c), (1, sh, sw, 1))
+        for i in range(kh)
+        for j in range(kw)
+    ]
 
 
 def _conv_shifted(x, k, stride, pads, precision):
     kh, kw, _, _ = k.shape
     out = None
     for idx, tap in enumerate(_taps(x, (kh, kw), stride, pads)):
-        y = jnp.einsum("bhwc,co->bhwo", tap, k[idx // kw, idx % kw], precision=precision,
-                       preferred_element_type=jnp.result_type(x, k))
+        y = jnp.einsum(
+            "bhwc,co->bhwo",
+            tap,
+            k[idx // kw, idx % kw],
+            precision=precision,
+            preferred_element_type=jnp.result_type(x, k),
+        )
         out = y if out is None else out + y
     return out
 
@@ -105,16 +114,28 @@ def _conv_im2col(x, k, stride, pads, precision):
     kh, kw, cin, cout = k.shape
     taps = _taps(x, (kh, kw), stride, pads)
     patches = taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)  # (B, Ho, Wo, kh*kw*Cin), (i,j,c)
-    return jnp.einsum("bhwk,ko->bhwo", patches, k.reshape(kh * kw * cin, cout), precision=precision,
-                      preferred_element_type=jnp.result_type(x, k))
+    return jnp.einsum(
+        "bhwk,ko->bhwo",
+        patches,
+        k.reshape(kh * kw * cin, cout),
+        precision=precision,
+        preferred_element_type=jnp.result_type(x, k),
+    )
 
 
 _IMPLS = {"xla": _conv_xla, "shifted": _conv_shifted, "im2col": _conv_im2col}
 
 
-def conv2d(x_nhwc: jax.Array, kernel_hwio: jax.Array, bias: jax.Array | None = None, *,
-           stride: int | Sequence[int] = 1, padding: Padding = 0, impl: str = "auto",
-           precision: Any = None) -> jax.Array:
+def conv2d(
+    x_nhwc: jax.Array,
+    kernel_hwio: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: Padding = 0,
+    impl: str = "auto",
+    precision: Any = None,
+) -> jax.Array:
     """`torch.nn.functional.conv2d` on NHWC input, HWIO kernel: `(B, H, W, Cin) -> (B, Ho, Wo, Cout)`.
 
     `bias` `(Cout,)` or None. `stride` int or `(sh, sw)`; `padding` as described in the module docstring.
@@ -123,8 +144,10 @@ def conv2d(x_nhwc: jax.Array, kernel_hwio: jax.Array, bias: jax.Array | None = N
     CPU is full float32).
     """
     if x_nhwc.ndim != 4 or kernel_hwio.ndim != 4:
-        raise ValueError(f"conv2d: expected x (B, H, W, Cin) and kernel (kh, kw, Cin, Cout); got shapes "
-                         f"{x_nhwc.shape} and {kernel_hwio.shape}")
+        raise ValueError(
+            f"conv2d: expected x (B, H, W, Cin) and kernel (kh, kw, Cin, Cout); got shapes "
+            f"{x_nhwc.shape} and {kernel_hwio.shape}"
+        )
     kh, kw, cin, cout = kernel_hwio.shape
     if x_nhwc.shape[-1] != cin:
         raise ValueError(f"conv2d: input has {x_nhwc.shape[-1]} channels, kernel {kernel_hwio.shape} expects {cin}")
@@ -141,8 +164,13 @@ def conv2d(x_nhwc: jax.Array, kernel_hwio: jax.Array, bias: jax.Array | None = N
     if impl == "auto":
         impl = "xla"
     if (kh, kw) == (1, 1) and stride == (1, 1) and pads == ((0, 0), (0, 0)):
-        y = jnp.einsum("bhwc,co->bhwo", x_nhwc, kernel_hwio[0, 0], precision=precision,
-                       preferred_element_type=jnp.result_type(x_nhwc, kernel_hwio))
+        y = jnp.einsum(
+            "bhwc,co->bhwo",
+            x_nhwc,
+            kernel_hwio[0, 0],
+            precision=precision,
+            preferred_element_type=jnp.result_type(x_nhwc, kernel_hwio),
+        )
     else:
         y = _IMPLS[impl](x_nhwc, kernel_hwio, stride, pads, precision)
     if bias is not None:
@@ -180,5 +208,6 @@ class Conv2d(nn.Module):
         dtype = self.dtype or jnp.result_type(x_nhwc, kernel)
         x_nhwc, kernel = x_nhwc.astype(dtype), kernel.astype(dtype)
         bias = None if bias is None else bias.astype(dtype)
-        return conv2d(x_nhwc, kernel, bias, stride=self.stride, padding=self.padding, impl=self.impl,
-                      precision=self.precision)
+        return conv2d(
+            x_nhwc, kernel, bias, stride=self.stride, padding=self.padding, impl=self.impl, precision=self.precision
+        )

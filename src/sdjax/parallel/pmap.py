@@ -46,8 +46,10 @@ def shard(tree: Any, num_devices: int | None = None) -> Any:
     def one(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
         if x.ndim == 0 or x.shape[0] % n:
-            raise ValueError(f"shard: leading dimension of an array of shape {tuple(x.shape)} is not divisible by "
-                             f"the {n} devices; pass a batch whose size is a multiple of {n}")
+            raise ValueError(
+                f"shard: leading dimension of an array of shape {tuple(x.shape)} is not divisible by "
+                f"the {n} devices; pass a batch whose size is a multiple of {n}"
+            )
         return x.reshape((n, x.shape[0] // n) + tuple(x.shape[1:]))
 
     return jax.tree_util.tree_map(one, tree)

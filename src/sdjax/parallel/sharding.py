@@ -73,14 +73,18 @@ def param_specs(params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     """The tree of PartitionSpecs for `params` (same structure; state dataclasses such as the scheduler's
     are walked into, their fields named like dict keys)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: spec_for(_path_str(path), tuple(np.shape(x)), mesh, rules), params)
+        lambda path, x: spec_for(_path_str(path), tuple(np.shape(x)), mesh, rules), params
+    )
 
 
 def shard_params(params: Any, mesh: Mesh, rules=DEFAULT_RULES) -> Any:
     """Place `params` on `mesh` by the rules table (replicated where no rule splits them)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, spec_for(_path_str(path), tuple(np.shape(x)), mesh,
-                                                                       rules))), params)
+        lambda path, x: jax.device_put(
+            x, NamedSharding(mesh, spec_for(_path_str(path), tuple(np.shape(x)), mesh, rules))
+        ),
+        params,
+    )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -23,8 +23,10 @@ def numpy_to_pil(images: np.ndarray) -> list[Image.Image]:
     if images.ndim == 3:
         images = images[None]
     if images.ndim != 4 or images.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"numpy_to_pil: expected images of shape (N, H, W, C) or (H, W, C) with C in 1/3/4, "
-                         f"got {images.shape}; reshape pmap outputs (ndev, bs, H, W, C) to (ndev * bs, H, W, C) first")
+        raise ValueError(
+            f"numpy_to_pil: expected images of shape (N, H, W, C) or (H, W, C) with C in 1/3/4, "
+            f"got {images.shape}; reshape pmap outputs (ndev, bs, H, W, C) to (ndev * bs, H, W, C) first"
+        )
     if images.dtype != np.uint8:
         images = to_uint8(images)
     if images.shape[-1] == 1:

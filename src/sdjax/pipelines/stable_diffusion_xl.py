@@ -31,15 +31,28 @@ class StableDiffusionXLPipeline(StableDiffusionPipeline):
     default_steps = 50
     ids_suffix = (2, 77)
 
-    def __init__(self, *, tokenizer, tokenizer_2, text_encoder, text_encoder_2, unet, vae, scheduler,
-                 force_zeros_for_empty_prompt: bool = True, **kwargs):
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        tokenizer_2,
+        text_encoder,
+        text_encoder_2,
+        unet,
+        vae,
+        scheduler,
+        force_zeros_for_empty_prompt: bool = True,
+        **kwargs,
+    ):
         self.tokenizer_2 = tokenizer_2
         self.text_encoder_2 = text_encoder_2
         self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
-        super().__init__(tokenizer=tokenizer, text_encoder=text_encoder, unet=unet, vae=vae, scheduler=scheduler,
-                         **kwargs)
-        self._p_generate = jax.pmap(self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0, None),
-                                    static_broadcasted_argnums=(3, 4, 5, 9))
+        super().__init__(
+            tokenizer=tokenizer, text_encoder=text_encoder, unet=unet, vae=vae, scheduler=scheduler, **kwargs
+        )
+        self._p_generate = jax.pmap(
+            self._generate, in_axes=(0, 0, 0, None, None, None, 0, 0, 0, None), static_broadcasted_argnums=(3, 4, 5, 9)
+        )
         self._jit_generate = jax.jit(self._generate, static_argnums=(3, 4, 5, 9))
 
     def prepare_inputs(self, prompt: str | Sequence[str]) -> np.ndarray:
@@ -78,18 +91,33 @@ class StableDiffusionXLPipeline(StableDiffusionPipeline):
         added = {"text_embeds": pooled, "time_ids": jnp.concatenate([neg_time_ids, time_ids]).astype(jnp.float32)}
         return context, added
 
-    def _batch_extra(self, negative_prompts: list[str], height: int, width: int, original_size=None,
-                     crops_coords_top_left=(0, 0), target_size=None, negative_original_size=None,
-                     negative_crops_coords_top_left=None, negative_target_size=None):
+    def _batch_extra(
+        self,
+        negative_prompts: list[str],
+        height: int,
+        width: int,
+        original_size=None,
+        crops_coords_top_left=(0, 0),
+        target_size=None,
+        negative_original_size=None,
+        negative_crops_coords_top_left=None,
+        negative_target_size=None,
+    ):
         original_size = tuple(original_size or (height, width))
         target_size = tuple(target_size or (height, width))
         crops = tuple(crops_coords_top_left)
-        for name, v in (("original_size", original_size), ("crops_coords_top_left", crops),
-                        ("target_size", target_size)):
+        for name, v in (
+            ("original_size", original_size),
+            ("crops_coords_top_left", crops),
+            ("target_size", target_size),
+        ):
             if len(v) != 2:
                 raise ValueError(f"{name} must be a pair (height, width) / (top, left), got {v!r}")
-        neg = (tuple(negative_original_size or original_size) + tuple(negative_crops_coords_top_left or crops)
-               + tuple(negative_target_size or target_size))
+        neg = (
+            tuple(negative_original_size or original_size)
+            + tuple(negative_crops_coords_top_left or crops)
+            + tuple(negative_target_size or target_size)
+        )
         n = len(negative_prompts)
         time_ids = np.tile(np.asarray(original_size + crops + target_size, np.float32), (n, 1))
         neg_time_ids = np.tile(np.asarray(neg, np.float32), (n, 1))
@@ -97,9 +125,19 @@ class StableDiffusionXLPipeline(StableDiffusionPipeline):
         return time_ids, neg_time_ids, zero_neg
 
     # ------------------------------------------------------------------ the guide's API
-    def _generate(self, prompt_ids, params, prng_seed, num_inference_steps: int = 50, height: int | None = None,
-                  width: int | None = None, guidance_scale=7.5, latents=None, neg_prompt_ids=None,
-                  return_latents: bool = False):
+    def _generate(
+        self,
+        prompt_ids,
+        params,
+        prng_seed,
+        num_inference_steps: int = 50,
+        height: int | None = None,
+        width: int | None = None,
+        guidance_scale=7.5,
+        latents=None,
+        neg_prompt_ids=None,
+        return_latents: bool = False,
+    ):
         """Per-device SDXL generation: ids `(B, 2, 77)`, one key -> images `(B, H, W, 3)` (or latents)."""
         num_inference_steps = common.check_static("num_inference_steps", num_inference_steps)
         dh, dw = self.default_size
@@ -108,32 +146,93 @@ class StableDiffusionXLPipeline(StableDiffusionPipeline):
         if isinstance(return_latents, jax.core.Tracer):
             raise TypeError("return_latents must be static: with pmap add 9 to static_broadcasted_argnums")
         keys = common.image_keys(common.as_key_array(prng_seed), prompt_ids.shape[0])
-        return self._sample(params, prompt_ids, neg_prompt_ids, keys, guidance_scale, latents,
-                            num_inference_steps=num_inference_steps, height=height, width=width,
-                            sampler=self.scheduler, return_latents=bool(return_latents))
+        return self._sample(
+            params,
+            prompt_ids,
+            neg_prompt_ids,
+            keys,
+            guidance_scale,
+            latents,
+            num_inference_steps=num_inference_steps,
+            height=height,
+            width=width,
+            sampler=self.scheduler,
+            return_latents=bool(return_latents),
+        )
 
-    def __call__(self, prompt_ids, params, prng_seed, num_inference_steps: int = 50, guidance_scale=7.5,
-                 height: int | None = None, width: int | None = None, latents=None, neg_prompt_ids=None,
-                 return_dict: bool = True, output_type: str | None = None, jit: bool = False):
+    def __call__(
+        self,
+        prompt_ids,
+        params,
+        prng_seed,
+        num_inference_steps: int = 50,
+        guidance_scale=7.5,
+        height: int | None = None,
+        width: int | None = None,
+        latents=None,
+        neg_prompt_ids=None,
+        return_dict: bool = True,
+        output_type: str | None = None,
+        jit: bool = False,
+    ):
         """The old Flax SDXL call (guidance before height/width). `output_type="latent"` returns latents."""
         height = self.default_size[0] if height is None else height
         width = self.default_size[1] if width is None else width
         return_latents = output_type == "latent"
         if common.is_traced(prompt_ids, prng_seed, params):
-            out = self._generate(prompt_ids, params, prng_seed, num_inference_steps, height, width, guidance_scale,
-                                 latents, neg_prompt_ids, return_latents)
+            out = self._generate(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                guidance_scale,
+                latents,
+                neg_prompt_ids,
+                return_latents,
+            )
             return PipelineOutput(out) if return_dict else (out,)
-        self._validate_call(prompt_ids, params, prng_seed, num_inference_steps, height, width, guidance_scale,
-                            latents, neg_prompt_ids, jit)
+        self._validate_call(
+            prompt_ids,
+            params,
+            prng_seed,
+            num_inference_steps,
+            height,
+            width,
+            guidance_scale,
+            latents,
+            neg_prompt_ids,
+            jit,
+        )
         if jit:
             ndev, bs = prompt_ids.shape[:2]
             g = common.per_device_guidance(guidance_scale, ndev, bs)
-            out = self._p_generate(prompt_ids, params, prng_seed, num_inference_steps, height, width, g, latents,
-                                   neg_prompt_ids, return_latents)
+            out = self._p_generate(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                g,
+                latents,
+                neg_prompt_ids,
+                return_latents,
+            )
         else:
-            out = self._jit_generate(prompt_ids, params, prng_seed, num_inference_steps, height, width,
-                                     jnp.asarray(guidance_scale, jnp.float32), latents, neg_prompt_ids,
-                                     return_latents)
+            out = self._jit_generate(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                jnp.asarray(guidance_scale, jnp.float32),
+                latents,
+                neg_prompt_ids,
+                return_latents,
+            )
         out = np.array(out)
         return PipelineOutput(out) if return_dict else (out,)
 

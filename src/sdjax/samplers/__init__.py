@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdjax.loading.config import BOOKKEEPING_KEYS, ConfigError
+from sdjax.config import BOOKKEEPING_KEYS, ConfigError
 from sdjax.samplers.common import DIFFUSERS_SCHEDULER_KEYS, SCHEDULE_DEFINING, Sampler
 from sdjax.samplers.ddim import DDIM, DDIMState
 from sdjax.samplers.ddpm import DDPM, DDPMState
@@ -21,14 +21,34 @@ from sdjax.samplers.lms import LMS, LMSState
 from sdjax.samplers.pndm import PNDM, PNDMState
 
 __all__ = [
-    "DDIM", "DDIMState", "DDPM", "DDPMState", "DPMSolverMultistep", "DPMSolverState", "Euler", "EulerAncestral",
-    "LMS", "LMSState", "PNDM", "PNDMState", "Sampler", "SigmaState", "UnknownSamplerError", "available",
-    "get_sampler", "name_of", "SAMPLERS", "CLASSES", "ALIASES", "A1111_NAMES",
+    "DDIM",
+    "DDIMState",
+    "DDPM",
+    "DDPMState",
+    "DPMSolverMultistep",
+    "DPMSolverState",
+    "Euler",
+    "EulerAncestral",
+    "LMS",
+    "LMSState",
+    "PNDM",
+    "PNDMState",
+    "Sampler",
+    "SigmaState",
+    "UnknownSamplerError",
+    "available",
+    "get_sampler",
+    "name_of",
+    "SAMPLERS",
+    "CLASSES",
+    "ALIASES",
+    "A1111_NAMES",
 ]
 
 # diffusers class name -> sampler class.
-CLASSES: dict[str, type[Sampler]] = {cls.diffusers_class: cls for cls in
-                                     (PNDM, DDIM, DDPM, Euler, EulerAncestral, LMS, DPMSolverMultistep)}
+CLASSES: dict[str, type[Sampler]] = {
+    cls.diffusers_class: cls for cls in (PNDM, DDIM, DDPM, Euler, EulerAncestral, LMS, DPMSolverMultistep)
+}
 
 # Registry name -> (sampler class, the config keys the name fixes). Order matters for `name_of`.
 SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
@@ -41,25 +61,42 @@ SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
     "euler_a": (EulerAncestral, {}),
     "lms": (LMS, {"use_karras_sigmas": False}),
     "lms_karras": (LMS, {"use_karras_sigmas": True}),
-    "dpmpp_2m": (DPMSolverMultistep, {"algorithm_type": "dpmsolver++", "solver_order": 2,
-                                      "use_karras_sigmas": False}),
-    "dpmpp_2m_karras": (DPMSolverMultistep, {"algorithm_type": "dpmsolver++", "solver_order": 2,
-                                             "use_karras_sigmas": True}),
-    "dpmpp_2m_sde": (DPMSolverMultistep, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2,
-                                          "use_karras_sigmas": False}),
-    "dpmpp_2m_sde_karras": (DPMSolverMultistep, {"algorithm_type": "sde-dpmsolver++", "solver_order": 2,
-                                                 "use_karras_sigmas": True}),
+    "dpmpp_2m": (DPMSolverMultistep, {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": False}),
+    "dpmpp_2m_karras": (
+        DPMSolverMultistep,
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+    ),
+    "dpmpp_2m_sde": (
+        DPMSolverMultistep,
+        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": False},
+    ),
+    "dpmpp_2m_sde_karras": (
+        DPMSolverMultistep,
+        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+    ),
 }
 
 # AUTOMATIC1111's sampler names -> registry name.
 A1111_NAMES: dict[str, str] = {
-    "PLMS": "pndm", "DDIM": "ddim", "Euler": "euler", "Euler a": "euler_a", "LMS": "lms", "LMS Karras": "lms_karras",
-    "DPM++ 2M": "dpmpp_2m", "DPM++ 2M Karras": "dpmpp_2m_karras", "DPM++ 2M SDE": "dpmpp_2m_sde",
+    "PLMS": "pndm",
+    "DDIM": "ddim",
+    "Euler": "euler",
+    "Euler a": "euler_a",
+    "LMS": "lms",
+    "LMS Karras": "lms_karras",
+    "DPM++ 2M": "dpmpp_2m",
+    "DPM++ 2M Karras": "dpmpp_2m_karras",
+    "DPM++ 2M SDE": "dpmpp_2m_sde",
     "DPM++ 2M SDE Karras": "dpmpp_2m_sde_karras",
 }
 # Every other spelling -> registry name (names also match case-insensitively, with spaces or hyphens for "_").
-ALIASES: dict[str, str] = {**A1111_NAMES, "plms": "pndm", "DDPM": "ddpm", "Euler Karras": "euler_karras",
-                           "euler_ancestral": "euler_a"}
+ALIASES: dict[str, str] = {
+    **A1111_NAMES,
+    "plms": "pndm",
+    "DDPM": "ddpm",
+    "Euler Karras": "euler_karras",
+    "euler_ancestral": "euler_a",
+}
 
 
 class UnknownSamplerError(ConfigError, KeyError):
@@ -75,8 +112,9 @@ def available() -> list[str]:
 
 
 def _valid_names() -> str:
-    return (f"registry names {list(SAMPLERS)}, AUTOMATIC1111 names {list(A1111_NAMES)} or diffusers classes "
-            f"{list(CLASSES)}")
+    return (
+        f"registry names {list(SAMPLERS)}, AUTOMATIC1111 names {list(A1111_NAMES)} or diffusers classes {list(CLASSES)}"
+    )
 
 
 def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:
@@ -86,9 +124,14 @@ def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:
         return SAMPLERS[ALIASES[name]]
     if name in CLASSES:
         return CLASSES[name], {}
-    folded = {k.lower().replace("-", "_").replace(" ", "_"): v
-              for k, v in [*((k, SAMPLERS[k]) for k in SAMPLERS), *((k, SAMPLERS[v]) for k, v in ALIASES.items()),
-                           *((k, (c, {})) for k, c in CLASSES.items())]}
+    folded = {
+        k.lower().replace("-", "_").replace(" ", "_"): v
+        for k, v in [
+            *((k, SAMPLERS[k]) for k in SAMPLERS),
+            *((k, SAMPLERS[v]) for k, v in ALIASES.items()),
+            *((k, (c, {})) for k, c in CLASSES.items()),
+        ]
+    }
     key = name.strip().lower().replace("-", "_").replace(" ", "_")
     if key in folded:
         return folded[key]
@@ -102,8 +145,7 @@ def _base_dict(base_config: Any) -> dict[str, Any]:
         return base_config.config
     if isinstance(base_config, dict):
         return dict(base_config)
-    raise TypeError(f"base_config must be a Sampler, a scheduler config dict or None, got "
-                    f"{type(base_config).__name__}")
+    raise TypeError(f"base_config must be a Sampler, a scheduler config dict or None, got {type(base_config).__name__}")
 
 
 def _swap_config(target: type[Sampler], base: dict[str, Any]) -> dict[str, Any]:
@@ -113,12 +155,18 @@ def _swap_config(target: type[Sampler], base: dict[str, Any]) -> dict[str, Any]:
     no diffusers scheduler has are kept so that `from_config` reports them."""
     defaults = set(base.get("_use_default_values", ()))
     keep = target.diffusers_keys() | frozenset(SCHEDULE_DEFINING)
-    return {k: v for k, v in base.items() if k not in defaults and not k.startswith("_")
-            and (k in keep or (k not in DIFFUSERS_SCHEDULER_KEYS and k not in BOOKKEEPING_KEYS))}
+    return {
+        k: v
+        for k, v in base.items()
+        if k not in defaults
+        and not k.startswith("_")
+        and (k in keep or (k not in DIFFUSERS_SCHEDULER_KEYS and k not in BOOKKEEPING_KEYS))
+    }
 
 
-def get_sampler(name_or_config: str | dict[str, Any] | Sampler, base_config: dict[str, Any] | Sampler | None = None,
-                **overrides) -> Sampler:
+def get_sampler(
+    name_or_config: str | dict[str, Any] | Sampler, base_config: dict[str, Any] | Sampler | None = None, **overrides
+) -> Sampler:
     """Build a sampler.
 
     - `name_or_config` a name: the registry name (`available()`), an AUTOMATIC1111 name ("DPM++ 2M Karras") or
@@ -144,15 +192,17 @@ def get_sampler(name_or_config: str | dict[str, Any] | Sampler, base_config: dic
         raw = dict(name_or_config)
         class_name = raw.get("_class_name")
         if class_name not in CLASSES:
-            raise UnknownSamplerError(f"scheduler config has _class_name={class_name!r}; sdjax implements "
-                                      f"{list(CLASSES)}")
+            raise UnknownSamplerError(
+                f"scheduler config has _class_name={class_name!r}; sdjax implements {list(CLASSES)}"
+            )
         cls, fixed = CLASSES[class_name], {}
     elif isinstance(name_or_config, str):
         cls, fixed = _resolve(name_or_config)
         raw = _swap_config(cls, _base_dict(base_config))
     else:
-        raise TypeError(f"get_sampler: expected a name, a config dict or a Sampler, got "
-                        f"{type(name_or_config).__name__}")
+        raise TypeError(
+            f"get_sampler: expected a name, a config dict or a Sampler, got {type(name_or_config).__name__}"
+        )
     options = {k: overrides.pop(k) for k in list(overrides) if k in cls.options}
     options.update({k: raw.pop(k) for k in list(raw) if k in cls.options})
     return cls.from_config({**raw, **fixed, **overrides}, **options)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.loading.config import BOOKKEEPING_KEYS, ConfigError
+from sdjax.config import BOOKKEEPING_KEYS, ConfigError
 
 F32 = np.float32
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -37,18 +37,63 @@ ANY = object()  # "any value is harmless" in a sampler's table of keys it accept
 # swapped from another scheduler carries the other scheduler's keys (an SDXL Euler config holds
 # `skip_prk_steps`, an SD1 PNDM config `clip_sample`); diffusers ignores them and so do we. A key outside this
 # table is reported: it is a scheduler we do not know.
-DIFFUSERS_SCHEDULER_KEYS = frozenset({
-    "algorithm_type", "base_image_seq_len", "base_shift", "beta_end", "beta_schedule", "beta_start",
-    "clip_sample", "clip_sample_range", "disable_corrector", "dynamic_thresholding_ratio", "euler_at_final",
-    "final_sigmas_type", "flow_shift", "interpolation_type", "invert_sigmas", "lambda_min_clipped",
-    "lower_order_final", "max_image_seq_len", "max_shift", "noise_sampler_seed", "num_train_timesteps",
-    "original_inference_steps", "predict_x0", "prediction_type", "rescale_betas_zero_snr", "rho",
-    "sample_max_value", "set_alpha_to_one", "shift", "shift_terminal", "sigma_data", "sigma_max", "sigma_min",
-    "sigma_schedule", "skip_prk_steps", "solver_order", "solver_p", "solver_type", "steps_offset",
-    "stochastic_sampling", "thresholding", "time_shift_type", "timestep_scaling", "timestep_spacing",
-    "timestep_type", "trained_betas", "use_beta_sigmas", "use_dynamic_shifting", "use_exponential_sigmas",
-    "use_flow_sigmas", "use_karras_sigmas", "use_lu_lambdas", "variance_type",
-})
+DIFFUSERS_SCHEDULER_KEYS = frozenset(
+    {
+        "algorithm_type",
+        "base_image_seq_len",
+        "base_shift",
+        "beta_end",
+        "beta_schedule",
+        "beta_start",
+        "clip_sample",
+        "clip_sample_range",
+        "disable_corrector",
+        "dynamic_thresholding_ratio",
+        "euler_at_final",
+        "final_sigmas_type",
+        "flow_shift",
+        "interpolation_type",
+        "invert_sigmas",
+        "lambda_min_clipped",
+        "lower_order_final",
+        "max_image_seq_len",
+        "max_shift",
+        "noise_sampler_seed",
+        "num_train_timesteps",
+        "original_inference_steps",
+        "predict_x0",
+        "prediction_type",
+        "rescale_betas_zero_snr",
+        "rho",
+        "sample_max_value",
+        "set_alpha_to_one",
+        "shift",
+        "shift_terminal",
+        "sigma_data",
+        "sigma_max",
+        "sigma_min",
+        "sigma_schedule",
+        "skip_prk_steps",
+        "solver_order",
+        "solver_p",
+        "solver_type",
+        "steps_offset",
+        "stochastic_sampling",
+        "thresholding",
+        "time_shift_type",
+        "timestep_scaling",
+        "timestep_spacing",
+        "timestep_type",
+        "trained_betas",
+        "use_beta_sigmas",
+        "use_dynamic_shifting",
+        "use_exponential_sigmas",
+        "use_flow_sigmas",
+        "use_karras_sigmas",
+        "use_lu_lambdas",
+        "variance_type",
+    }
+)
 
 # Keys of other schedulers that still define the noise schedule the model was trained with: dropping them
 # silently (as diffusers does when swapping) samples a different process, so a sampler without them refuses.
@@ -62,8 +107,10 @@ def betas_for_alpha_bar(num_train_timesteps: int, max_beta: float = 0.999) -> np
     def alpha_bar(t: float) -> float:
         return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
 
-    out = [min(1 - alpha_bar((i + 1) / num_train_timesteps) / alpha_bar(i / num_train_timesteps), max_beta)
-           for i in range(num_train_timesteps)]
+    out = [
+        min(1 - alpha_bar((i + 1) / num_train_timesteps) / alpha_bar(i / num_train_timesteps), max_beta)
+        for i in range(num_train_timesteps)
+    ]
     return np.asarray(out, dtype=np.float64).astype(F32)
 
 
@@ -100,8 +147,13 @@ def linspace_f32(start: float, end: float, n: int) -> np.ndarray:
     return np.where(lower, from_start, from_end).astype(F32)
 
 
-def make_betas(num_train_timesteps: int, beta_start: float, beta_end: float, beta_schedule: str,
-               trained_betas: tuple[float, ...] | None) -> np.ndarray:
+def make_betas(
+    num_train_timesteps: int,
+    beta_start: float,
+    beta_end: float,
+    beta_schedule: str,
+    trained_betas: tuple[float, ...] | None,
+) -> np.ndarray:
     """The float32 betas of a diffusers config (`linear`, `scaled_linear`, `squaredcos_cap_v2` or
     `trained_betas`), equal to diffusers' (float32 torch) to the bit."""
     if trained_betas is not None:
@@ -125,8 +177,7 @@ def train_sigmas(alphas_cumprod: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ timestep grids
-def spaced_timesteps(spacing: str, n: int, num_train_timesteps: int, steps_offset: int, *,
-                     kind: str) -> np.ndarray:
+def spaced_timesteps(spacing: str, n: int, num_train_timesteps: int, steps_offset: int, *, kind: str) -> np.ndarray:
     """Descending inference timesteps for `timestep_spacing` (Lin et al. 2023, Table 2), as diffusers makes them.
 
     `kind="int"` (DDIM, DDPM, PNDM): int64, rounded. `kind="float"` (Euler, LMS): float32, where `linspace`
@@ -182,8 +233,10 @@ def alpha_space_x0_eps(prediction_type: str, model_output, sample, alpha_prod_t)
     if prediction_type == "sample":
         return model_output, (sample - alpha_prod_t**0.5 * model_output) / beta_prod_t**0.5
     # v-prediction (Salimans & Ho 2022): v = sqrt(a) eps - sqrt(1 - a) x0.
-    return (alpha_prod_t**0.5 * sample - beta_prod_t**0.5 * model_output,
-            alpha_prod_t**0.5 * model_output + beta_prod_t**0.5 * sample)
+    return (
+        alpha_prod_t**0.5 * sample - beta_prod_t**0.5 * model_output,
+        alpha_prod_t**0.5 * model_output + beta_prod_t**0.5 * sample,
+    )
 
 
 def sigma_space_x0(prediction_type: str, model_output, sample, sigma):
@@ -254,8 +307,10 @@ def select(index: jax.Array, candidates: list[jax.Array]) -> jax.Array:
 
 def require_noise(name: str, noise, sample) -> jax.Array:
     if noise is None:
-        raise ValueError(f"{name} is stochastic: step() needs `noise`, a standard normal array of the sample's "
-                         f"shape {tuple(sample.shape)}, drawn by the caller")
+        raise ValueError(
+            f"{name} is stochastic: step() needs `noise`, a standard normal array of the sample's "
+            f"shape {tuple(sample.shape)}, drawn by the caller"
+        )
     if tuple(noise.shape) != tuple(sample.shape):
         raise ValueError(f"{name}: noise has shape {tuple(noise.shape)}, the sample {tuple(sample.shape)}")
     return jnp.asarray(noise, jnp.float32)
@@ -299,15 +354,20 @@ class Sampler:
                 object.__setattr__(self, f.name, False)
         if self.trained_betas is not None and not isinstance(self.trained_betas, tuple):
             object.__setattr__(self, "trained_betas", tuple(float(b) for b in self.trained_betas))
-        checks = {"prediction_type": PREDICTION_TYPES, "timestep_spacing": TIMESTEP_SPACINGS,
-                  "beta_schedule": BETA_SCHEDULES, **self.choices}
+        checks = {
+            "prediction_type": PREDICTION_TYPES,
+            "timestep_spacing": TIMESTEP_SPACINGS,
+            "beta_schedule": BETA_SCHEDULES,
+            **self.choices,
+        }
         for key, valid in checks.items():
             if key == "beta_schedule" and self.trained_betas is not None:
                 continue
             value = getattr(self, key)
             if value not in valid:
-                raise ConfigError(f"{type(self).__name__}: {key}={value!r} is not supported; expected one of "
-                                  f"{list(valid)}")
+                raise ConfigError(
+                    f"{type(self).__name__}: {key}={value!r} is not supported; expected one of {list(valid)}"
+                )
         if int(self.num_train_timesteps) != self.num_train_timesteps or self.num_train_timesteps < 2:
             raise ConfigError(f"{type(self).__name__}: num_train_timesteps={self.num_train_timesteps!r}")
 
@@ -340,17 +400,23 @@ class Sampler:
             elif key in cls.unused_keys:
                 allowed = cls.unused_keys[key]
                 if allowed is not ANY and value not in allowed:
-                    raise ConfigError(f"{source}: {key}={value!r} is not implemented by sdjax's "
-                                      f"{cls.diffusers_class} (supported: {list(allowed)})")
+                    raise ConfigError(
+                        f"{source}: {key}={value!r} is not implemented by sdjax's "
+                        f"{cls.diffusers_class} (supported: {list(allowed)})"
+                    )
             elif key in SCHEDULE_DEFINING:
                 if value not in SCHEDULE_DEFINING[key]:
-                    raise ConfigError(f"{source}: {key}={value!r} changes the noise schedule, but "
-                                      f"{cls.diffusers_class} has no such option; pick a sampler that has it")
+                    raise ConfigError(
+                        f"{source}: {key}={value!r} changes the noise schedule, but "
+                        f"{cls.diffusers_class} has no such option; pick a sampler that has it"
+                    )
             elif key not in DIFFUSERS_SCHEDULER_KEYS:
                 unknown.append(key)
         if unknown:
-            raise ConfigError(f"{source}: unknown scheduler config key(s) {sorted(unknown)} for "
-                              f"{cls.diffusers_class} (known keys: {sorted(fields)})")
+            raise ConfigError(
+                f"{source}: unknown scheduler config key(s) {sorted(unknown)} for "
+                f"{cls.diffusers_class} (known keys: {sorted(fields)})"
+            )
         bad = sorted(set(options) - set(cls.options))
         if bad:
             raise ConfigError(f"{cls.diffusers_class}: unknown option(s) {bad}; options: {list(cls.options)}")
@@ -372,8 +438,9 @@ class Sampler:
     @functools.cached_property
     def _train_schedule(self) -> tuple[np.ndarray, np.ndarray]:
         """(betas, alphas_cumprod), float32 numpy, as diffusers builds them in `__init__`."""
-        betas = make_betas(self.num_train_timesteps, self.beta_start, self.beta_end, self.beta_schedule,
-                           self.trained_betas)
+        betas = make_betas(
+            self.num_train_timesteps, self.beta_start, self.beta_end, self.beta_schedule, self.trained_betas
+        )
         if getattr(self, "rescale_betas_zero_snr", False):
             betas = rescale_zero_terminal_snr(betas)
         alphas_cumprod = cumprod(F32(1) - betas)
@@ -407,11 +474,14 @@ class Sampler:
         """`state` cast to float32, after checking it is this sampler's (and, with `ready`, that
         `set_timesteps` has filled that field)."""
         if not isinstance(state, cls):
-            raise TypeError(f"{type(self).__name__}.{method}: expected a {cls.__name__} (from this sampler's "
-                            f"create_state), got {type(state).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.{method}: expected a {cls.__name__} (from this sampler's "
+                f"create_state), got {type(state).__name__}"
+            )
         if ready is not None and getattr(state, ready) is None:
-            raise ValueError(f"{type(self).__name__}.{method}: call set_timesteps(state, num_inference_steps, "
-                             f"shape) first")
+            raise ValueError(
+                f"{type(self).__name__}.{method}: call set_timesteps(state, num_inference_steps, shape) first"
+            )
         return as_float32(state)
 
 

@@ -29,10 +29,10 @@ from sdjax.samplers.common import (
 
 @state_class
 class DDIMState:
-    alphas_cumprod: jax.Array        # (T,) alpha_bar of the training timesteps
-    final_alpha_cumprod: jax.Array   # () alpha_bar used past t = 0
-    timesteps: jax.Array             # (N,) the values fed to the UNet (integers, as float32)
-    alpha_t: jax.Array | None = None     # (N,) alpha_bar at timesteps[i]
+    alphas_cumprod: jax.Array  # (T,) alpha_bar of the training timesteps
+    final_alpha_cumprod: jax.Array  # () alpha_bar used past t = 0
+    timesteps: jax.Array  # (N,) the values fed to the UNet (integers, as float32)
+    alpha_t: jax.Array | None = None  # (N,) alpha_bar at timesteps[i]
     alpha_prev: jax.Array | None = None  # (N,) alpha_bar at timesteps[i] - T // n (or final_alpha_cumprod)
 
 
@@ -65,25 +65,33 @@ class DDIM(Sampler):
 
     def create_state(self) -> DDIMState:
         T = self.num_train_timesteps
-        return DDIMState(alphas_cumprod=jnp.asarray(self.alphas_cumprod),
-                         final_alpha_cumprod=jnp.asarray(self._final_alpha_cumprod),
-                         timesteps=jnp.arange(T - 1, -1, -1, dtype=jnp.float32))
+        return DDIMState(
+            alphas_cumprod=jnp.asarray(self.alphas_cumprod),
+            final_alpha_cumprod=jnp.asarray(self._final_alpha_cumprod),
+            timesteps=jnp.arange(T - 1, -1, -1, dtype=jnp.float32),
+        )
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
-        timesteps = spaced_timesteps(self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset,
-                                     kind="int")
+        timesteps = spaced_timesteps(self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset, kind="int")
         prev = timesteps - self.num_train_timesteps // n
         ac = self.alphas_cumprod
-        return {"timesteps": timesteps.astype(F32), "alpha_t": ac[timesteps],
-                "alpha_prev": np.where(prev >= 0, ac[np.maximum(prev, 0)], self._final_alpha_cumprod).astype(F32)}
+        return {
+            "timesteps": timesteps.astype(F32),
+            "alpha_t": ac[timesteps],
+            "alpha_prev": np.where(prev >= 0, ac[np.maximum(prev, 0)], self._final_alpha_cumprod).astype(F32),
+        }
 
     def set_timesteps(self, state: DDIMState, num_inference_steps: int, shape=None) -> DDIMState:
         self._checked(state, DDIMState, "set_timesteps")
         tables = self._tables(num_inference_steps)
         base = self.create_state()
-        return DDIMState(alphas_cumprod=base.alphas_cumprod, final_alpha_cumprod=base.final_alpha_cumprod,
-                         timesteps=jnp.asarray(tables["timesteps"]), alpha_t=jnp.asarray(tables["alpha_t"]),
-                         alpha_prev=jnp.asarray(tables["alpha_prev"]))
+        return DDIMState(
+            alphas_cumprod=base.alphas_cumprod,
+            final_alpha_cumprod=base.final_alpha_cumprod,
+            timesteps=jnp.asarray(tables["timesteps"]),
+            alpha_t=jnp.asarray(tables["alpha_t"]),
+            alpha_prev=jnp.asarray(tables["alpha_prev"]),
+        )
 
     def init_noise_sigma(self, state: DDIMState) -> jax.Array:
         return jnp.float32(1.0)

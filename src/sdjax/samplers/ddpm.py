@@ -21,9 +21,9 @@ from sdjax.samplers.ddim import add_noise_vp
 
 @state_class
 class DDPMState:
-    alphas_cumprod: jax.Array            # (T,)
-    timesteps: jax.Array                 # (N,)
-    alpha_t: jax.Array | None = None     # (N,) alpha_bar at timesteps[i]
+    alphas_cumprod: jax.Array  # (T,)
+    timesteps: jax.Array  # (N,)
+    alpha_t: jax.Array | None = None  # (N,) alpha_bar at timesteps[i]
     alpha_prev: jax.Array | None = None  # (N,) alpha_bar at timesteps[i + 1] (1 after the last)
     add_noise_mask: jax.Array | None = None  # (N,) 1 where timesteps[i] > 0
 
@@ -47,17 +47,20 @@ class DDPM(Sampler):
 
     def create_state(self) -> DDPMState:
         T = self.num_train_timesteps
-        return DDPMState(alphas_cumprod=jnp.asarray(self.alphas_cumprod),
-                         timesteps=jnp.arange(T - 1, -1, -1, dtype=jnp.float32))
+        return DDPMState(
+            alphas_cumprod=jnp.asarray(self.alphas_cumprod), timesteps=jnp.arange(T - 1, -1, -1, dtype=jnp.float32)
+        )
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
-        timesteps = spaced_timesteps(self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset,
-                                     kind="int")
+        timesteps = spaced_timesteps(self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset, kind="int")
         prev = np.concatenate([timesteps[1:], [-1]])
         ac = self.alphas_cumprod
-        return {"timesteps": timesteps.astype(F32), "alpha_t": ac[timesteps],
-                "alpha_prev": np.where(prev >= 0, ac[np.maximum(prev, 0)], F32(1.0)).astype(F32),
-                "add_noise_mask": (timesteps > 0).astype(F32)}
+        return {
+            "timesteps": timesteps.astype(F32),
+            "alpha_t": ac[timesteps],
+            "alpha_prev": np.where(prev >= 0, ac[np.maximum(prev, 0)], F32(1.0)).astype(F32),
+            "add_noise_mask": (timesteps > 0).astype(F32),
+        }
 
     def set_timesteps(self, state: DDPMState, num_inference_steps: int, shape=None) -> DDPMState:
         self._checked(state, DDPMState, "set_timesteps")

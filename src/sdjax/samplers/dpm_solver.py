@@ -39,10 +39,10 @@ from sdjax.samplers.euler import _zero_snr_alphas_cumprod
 
 @state_class
 class DPMSolverState:
-    alphas_cumprod: jax.Array                # (T,)
-    sigmas: jax.Array                        # (N + 1,)
-    timesteps: jax.Array                     # (N,) integers, as float32
-    model_outputs: jax.Array | None = None   # (solver_order, *shape) past x0 predictions, newest last
+    alphas_cumprod: jax.Array  # (T,)
+    sigmas: jax.Array  # (N + 1,)
+    timesteps: jax.Array  # (N,) integers, as float32
+    model_outputs: jax.Array | None = None  # (solver_order, *shape) past x0 predictions, newest last
     lower_order_nums: jax.Array | None = None  # () warm-up steps taken (capped at solver_order)
 
 
@@ -74,13 +74,25 @@ class DPMSolverMultistep(Sampler):
 
     diffusers_class = "DPMSolverMultistepScheduler"
     unused_keys = {
-        "thresholding": (False,), "dynamic_thresholding_ratio": ANY, "sample_max_value": ANY,
-        "use_beta_sigmas": (False, None), "use_lu_lambdas": (False, None), "use_flow_sigmas": (False, None),
-        "flow_shift": ANY, "variance_type": (None,), "use_dynamic_shifting": (False,), "time_shift_type": ANY,
+        "thresholding": (False,),
+        "dynamic_thresholding_ratio": ANY,
+        "sample_max_value": ANY,
+        "use_beta_sigmas": (False, None),
+        "use_lu_lambdas": (False, None),
+        "use_flow_sigmas": (False, None),
+        "flow_shift": ANY,
+        "variance_type": (None,),
+        "use_dynamic_shifting": (False,),
+        "time_shift_type": ANY,
     }
-    choices = {"solver_order": (1, 2, 3), "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
-               "solver_type": ("midpoint", "heun"), "final_sigmas_type": ("zero", "sigma_min"),
-               "use_karras_sigmas": (False, True, None), "use_exponential_sigmas": (False, True, None)}
+    choices = {
+        "solver_order": (1, 2, 3),
+        "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
+        "solver_type": ("midpoint", "heun"),
+        "final_sigmas_type": ("zero", "sigma_min"),
+        "use_karras_sigmas": (False, True, None),
+        "use_exponential_sigmas": (False, True, None),
+    }
 
     def __post_init__(self):
         super().__post_init__()
@@ -97,9 +109,11 @@ class DPMSolverMultistep(Sampler):
 
     def create_state(self) -> DPMSolverState:
         T = self.num_train_timesteps
-        return DPMSolverState(alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()),
-                              sigmas=jnp.asarray(train_sigmas(self._sigma_alphas_cumprod())),
-                              timesteps=jnp.asarray(np.linspace(0, T - 1, T, dtype=F32)[::-1].copy()))
+        return DPMSolverState(
+            alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()),
+            sigmas=jnp.asarray(train_sigmas(self._sigma_alphas_cumprod())),
+            timesteps=jnp.asarray(np.linspace(0, T - 1, T, dtype=F32)[::-1].copy()),
+        )
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
         T = self.num_train_timesteps
@@ -132,10 +146,12 @@ class DPMSolverMultistep(Sampler):
         self._checked(state, DPMSolverState, "set_timesteps")
         tables = self._tables(num_inference_steps)
         return DPMSolverState(
-            alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()), sigmas=jnp.asarray(tables["sigmas"]),
+            alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()),
+            sigmas=jnp.asarray(tables["sigmas"]),
             timesteps=jnp.asarray(tables["timesteps"]),
             model_outputs=jnp.zeros((self.solver_order,) + shape_tuple(shape), jnp.float32),
-            lower_order_nums=jnp.zeros((), jnp.float32))
+            lower_order_nums=jnp.zeros((), jnp.float32),
+        )
 
     def init_noise_sigma(self, state: DPMSolverState) -> jax.Array:
         return jnp.float32(1.0)
@@ -146,7 +162,8 @@ class DPMSolverMultistep(Sampler):
     def _order(self, step_index, num_steps: int, lower_order_nums) -> jax.Array:
         """The solver order diffusers uses at this step (1, 2 or 3)."""
         final = (step_index == num_steps - 1) & (
-            self.euler_at_final or (self.lower_order_final and num_steps < 15) or self.final_sigmas_type == "zero")
+            self.euler_at_final or (self.lower_order_final and num_steps < 15) or self.final_sigmas_type == "zero"
+        )
         second = (step_index == num_steps - 2) & (self.lower_order_final and num_steps < 15)
         if self.solver_order == 1:
             return jnp.int32(1)
@@ -177,8 +194,11 @@ class DPMSolverMultistep(Sampler):
 
         def first_order():
             if sde:
-                return (sigma_t / sigma_s0 * jnp.exp(-h) * x + alpha_t * (1 - jnp.exp(-2.0 * h)) * x0
-                        + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise)
+                return (
+                    sigma_t / sigma_s0 * jnp.exp(-h) * x
+                    + alpha_t * (1 - jnp.exp(-2.0 * h)) * x0
+                    + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
+                )
             return sigma_t / sigma_s0 * x - alpha_t * (jnp.exp(-h) - 1.0) * x0
 
         def second_order():
@@ -205,13 +225,19 @@ class DPMSolverMultistep(Sampler):
             d1 = d1_0 + r0 / (r0 + r1) * (d1_0 - d1_1)
             d2 = 1.0 / (r0 + r1) * (d1_0 - d1_1)
             if sde:
-                return (sigma_t / sigma_s0 * jnp.exp(-h) * x + alpha_t * (1.0 - jnp.exp(-2.0 * h)) * m0
-                        + alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0) * d1
-                        + alpha_t * ((1.0 - jnp.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2 - 0.5) * d2
-                        + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise)
-            return (sigma_t / sigma_s0 * x - alpha_t * (jnp.exp(-h) - 1.0) * m0
-                    + alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0) * d1
-                    - alpha_t * ((jnp.exp(-h) - 1.0 + h) / h**2 - 0.5) * d2)
+                return (
+                    sigma_t / sigma_s0 * jnp.exp(-h) * x
+                    + alpha_t * (1.0 - jnp.exp(-2.0 * h)) * m0
+                    + alpha_t * ((1.0 - jnp.exp(-2.0 * h)) / (-2.0 * h) + 1.0) * d1
+                    + alpha_t * ((1.0 - jnp.exp(-2.0 * h) - 2.0 * h) / (2.0 * h) ** 2 - 0.5) * d2
+                    + sigma_t * jnp.sqrt(1.0 - jnp.exp(-2 * h)) * noise
+                )
+            return (
+                sigma_t / sigma_s0 * x
+                - alpha_t * (jnp.exp(-h) - 1.0) * m0
+                + alpha_t * ((jnp.exp(-h) - 1.0) / h + 1.0) * d1
+                - alpha_t * ((jnp.exp(-h) - 1.0 + h) / h**2 - 0.5) * d2
+            )
 
         updates = [first_order, second_order, third_order][: self.solver_order]
         prev = select(order - 1, [update() for update in updates])

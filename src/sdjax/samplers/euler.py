@@ -36,9 +36,9 @@ from sdjax.samplers.common import (
 
 @state_class
 class SigmaState:
-    alphas_cumprod: jax.Array   # (T,)
-    sigmas: jax.Array           # (N + 1,) noise level at each step, then the final one (0 or sigma_min)
-    timesteps: jax.Array        # (N,) the values fed to the UNet (fractional with Karras sigmas)
+    alphas_cumprod: jax.Array  # (T,)
+    sigmas: jax.Array  # (N + 1,) noise level at each step, then the final one (0 or sigma_min)
+    timesteps: jax.Array  # (N,) the values fed to the UNet (fractional with Karras sigmas)
 
 
 def _zero_snr_alphas_cumprod(alphas_cumprod: np.ndarray) -> np.ndarray:
@@ -59,21 +59,28 @@ class _SigmaSampler(Sampler):
         T = self.num_train_timesteps
         ac = self._sigma_alphas_cumprod()
         sigmas = np.concatenate([train_sigmas(ac)[::-1], [0.0]]).astype(F32)
-        return SigmaState(alphas_cumprod=jnp.asarray(ac), sigmas=jnp.asarray(sigmas),
-                          timesteps=jnp.asarray(np.linspace(0, T - 1, T)[::-1].astype(F32)))
+        return SigmaState(
+            alphas_cumprod=jnp.asarray(ac),
+            sigmas=jnp.asarray(sigmas),
+            timesteps=jnp.asarray(np.linspace(0, T - 1, T)[::-1].astype(F32)),
+        )
 
     def _spaced(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(timesteps float32, sigmas interpolated at them float64, log training sigmas float32)."""
-        timesteps = spaced_timesteps(self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset,
-                                     kind="float")
+        timesteps = spaced_timesteps(
+            self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset, kind="float"
+        )
         sig = train_sigmas(self._sigma_alphas_cumprod())
         return timesteps, np.interp(timesteps, np.arange(len(sig)), sig), np.log(sig)
 
     def set_timesteps(self, state: SigmaState, num_inference_steps: int, shape=None) -> SigmaState:
         self._checked(state, SigmaState, "set_timesteps")
         tables = self._tables(num_inference_steps)
-        return SigmaState(alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()),
-                          sigmas=jnp.asarray(tables["sigmas"]), timesteps=jnp.asarray(tables["timesteps"]))
+        return SigmaState(
+            alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()),
+            sigmas=jnp.asarray(tables["sigmas"]),
+            timesteps=jnp.asarray(tables["timesteps"]),
+        )
 
     def init_noise_sigma(self, state) -> jax.Array:
         state = self._checked(state, self._state_class, "init_noise_sigma")
@@ -124,9 +131,13 @@ class Euler(_SigmaSampler):
 
     diffusers_class = "EulerDiscreteScheduler"
     unused_keys = {"use_beta_sigmas": (False, None)}
-    choices = {"interpolation_type": ("linear", "log_linear"), "timestep_type": ("discrete", "continuous"),
-               "final_sigmas_type": ("zero", "sigma_min"), "use_karras_sigmas": (False, True, None),
-               "use_exponential_sigmas": (False, True, None)}
+    choices = {
+        "interpolation_type": ("linear", "log_linear"),
+        "timestep_type": ("discrete", "continuous"),
+        "final_sigmas_type": ("zero", "sigma_min"),
+        "use_karras_sigmas": (False, True, None),
+        "use_exponential_sigmas": (False, True, None),
+    }
 
     def __post_init__(self):
         super().__post_init__()

@@ -33,11 +33,11 @@ ORDER = 4  # diffusers' default `order` argument of `step`
 
 @state_class
 class LMSState:
-    alphas_cumprod: jax.Array             # (T,)
-    sigmas: jax.Array                     # (N + 1,)
-    timesteps: jax.Array                  # (N,)
-    coefficients: jax.Array | None = None   # (N, 4): step i weights derivative i, i-1, i-2, i-3
-    derivatives: jax.Array | None = None    # (4, *shape) past derivatives, newest last
+    alphas_cumprod: jax.Array  # (T,)
+    sigmas: jax.Array  # (N + 1,)
+    timesteps: jax.Array  # (N,)
+    coefficients: jax.Array | None = None  # (N, 4): step i weights derivative i, i-1, i-2, i-3
+    derivatives: jax.Array | None = None  # (4, *shape) past derivatives, newest last
 
 
 def lms_coefficients(sigmas: np.ndarray, order: int = ORDER) -> np.ndarray:
@@ -87,14 +87,20 @@ class LMS(_SigmaSampler):
             sigmas = (karras_sigmas if self.use_karras_sigmas else exponential_sigmas)(lo, hi, n)
             timesteps = sigma_to_t(sigmas, log_sigmas)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(F32)
-        return {"timesteps": np.asarray(timesteps).astype(F32), "sigmas": sigmas,
-                "coefficients": lms_coefficients(sigmas).astype(F32)}
+        return {
+            "timesteps": np.asarray(timesteps).astype(F32),
+            "sigmas": sigmas,
+            "coefficients": lms_coefficients(sigmas).astype(F32),
+        }
 
     def set_timesteps(self, state: LMSState, num_inference_steps: int, shape) -> LMSState:
         self._checked(state, LMSState, "set_timesteps")
         tables = {k: jnp.asarray(v) for k, v in self._tables(num_inference_steps).items()}
-        return LMSState(alphas_cumprod=jnp.asarray(self.alphas_cumprod),
-                        derivatives=jnp.zeros((ORDER,) + shape_tuple(shape), jnp.float32), **tables)
+        return LMSState(
+            alphas_cumprod=jnp.asarray(self.alphas_cumprod),
+            derivatives=jnp.zeros((ORDER,) + shape_tuple(shape), jnp.float32),
+            **tables,
+        )
 
     def step(self, state: LMSState, model_output: jax.Array, step_index, sample: jax.Array, noise=None):
         state = self._checked(state, LMSState, "step", ready="derivatives")

@@ -27,16 +27,16 @@ _PRK_CALLS = 12
 
 @state_class
 class PNDMState:
-    alphas_cumprod: jax.Array            # (T,)
-    final_alpha_cumprod: jax.Array       # ()
-    timesteps: jax.Array                 # (N,) the values fed to the UNet
-    alpha_t: jax.Array | None = None         # (N,) alpha_bar of the timestep the step moves from
-    alpha_prev: jax.Array | None = None      # (N,) alpha_bar of the timestep the step moves to
-    alpha_t_corr: jax.Array | None = None    # (N,) the same for the PLMS correction step (counter == 1)
+    alphas_cumprod: jax.Array  # (T,)
+    final_alpha_cumprod: jax.Array  # ()
+    timesteps: jax.Array  # (N,) the values fed to the UNet
+    alpha_t: jax.Array | None = None  # (N,) alpha_bar of the timestep the step moves from
+    alpha_prev: jax.Array | None = None  # (N,) alpha_bar of the timestep the step moves to
+    alpha_t_corr: jax.Array | None = None  # (N,) the same for the PLMS correction step (counter == 1)
     alpha_prev_corr: jax.Array | None = None
-    counter: jax.Array | None = None         # () steps taken since set_timesteps
-    ets: jax.Array | None = None             # (4, *shape) past model outputs, newest last
-    cur_sample: jax.Array | None = None      # (*shape) the sample a multi-call step started from
+    counter: jax.Array | None = None  # () steps taken since set_timesteps
+    ets: jax.Array | None = None  # (4, *shape) past model outputs, newest last
+    cur_sample: jax.Array | None = None  # (*shape) the sample a multi-call step started from
     cur_model_output: jax.Array | None = None  # (*shape) running RK4 sum
 
 
@@ -56,9 +56,11 @@ class PNDM(Sampler):
 
     def create_state(self) -> PNDMState:
         T = self.num_train_timesteps
-        return PNDMState(alphas_cumprod=jnp.asarray(self.alphas_cumprod),
-                         final_alpha_cumprod=jnp.asarray(self._final_alpha_cumprod),
-                         timesteps=jnp.arange(T - 1, -1, -1, dtype=jnp.float32))
+        return PNDMState(
+            alphas_cumprod=jnp.asarray(self.alphas_cumprod),
+            final_alpha_cumprod=jnp.asarray(self._final_alpha_cumprod),
+            timesteps=jnp.arange(T - 1, -1, -1, dtype=jnp.float32),
+        )
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
         T = self.num_train_timesteps
@@ -89,8 +91,13 @@ class PNDM(Sampler):
         def alpha(t):
             return np.where(t >= 0, ac[np.clip(t, 0, T - 1)], final).astype(F32)
 
-        return {"timesteps": timesteps.astype(F32), "alpha_t": alpha(t_from), "alpha_prev": alpha(t_to),
-                "alpha_t_corr": alpha(t_from_corr), "alpha_prev_corr": alpha(t_to_corr)}
+        return {
+            "timesteps": timesteps.astype(F32),
+            "alpha_t": alpha(t_from),
+            "alpha_prev": alpha(t_to),
+            "alpha_t_corr": alpha(t_from_corr),
+            "alpha_prev_corr": alpha(t_to_corr),
+        }
 
     def set_timesteps(self, state: PNDMState, num_inference_steps: int, shape) -> PNDMState:
         self._checked(state, PNDMState, "set_timesteps")
@@ -98,9 +105,15 @@ class PNDM(Sampler):
         tables = {k: jnp.asarray(v) for k, v in self._tables(num_inference_steps).items()}
         base = self.create_state()
         zeros = jnp.zeros(shape, jnp.float32)
-        return PNDMState(alphas_cumprod=base.alphas_cumprod, final_alpha_cumprod=base.final_alpha_cumprod,
-                         counter=jnp.zeros((), jnp.float32), ets=jnp.zeros((4,) + shape, jnp.float32),
-                         cur_sample=zeros, cur_model_output=zeros, **tables)
+        return PNDMState(
+            alphas_cumprod=base.alphas_cumprod,
+            final_alpha_cumprod=base.final_alpha_cumprod,
+            counter=jnp.zeros((), jnp.float32),
+            ets=jnp.zeros((4,) + shape, jnp.float32),
+            cur_sample=zeros,
+            cur_model_output=zeros,
+            **tables,
+        )
 
     def init_noise_sigma(self, state: PNDMState) -> jax.Array:
         return jnp.float32(1.0)
@@ -126,27 +139,32 @@ class PNDM(Sampler):
         e1, e2, e3, e4 = ets[3], ets[2], ets[1], ets[0]
         cmo = state.cur_model_output
         candidates = [
-            m,                                                          # _FIRST
-            (m + e1) / 2,                                               # _AVERAGE
-            (3 * e1 - e2) / 2,                                          # _AB2
-            (23 * e1 - 16 * e2 + 5 * e3) / 12,                          # _AB3
-            (1 / 24) * (55 * e1 - 59 * e2 + 37 * e3 - 9 * e4),          # _AB4
-            m, m, m,                                                    # _RK0.._RK2
-            cmo + (1 / 6) * m,                                          # _RK3
+            m,  # _FIRST
+            (m + e1) / 2,  # _AVERAGE
+            (3 * e1 - e2) / 2,  # _AB2
+            (23 * e1 - 16 * e2 + 5 * e3) / 12,  # _AB3
+            (1 / 24) * (55 * e1 - 59 * e2 + 37 * e3 - 9 * e4),  # _AB4
+            m,
+            m,
+            m,  # _RK0.._RK2
+            cmo + (1 / 6) * m,  # _RK3
         ]
         combined = select(formula, candidates)
-        cmo = select(jnp.clip(formula - _AB4, 0, 4),
-                      [cmo, (1 / 6) * m, cmo + (1 / 3) * m, cmo + (1 / 3) * m, jnp.zeros_like(cmo)])
+        cmo = select(
+            jnp.clip(formula - _AB4, 0, 4),
+            [cmo, (1 / 6) * m, cmo + (1 / 3) * m, cmo + (1 / 3) * m, jnp.zeros_like(cmo)],
+        )
         starts = (formula == _FIRST) | (formula == _RK0)
         cur_sample = jnp.where(starts, x, state.cur_sample)
         from_sample = jnp.where((formula == _AVERAGE) | (formula >= _RK0), cur_sample, x)
 
-        correction = (formula == _AVERAGE)
+        correction = formula == _AVERAGE
         a_t = jnp.where(correction, state.alpha_t_corr[step_index], state.alpha_t[step_index])
         a_prev = jnp.where(correction, state.alpha_prev_corr[step_index], state.alpha_prev[step_index])
         prev = self._transfer(from_sample, combined, a_t, a_prev)
-        new_state = dataclasses.replace(state, counter=state.counter + 1, ets=ets, cur_sample=cur_sample,
-                                        cur_model_output=cmo)
+        new_state = dataclasses.replace(
+            state, counter=state.counter + 1, ets=ets, cur_sample=cur_sample, cur_model_output=cmo
+        )
         return prev.astype(sample.dtype), new_state
 
     def _transfer(self, sample, model_output, a_t, a_prev):
@@ -161,4 +179,3 @@ class PNDM(Sampler):
     def add_noise(self, state: PNDMState, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
         state = self._checked(state, PNDMState, "add_noise")
         return add_noise_vp(state.alphas_cumprod, original, noise, timesteps)
-

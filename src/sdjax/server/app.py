@@ -49,9 +49,19 @@ from sdjax.server.schemas import (
 
 log = logging.getLogger("sdjax.server")
 
-ENDPOINTS = ("/", "/health", "/metrics", "/v1/config", "/v1/models", "/v1/images/generations",
-             "/sdapi/v1/txt2img", "/sdapi/v1/samplers", "/sdapi/v1/progress", "/sdapi/v1/sd-models",
-             "/sdapi/v1/options")
+ENDPOINTS = (
+    "/",
+    "/health",
+    "/metrics",
+    "/v1/config",
+    "/v1/models",
+    "/v1/images/generations",
+    "/sdapi/v1/txt2img",
+    "/sdapi/v1/samplers",
+    "/sdapi/v1/progress",
+    "/sdapi/v1/sd-models",
+    "/sdapi/v1/options",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +111,11 @@ class _Guard:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 body = await self._read_body(receive)
                 if body is None:
-                    await _send_json(send_status, 413, _error_body(
-                        f"request body exceeds {self.max_body_bytes} bytes", "body", "request_too_large"))
+                    await _send_json(
+                        send_status,
+                        413,
+                        _error_body(f"request body exceeds {self.max_body_bytes} bytes", "body", "request_too_large"),
+                    )
                     return
                 replayed = False
 
@@ -119,8 +132,11 @@ class _Guard:
         except Exception as e:  # the app's handlers answered already if they could; never let it reach uvicorn
             if status["code"] == 500 and not status.get("started"):
                 log.exception("unhandled error")
-                await _send_json(send_status, 500, _error_body(f"{type(e).__name__}: {e}", None, "internal_error",
-                                                               kind="server_error"))
+                await _send_json(
+                    send_status,
+                    500,
+                    _error_body(f"{type(e).__name__}: {e}", None, "internal_error", kind="server_error"),
+                )
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
@@ -143,16 +159,28 @@ class _Guard:
 
 async def _send_json(send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-        (b"connection", b"close"), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                (b"connection", b"close"),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
-def _error_body(message: str, param: str | None, code: str, kind: str = "invalid_request_error",
-                detail: Any = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code},
-            "detail": detail if detail is not None else message}
+def _error_body(
+    message: str, param: str | None, code: str, kind: str = "invalid_request_error", detail: Any = None
+) -> dict:
+    return {
+        "error": {"message": message, "type": kind, "param": param, "code": code},
+        "detail": detail if detail is not None else message,
+    }
 
 
 def _field_of(loc: Sequence[Any]) -> str | None:
@@ -167,9 +195,16 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     defaults = Defaults.of(pipeline, steps=config.default_steps, sampler=config.default_sampler)
     warm_sizes = config.warm_sizes or ((defaults.width, defaults.height),)
     warm_shapes = [(defaults.steps, hh, ww, defaults.sampler) for ww, hh in warm_sizes] if config.warm else []
-    batcher = Batcher(pipeline, metrics=metrics, max_batch=config.max_batch, batch_sizes=config.batch_sizes,
-                      window_s=config.batch_window_s, max_queue_images=config.max_queue_images,
-                      warm_shapes=warm_shapes, progress=config.progress)
+    batcher = Batcher(
+        pipeline,
+        metrics=metrics,
+        max_batch=config.max_batch,
+        batch_sizes=config.batch_sizes,
+        window_s=config.batch_window_s,
+        max_queue_images=config.max_queue_images,
+        warm_shapes=warm_shapes,
+        progress=config.progress,
+    )
     state = {"draining": False}
     page = _page()
 
@@ -182,8 +217,12 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             state["draining"] = True
             await batcher.stop(timeout_s=config.request_timeout_s)
 
-    app = FastAPI(title="sdjax", version=_version(), lifespan=lifespan,
-                  description="Stable Diffusion in JAX: OpenAI- and AUTOMATIC1111-compatible image generation")
+    app = FastAPI(
+        title="sdjax",
+        version=_version(),
+        lifespan=lifespan,
+        description="Stable Diffusion in JAX: OpenAI- and AUTOMATIC1111-compatible image generation",
+    )
     app.state.batcher = batcher
     app.state.metrics = metrics
     app.state.pipeline = pipeline
@@ -202,8 +241,12 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             message, field = f"body: {msg}; send a JSON object", "body"
         else:
             message = f"{field}: {msg}"
-        return JSONResponse(_error_body(message, field, first.get("type", "invalid"),
-                                        detail=jsonable_encoder(errors, exclude={"input", "url"})), status_code=422)
+        return JSONResponse(
+            _error_body(
+                message, field, first.get("type", "invalid"), detail=jsonable_encoder(errors, exclude={"input", "url"})
+            ),
+            status_code=422,
+        )
 
     @app.exception_handler(FieldError)
     async def on_field_error(request: Request, exc: FieldError):
@@ -213,23 +256,29 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.exception_handler(QueueFull)
     async def on_queue_full(request: Request, exc: QueueFull):
         metrics.rejected.labels("queue_full").inc()
-        return JSONResponse(_error_body(str(exc), None, "queue_full", kind="rate_limit_error"), status_code=429,
-                            headers={"Retry-After": str(exc.retry_after)})
+        return JSONResponse(
+            _error_body(str(exc), None, "queue_full", kind="rate_limit_error"),
+            status_code=429,
+            headers={"Retry-After": str(exc.retry_after)},
+        )
 
     @app.exception_handler(ShuttingDown)
     async def on_shutting_down(request: Request, exc: ShuttingDown):
-        return JSONResponse(_error_body(str(exc), None, "shutting_down", kind="server_error"), status_code=503,
-                            headers={"Retry-After": "5"})
+        return JSONResponse(
+            _error_body(str(exc), None, "shutting_down", kind="server_error"),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception):
         log.exception("request failed")
-        return JSONResponse(_error_body(f"{type(exc).__name__}: {exc}", None, "internal_error", kind="server_error"),
-                            status_code=500)
+        return JSONResponse(
+            _error_body(f"{type(exc).__name__}: {exc}", None, "internal_error", kind="server_error"), status_code=500
+        )
 
     # ------------------------------------------------------------------ generation
-    async def run(request: GenerationRequest, task_id: str | None = None) -> tuple[list[ImageParameters],
-                                                                                   list[bytes]]:
+    async def run(request: GenerationRequest, task_id: str | None = None) -> tuple[list[ImageParameters], list[bytes]]:
         images = request.images()
         job = batcher.submit(images, task_id)
         try:
@@ -254,21 +303,24 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     async def on_pipeline_error(request: Request, exc: _PipelineError):
         return JSONResponse(_error_body(str(exc), None, "generation_failed", kind="server_error"), status_code=500)
 
-    @app.post("/v1/images/generations", response_model=OpenAIImageResponse,
-              summary="Create images (OpenAI images API)")
+    @app.post("/v1/images/generations", response_model=OpenAIImageResponse, summary="Create images (OpenAI images API)")
     async def openai_generations(body: OpenAIImageRequest) -> dict:
         request = resolve_openai(body, pipeline, config.limits, defaults, config.model_name)
         _, pngs = await run(request)
         return {"created": int(time.time()), "data": [{"b64_json": _b64(p)} for p in pngs]}
 
-    @app.post("/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse,
-              summary="Text to image (AUTOMATIC1111 web UI API)")
+    @app.post(
+        "/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse, summary="Text to image (AUTOMATIC1111 web UI API)"
+    )
     async def a1111_txt2img(body: A1111Txt2ImgRequest) -> dict:
         request = resolve_a1111(body, pipeline, config.limits, defaults, config.model_name)
         images, pngs = await run(request, body.force_task_id)
         info = _a1111_info(request, images, body)
-        return {"images": [_b64(p) for p in pngs] if body.send_images else [],
-                "parameters": body.model_dump(), "info": json.dumps(info)}
+        return {
+            "images": [_b64(p) for p in pngs] if body.send_images else [],
+            "parameters": body.model_dump(),
+            "info": json.dumps(info),
+        }
 
     # ------------------------------------------------------------------ the rest
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -278,9 +330,12 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
     @app.get("/health", summary="Readiness: 200 when compiled and serving")
     async def health():
         ready = batcher.ready and not state["draining"]
-        body = {"status": "ok" if ready else ("draining" if state["draining"] else "warming"),
-                "model": config.model_name, "queue_depth": batcher.queued_images,
-                "busy": batcher.current is not None}
+        body = {
+            "status": "ok" if ready else ("draining" if state["draining"] else "warming"),
+            "model": config.model_name,
+            "queue_depth": batcher.queued_images,
+            "busy": batcher.current is not None,
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", include_in_schema=False)
@@ -289,13 +344,20 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.get("/v1/config", summary="Defaults, limits and samplers (used by the web page)")
     async def server_config():
-        return {"model": config.model_name, "samplers": list(pipeline.sampler_names),
-                "sampler_labels": {name: sampler_display_name(name) for name in pipeline.sampler_names},
-                "default_sampler": sampler_id(defaults.sampler), "default_steps": defaults.steps,
-                "default_guidance_scale": defaults.guidance_scale, "default_width": defaults.width,
-                "default_height": defaults.height, "limits": dataclasses.asdict(config.limits),
-                "max_batch": config.max_batch, "batch_sizes": list(batcher.batch_sizes),
-                "warm_sizes": [list(s) for s in warm_sizes] if config.warm else []}
+        return {
+            "model": config.model_name,
+            "samplers": list(pipeline.sampler_names),
+            "sampler_labels": {name: sampler_display_name(name) for name in pipeline.sampler_names},
+            "default_sampler": sampler_id(defaults.sampler),
+            "default_steps": defaults.steps,
+            "default_guidance_scale": defaults.guidance_scale,
+            "default_width": defaults.width,
+            "default_height": defaults.height,
+            "limits": dataclasses.asdict(config.limits),
+            "max_batch": config.max_batch,
+            "batch_sizes": list(batcher.batch_sizes),
+            "warm_sizes": [list(s) for s in warm_sizes] if config.warm else [],
+        }
 
     @app.get("/v1/models", summary="The served model (OpenAI models API)")
     async def models():
@@ -303,13 +365,22 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():
-        return [{"name": sampler_display_name(name), "aliases": [name], "options": {}}
-                for name in pipeline.sampler_names]
+        return [
+            {"name": sampler_display_name(name), "aliases": [name], "options": {}} for name in pipeline.sampler_names
+        ]
 
     @app.get("/sdapi/v1/sd-models", summary="The served model (AUTOMATIC1111 API)")
     async def sd_models():
-        return [{"title": config.model_name, "model_name": config.model_name, "hash": None, "sha256": None,
-                 "filename": config.model_name, "config": None}]
+        return [
+            {
+                "title": config.model_name,
+                "model_name": config.model_name,
+                "hash": None,
+                "sha256": None,
+                "filename": config.model_name,
+                "config": None,
+            }
+        ]
 
     @app.get("/sdapi/v1/options", summary="Current options (AUTOMATIC1111 API; read-only here)")
     async def options():
@@ -356,17 +427,37 @@ def _a1111_info(request: GenerationRequest, images: list[ImageParameters], body:
     """The `info` object of AUTOMATIC1111's `Processed.js()`, with the keys clients read."""
     n = len(images)
     return {
-        "prompt": request.prompt, "all_prompts": [im.prompt for im in images],
-        "negative_prompt": request.negative_prompt, "all_negative_prompts": [im.negative_prompt for im in images],
-        "seed": request.seed, "all_seeds": [im.seed for im in images], "subseed": -1, "all_subseeds": [-1] * n,
-        "subseed_strength": 0, "width": request.width, "height": request.height,
+        "prompt": request.prompt,
+        "all_prompts": [im.prompt for im in images],
+        "negative_prompt": request.negative_prompt,
+        "all_negative_prompts": [im.negative_prompt for im in images],
+        "seed": request.seed,
+        "all_seeds": [im.seed for im in images],
+        "subseed": -1,
+        "all_subseeds": [-1] * n,
+        "subseed_strength": 0,
+        "width": request.width,
+        "height": request.height,
         "sampler_name": sampler_display_name(request.sampler),
-        "cfg_scale": request.guidance_scale, "steps": request.steps, "batch_size": body.batch_size,
-        "restore_faces": False, "face_restoration_model": None, "sd_model_name": request.model,
-        "sd_model_hash": None, "sd_vae_name": None, "sd_vae_hash": None, "seed_resize_from_w": -1,
-        "seed_resize_from_h": -1, "denoising_strength": None, "extra_generation_params": {},
-        "index_of_first_image": 0, "infotexts": [im.infotext() for im in images], "styles": [],
-        "job_timestamp": time.strftime("%Y%m%d%H%M%S"), "clip_skip": 1, "is_using_inpainting_conditioning": False,
+        "cfg_scale": request.guidance_scale,
+        "steps": request.steps,
+        "batch_size": body.batch_size,
+        "restore_faces": False,
+        "face_restoration_model": None,
+        "sd_model_name": request.model,
+        "sd_model_hash": None,
+        "sd_vae_name": None,
+        "sd_vae_hash": None,
+        "seed_resize_from_w": -1,
+        "seed_resize_from_h": -1,
+        "denoising_strength": None,
+        "extra_generation_params": {},
+        "index_of_first_image": 0,
+        "infotexts": [im.infotext() for im in images],
+        "styles": [],
+        "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
+        "clip_skip": 1,
+        "is_using_inpainting_conditioning": False,
         "version": f"sdjax {_version()}",
     }
 
@@ -375,8 +466,11 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
     """AUTOMATIC1111's `ProgressResponse` (`progress`, `eta_relative`, `state`, `current_image`, `textinfo`),
     plus `stage` and `queue_position` (images ahead of the task)."""
     current = batcher.current
-    where, ahead = ("running", 0) if id_task is None and current is not None else (
-        batcher.position(id_task) if id_task is not None else ("idle", 0))
+    where, ahead = (
+        ("running", 0)
+        if id_task is None and current is not None
+        else (batcher.position(id_task) if id_task is not None else ("idle", 0))
+    )
     fraction, eta, stage, step, total = 0.0, 0.0, where, 0, 0
     if where == "running" and current is not None:
         stage, step, total = current.stage, current.step, current.total
@@ -385,13 +479,31 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
             fraction = 1.0
         elapsed = time.monotonic() - current.started
         eta = elapsed / fraction - elapsed if fraction > 0 else 0.0
-    text = {"queued": f"queued: {ahead} images ahead", "running": f"{stage} {step}/{total}",
-            "idle": "idle", "unknown": "no such task (finished or never queued)"}.get(where, where)
-    return {"progress": round(fraction, 4), "eta_relative": round(eta, 3),
-            "state": {"skipped": False, "interrupted": False, "job": id_task or "", "job_count": 1 if current else 0,
-                      "job_timestamp": "", "job_no": 0, "sampling_step": step, "sampling_steps": total},
-            "current_image": None, "textinfo": text, "stage": stage, "queue_position": ahead,
-            "queue_depth": batcher.queued_images}
+    text = {
+        "queued": f"queued: {ahead} images ahead",
+        "running": f"{stage} {step}/{total}",
+        "idle": "idle",
+        "unknown": "no such task (finished or never queued)",
+    }.get(where, where)
+    return {
+        "progress": round(fraction, 4),
+        "eta_relative": round(eta, 3),
+        "state": {
+            "skipped": False,
+            "interrupted": False,
+            "job": id_task or "",
+            "job_count": 1 if current else 0,
+            "job_timestamp": "",
+            "job_no": 0,
+            "sampling_step": step,
+            "sampling_steps": total,
+        },
+        "current_image": None,
+        "textinfo": text,
+        "stage": stage,
+        "queue_position": ahead,
+        "queue_depth": batcher.queued_images,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -404,12 +516,24 @@ def build_asgi(pipeline: Any, config: ServerConfig = ServerConfig()):
     return guarded
 
 
-def serve(pipeline: Any, config: ServerConfig = ServerConfig(), *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+def serve(
+    pipeline: Any,
+    config: ServerConfig = ServerConfig(),
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests finish first (up to the request timeout)."""
     import uvicorn
 
-    uv_config = uvicorn.Config(build_asgi(pipeline, config), host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=int(config.request_timeout_s) + 5, access_log=False)
+    uv_config = uvicorn.Config(
+        build_asgi(pipeline, config),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(config.request_timeout_s) + 5,
+        access_log=False,
+    )
     server = uvicorn.Server(uv_config)
     server.run()

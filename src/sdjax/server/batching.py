@@ -89,9 +89,18 @@ def pick_batch_size(n: int, batch_sizes: Sequence[int]) -> int:
 class Batcher:
     """Queue + collector coroutine + the pipeline's worker thread. Create, `await start()`, `await stop()`."""
 
-    def __init__(self, pipeline: Any, *, metrics: Metrics, max_batch: int = 8, batch_sizes: Sequence[int] = (),
-                 window_s: float = 0.01, max_queue_images: int = 64,
-                 warm_shapes: Sequence[tuple[int, int, int, str]] = (), progress: bool = True):
+    def __init__(
+        self,
+        pipeline: Any,
+        *,
+        metrics: Metrics,
+        max_batch: int = 8,
+        batch_sizes: Sequence[int] = (),
+        window_s: float = 0.01,
+        max_queue_images: int = 64,
+        warm_shapes: Sequence[tuple[int, int, int, str]] = (),
+        progress: bool = True,
+    ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be at least 1")
         self.pipeline = pipeline
@@ -149,8 +158,9 @@ class Batcher:
                     return
                 log.info("compiling batch %d, %dx%d, %d steps, sampler %s", size, width, height, steps, sampler)
                 try:
-                    await loop.run_in_executor(self._executor, self.pipeline.warmup, size, height, width, steps,
-                                               sampler)
+                    await loop.run_in_executor(
+                        self._executor, self.pipeline.warmup, size, height, width, steps, sampler
+                    )
                 except Exception:  # a failed warm-up is logged; requests of that shape report their own error
                     log.exception("warm-up failed for batch %d %dx%d", size, width, height)
         self.metrics.warmup_seconds.set(time.perf_counter() - t0)
@@ -304,8 +314,9 @@ class Batcher:
 
     def _generate(self, images: list[ImageParameters], pad_to: int) -> np.ndarray:
         """Runs on the worker thread."""
-        return generate_images(self.pipeline, images, pad_to=pad_to,
-                               progress=self._on_progress if self.use_progress else None)
+        return generate_images(
+            self.pipeline, images, pad_to=pad_to, progress=self._on_progress if self.use_progress else None
+        )
 
     def _on_progress(self, stage: str, step: int, total: int) -> None:
         current = self.current

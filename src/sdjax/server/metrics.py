@@ -17,23 +17,34 @@ class Metrics:
 
     def __init__(self, max_batch: int):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("sdjax_requests", "HTTP requests answered, by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.latency = Histogram("sdjax_request_latency_seconds", "Time from request to response, by endpoint",
-                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "sdjax_requests", "HTTP requests answered, by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "sdjax_request_latency_seconds",
+            "Time from request to response, by endpoint",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge("sdjax_requests_in_flight", "HTTP requests being answered", registry=r)
         self.queue_images = Gauge("sdjax_queue_depth_images", "Images waiting for a batch", registry=r)
-        self.queue_requests = Gauge("sdjax_queue_depth_requests", "Requests with images waiting for a batch",
-                                    registry=r)
-        self.rejected = Counter("sdjax_rejected", "Requests turned away, by reason (queue_full, timeout)",
-                                ["reason"], registry=r)
+        self.queue_requests = Gauge(
+            "sdjax_queue_depth_requests", "Requests with images waiting for a batch", registry=r
+        )
+        self.rejected = Counter(
+            "sdjax_rejected", "Requests turned away, by reason (queue_full, timeout)", ["reason"], registry=r
+        )
         self.batches = Counter("sdjax_batches", "Batches run by the pipeline", registry=r)
-        self.batch_images = Histogram("sdjax_batch_images", "Real images per batch",
-                                      buckets=tuple(range(1, max_batch + 1)), registry=r)
-        self.batch_fill = Histogram("sdjax_batch_fill_ratio", "Real images / compiled batch size, per batch",
-                                    buckets=FILL_BUCKETS, registry=r)
-        self.batch_seconds = Histogram("sdjax_batch_seconds", "Pipeline time per batch (compilation included)",
-                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_images = Histogram(
+            "sdjax_batch_images", "Real images per batch", buckets=tuple(range(1, max_batch + 1)), registry=r
+        )
+        self.batch_fill = Histogram(
+            "sdjax_batch_fill_ratio", "Real images / compiled batch size, per batch", buckets=FILL_BUCKETS, registry=r
+        )
+        self.batch_seconds = Histogram(
+            "sdjax_batch_seconds", "Pipeline time per batch (compilation included)", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.images = Counter("sdjax_images_generated", "Images generated and returned to a request", registry=r)
         self.errors = Counter("sdjax_batch_errors", "Batches that raised in the pipeline", registry=r)
         self.ready = Gauge("sdjax_ready", "1 once start-up compilation is done and the server takes work", registry=r)

@@ -61,8 +61,12 @@ class Defaults:
     @classmethod
     def of(cls, pipeline: Any, *, steps: int | None = None, sampler: str | None = None) -> Defaults:
         height, width = pipeline.default_size
-        return cls(steps=steps or pipeline.default_steps, sampler=sampler_id(sampler or pipeline.default_sampler),
-                   width=int(width), height=int(height))
+        return cls(
+            steps=steps or pipeline.default_steps,
+            sampler=sampler_id(sampler or pipeline.default_sampler),
+            width=int(width),
+            height=int(height),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- OpenAI
@@ -73,10 +77,12 @@ class OpenAIImageRequest(BaseModel):
 
     prompt: str = Field(min_length=1, description="What to draw")
     n: int = Field(1, ge=1, description="Number of images")
-    size: str | None = Field(None, description='"WIDTHxHEIGHT", each a multiple of 8; "auto" or none: the '
-                                                 "model's size")
+    size: str | None = Field(
+        None, description='"WIDTHxHEIGHT", each a multiple of 8; "auto" or none: the model\'s size'
+    )
     response_format: Literal["b64_json"] = Field(
-        "b64_json", description='Only "b64_json": images come back base64-encoded in the response')
+        "b64_json", description='Only "b64_json": images come back base64-encoded in the response'
+    )
     model: str | None = Field(None, description="Accepted for compatibility; the server serves one model")
     negative_prompt: str = Field("", description="sdjax: what not to draw")
     steps: int | None = Field(None, ge=1, description="sdjax: sampling steps")
@@ -145,9 +151,20 @@ def _random_seed() -> int:
     return random.SystemRandom().randrange(SEED_MAX + 1)
 
 
-def check_common(pipeline: Any, limits: Limits, *, fields: dict[str, str], num_images: int, steps: int,
-                 width: int, height: int, guidance_scale: float, sampler: str, prompt: str,
-                 negative_prompt: str) -> None:
+def check_common(
+    pipeline: Any,
+    limits: Limits,
+    *,
+    fields: dict[str, str],
+    num_images: int,
+    steps: int,
+    width: int,
+    height: int,
+    guidance_scale: float,
+    sampler: str,
+    prompt: str,
+    negative_prompt: str,
+) -> None:
     """Limits of this server and the model's own checks; `fields` maps sdjax names to the API's field names."""
     if num_images > limits.max_images:
         raise FieldError(fields["num_images"], f"at most {limits.max_images} images per request, got {num_images}")
@@ -160,8 +177,9 @@ def check_common(pipeline: Any, limits: Limits, *, fields: dict[str, str], num_i
             raise FieldError(fields[name], f"{name} {v} is outside {limits.min_size}..{limits.max_size}")
     if limits.sizes is not None and (width, height) not in limits.sizes:
         served = ", ".join(f"{w}x{h}" for w, h in limits.sizes)
-        raise FieldError(fields["size"], f"{width}x{height} is not served here (each size is compiled ahead); "
-                                         f"choose one of {served}")
+        raise FieldError(
+            fields["size"], f"{width}x{height} is not served here (each size is compiled ahead); choose one of {served}"
+        )
     checks = (
         ("prompt", dict(prompts=[prompt], negative_prompts=[negative_prompt])),
         ("steps", dict(steps=steps)),
@@ -177,19 +195,35 @@ def check_common(pipeline: Any, limits: Limits, *, fields: dict[str, str], num_i
             raise FieldError(fields.get(name, name), str(message)) from None
 
 
-def resolve_openai(body: OpenAIImageRequest, pipeline: Any, limits: Limits, defaults: Defaults,
-                   model_name: str) -> GenerationRequest:
+def resolve_openai(
+    body: OpenAIImageRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
+) -> GenerationRequest:
     if body.size is None:
         width, height = defaults.width, defaults.height
     else:
         width, height = (int(x) for x in body.size.split("x"))
     request = GenerationRequest(
-        prompt=body.prompt, negative_prompt=body.negative_prompt, num_images=body.n,
-        seed=_random_seed() if body.seed in (None, -1) else body.seed, steps=body.steps or defaults.steps,
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        num_images=body.n,
+        seed=_random_seed() if body.seed in (None, -1) else body.seed,
+        steps=body.steps or defaults.steps,
         guidance_scale=defaults.guidance_scale if body.guidance_scale is None else body.guidance_scale,
-        width=width, height=height, sampler=body.sampler or defaults.sampler, model=model_name)
-    fields = dict(num_images="n", steps="steps", guidance_scale="guidance_scale", width="size", height="size",
-                  size="size", sampler="sampler", prompt="prompt")
+        width=width,
+        height=height,
+        sampler=body.sampler or defaults.sampler,
+        model=model_name,
+    )
+    fields = dict(
+        num_images="n",
+        steps="steps",
+        guidance_scale="guidance_scale",
+        width="size",
+        height="size",
+        size="size",
+        sampler="sampler",
+        prompt="prompt",
+    )
     _check(request, pipeline, limits, fields)
     return request
 
@@ -201,25 +235,54 @@ def a1111_sampler(body: A1111Txt2ImgRequest, defaults: Defaults) -> str:
     return name
 
 
-def resolve_a1111(body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults,
-                  model_name: str) -> GenerationRequest:
-    for field, value, default in (("enable_hr", body.enable_hr, False), ("restore_faces", body.restore_faces, None),
-                                  ("tiling", body.tiling, None), ("subseed_strength", body.subseed_strength, 0.0)):
+def resolve_a1111(
+    body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
+) -> GenerationRequest:
+    for field, value, default in (
+        ("enable_hr", body.enable_hr, False),
+        ("restore_faces", body.restore_faces, None),
+        ("tiling", body.tiling, None),
+        ("subseed_strength", body.subseed_strength, 0.0),
+    ):
         if value and value != default:
             raise FieldError(field, f"{field}={value!r} is not supported by sdjax; leave it out")
     request = GenerationRequest(
-        prompt=body.prompt, negative_prompt=body.negative_prompt, num_images=body.batch_size * body.n_iter,
-        seed=_random_seed() if body.seed == -1 else body.seed, steps=body.steps or defaults.steps,
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt,
+        num_images=body.batch_size * body.n_iter,
+        seed=_random_seed() if body.seed == -1 else body.seed,
+        steps=body.steps or defaults.steps,
         guidance_scale=defaults.guidance_scale if body.cfg_scale is None else body.cfg_scale,
-        width=body.width or defaults.width, height=body.height or defaults.height,
-        sampler=a1111_sampler(body, defaults), model=model_name)
-    fields = dict(num_images="batch_size", steps="steps", guidance_scale="cfg_scale", width="width",
-                  height="height", size="width", sampler="sampler_name", prompt="prompt")
+        width=body.width or defaults.width,
+        height=body.height or defaults.height,
+        sampler=a1111_sampler(body, defaults),
+        model=model_name,
+    )
+    fields = dict(
+        num_images="batch_size",
+        steps="steps",
+        guidance_scale="cfg_scale",
+        width="width",
+        height="height",
+        size="width",
+        sampler="sampler_name",
+        prompt="prompt",
+    )
     _check(request, pipeline, limits, fields)
     return request
 
 
 def _check(r: GenerationRequest, pipeline: Any, limits: Limits, fields: dict[str, str]) -> None:
-    check_common(pipeline, limits, fields=fields, num_images=r.num_images, steps=r.steps, width=r.width,
-                 height=r.height, guidance_scale=r.guidance_scale, sampler=r.sampler, prompt=r.prompt,
-                 negative_prompt=r.negative_prompt)
+    check_common(
+        pipeline,
+        limits,
+        fields=fields,
+        num_images=r.num_images,
+        steps=r.steps,
+        width=r.width,
+        height=r.height,
+        guidance_scale=r.guidance_scale,
+        sampler=r.sampler,
+        prompt=r.prompt,
+        negative_prompt=r.negative_prompt,
+    )

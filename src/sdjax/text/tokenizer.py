@@ -68,9 +68,15 @@ class CLIPTokenizer:
     `tokenizer/` folder: `vocab.json` + `merges.txt`, or `tokenizer.json`), or `from_files(vocab, merges)`.
     """
 
-    def __init__(self, vocab: Mapping[str, int], merges: Sequence[tuple[str, str]], *,
-                 special_tokens: Mapping[str, str | Mapping[str, Any]] | None = None,
-                 added_tokens: Mapping[int, str | Mapping[str, Any]] | None = None, model_max_length: int = 77):
+    def __init__(
+        self,
+        vocab: Mapping[str, int],
+        merges: Sequence[tuple[str, str]],
+        *,
+        special_tokens: Mapping[str, str | Mapping[str, Any]] | None = None,
+        added_tokens: Mapping[int, str | Mapping[str, Any]] | None = None,
+        model_max_length: int = 77,
+    ):
         """`special_tokens` maps transformers' names (`bos_token`, `eos_token`, `unk_token`, `pad_token`, ...) to
         a string or a serialized AddedToken; missing names take CLIP's defaults. `added_tokens` (id -> token) are
         extra tokens a `tokenizer.json`/`added_tokens_decoder` declares."""
@@ -78,15 +84,26 @@ class CLIPTokenizer:
             raise ValueError(f"model_max_length must be at least 2 (BOS and EOS), got {model_max_length}")
         specials = {**_DEFAULTS, **{k: v for k, v in (special_tokens or {}).items() if v is not None}}
         unk = specials["unk_token"]
-        backend = Tokenizer(BPE(vocab=dict(vocab), merges=list(merges), dropout=None, continuing_subword_prefix="",
-                                end_of_word_suffix="</w>", fuse_unk=False,
-                                unk_token=unk if isinstance(unk, str) else unk["content"]))
+        backend = Tokenizer(
+            BPE(
+                vocab=dict(vocab),
+                merges=list(merges),
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="</w>",
+                fuse_unk=False,
+                unk_token=unk if isinstance(unk, str) else unk["content"],
+            )
+        )
         backend.normalizer = normalizers.Sequence(
-            [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()])
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT), behavior="removed", invert=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False),
-        ])
+            [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
+        )
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT), behavior="removed", invert=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
+        )
         backend.decoder = decoders.ByteLevel()
         # transformers: declared added tokens first (by id), then every named special token again, in
         # `_SPECIAL_NAMES` order; re-adding a token updates its flags, so the last name wins.
@@ -118,8 +135,12 @@ class CLIPTokenizer:
     def default(cls, pad_token: str = EOS, model_max_length: int = 77) -> CLIPTokenizer:
         """CLIP's vocabulary shipped with sdjax (`assets/clip_tokenizer`): `pad_token="<|endoftext|>"` for SD
         1.x/2.x and SDXL's `tokenizer`, `pad_token="!"` for SDXL's `tokenizer_2`."""
-        return cls.from_files(ASSETS / "vocab.json", ASSETS / "merges.txt", special_tokens={"pad_token": pad_token},
-                              model_max_length=model_max_length)
+        return cls.from_files(
+            ASSETS / "vocab.json",
+            ASSETS / "merges.txt",
+            special_tokens={"pad_token": pad_token},
+            model_max_length=model_max_length,
+        )
 
     @classmethod
     def from_folder(cls, path: str | Path, *, model_max_length: int | None = None) -> CLIPTokenizer:
@@ -187,22 +208,28 @@ class CLIPTokenizer:
             raise TypeError(f"texts must be a str or a list of str, got {type(texts).__name__}")
         room = self.model_max_length - 2
         out = np.full((len(texts), self.model_max_length), self.pad_token_id, np.int32)
-        for row, (text, enc) in enumerate(zip(texts, self._backend.encode_batch(list(texts), add_special_tokens=False),
-                                              strict=True)):
+        for row, (text, enc) in enumerate(
+            zip(texts, self._backend.encode_batch(list(texts), add_special_tokens=False), strict=True)
+        ):
             ids = enc.ids
             if len(ids) > room:
                 warnings.warn(
                     f"prompt {_short(text)} has {len(ids)} tokens; CLIP reads {room}, so this part was dropped: "
-                    f"{self.decode(ids[room:])!r}", PromptTruncatedWarning, stacklevel=2)
+                    f"{self.decode(ids[room:])!r}",
+                    PromptTruncatedWarning,
+                    stacklevel=2,
+                )
                 ids = ids[:room]
             out[row, 0] = self.bos_token_id
-            out[row, 1:len(ids) + 1] = ids
+            out[row, 1 : len(ids) + 1] = ids
             out[row, len(ids) + 1] = self.eos_token_id
         return out
 
     def __repr__(self) -> str:
-        return (f"CLIPTokenizer(vocab_size={self.vocab_size}, model_max_length={self.model_max_length}, "
-                f"pad_token={self.special_tokens['pad_token']!r})")
+        return (
+            f"CLIPTokenizer(vocab_size={self.vocab_size}, model_max_length={self.model_max_length}, "
+            f"pad_token={self.special_tokens['pad_token']!r})"
+        )
 
 
 def _short(text: str, limit: int = 60) -> str:

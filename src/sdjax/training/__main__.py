@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     # Importing the training module starts no JAX backend, so the XLA flags below still take effect.
     from sdjax.training.train import PRESETS, save, train
 
-    parser = argparse.ArgumentParser(prog="python -m sdjax.training", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m sdjax.training",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, help="folder to write the diffusers pipeline to")
     parser.add_argument("--preset", default="embedded", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=None)
@@ -41,13 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-steps", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None, help="diffusion batch size")
     parser.add_argument("--log", default=None, help="also append the log lines to this file")
-    parser.add_argument("--vae-from", default=None,
-                        help="reuse the VAE of this diffusers folder instead of training one (experiments)")
-    parser.add_argument("--checkpoint-every", type=int, default=0,
-                        help="write the EMA weights to --out every N diffusion steps (0: only at the end)")
-    parser.add_argument("--cpu-devices", type=int, default=2,
-                        help="XLA host devices to split the diffusion batch over when training on CPU (default 2: "
-                             "1.09x faster per step on 2 cores than one device); ignored on GPU/TPU")
+    parser.add_argument(
+        "--vae-from", default=None, help="reuse the VAE of this diffusers folder instead of training one (experiments)"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="write the EMA weights to --out every N diffusion steps (0: only at the end)",
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=2,
+        help="XLA host devices to split the diffusion batch over when training on CPU (default 2: "
+        "1.09x faster per step on 2 cores than one device); ignored on GPU/TPU",
+    )
     args = parser.parse_args(argv)
     if args.cpu_devices < 1:
         parser.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
@@ -56,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         runtime.configure_cpu()  # XLA:CPU's Eigen convolutions train ~1.4x faster than YNNPACK's
 
     cfg = PRESETS[args.preset]
-    overrides = {k: v for k, v in (("seed", args.seed), ("steps", args.steps), ("vae_steps", args.vae_steps),
-                                   ("batch", args.batch)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("seed", args.seed), ("steps", args.steps), ("vae_steps", args.vae_steps), ("batch", args.batch))
+        if v is not None
+    }
     cfg = cfg.replace(**overrides)
     log_file = open(args.log, "a", encoding="utf-8") if args.log else None  # noqa: SIM115 (open for the run)
 

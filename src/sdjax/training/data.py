@@ -60,7 +60,8 @@ def _held_out() -> frozenset[tuple[str, str, str]]:
 
 HELD_OUT: frozenset[tuple[str, str, str]] = _held_out()
 ALL_COMBINATIONS: tuple[tuple[str, str, str], ...] = tuple(
-    (c, s, b) for c in COLOURS for s in SHAPES for b in COLOURS if c != b)
+    (c, s, b) for c in COLOURS for s in SHAPES for b in COLOURS if c != b
+)
 TRAIN_COMBINATIONS: tuple[tuple[str, str, str], ...] = tuple(t for t in ALL_COMBINATIONS if t not in HELD_OUT)
 
 
@@ -78,9 +79,13 @@ class Scene:
     scale: float = 1.0
 
     def __post_init__(self):
-        for name, value, allowed in (("shape", self.shape, SHAPES), ("colour", self.colour, COLOURS),
-                                     ("background", self.background, COLOURS), ("size", self.size, SIZES),
-                                     ("position", self.position, POSITIONS)):
+        for name, value, allowed in (
+            ("shape", self.shape, SHAPES),
+            ("colour", self.colour, COLOURS),
+            ("background", self.background, COLOURS),
+            ("size", self.size, SIZES),
+            ("position", self.position, POSITIONS),
+        ):
             if value not in allowed:
                 raise ValueError(f"Scene.{name}={value!r}; expected one of {allowed}")
         if self.colour == self.background:
@@ -186,14 +191,22 @@ def partial_caption(scene: Scene, drop: str | Collection[str], variant: int = 0)
 
 def random_scene(rng: np.random.Generator, combinations=TRAIN_COMBINATIONS) -> Scene:
     colour, shape, background = combinations[rng.integers(len(combinations))]
-    return Scene(shape=shape, colour=colour, background=background, size=SIZES[rng.integers(len(SIZES))],
-                 position=POSITIONS[rng.integers(len(POSITIONS))], dx=float(rng.uniform(-2.5, 2.5)),
-                 dy=float(rng.uniform(-2.5, 2.5)), scale=float(rng.uniform(0.9, 1.1)))
+    return Scene(
+        shape=shape,
+        colour=colour,
+        background=background,
+        size=SIZES[rng.integers(len(SIZES))],
+        position=POSITIONS[rng.integers(len(POSITIONS))],
+        dx=float(rng.uniform(-2.5, 2.5)),
+        dy=float(rng.uniform(-2.5, 2.5)),
+        scale=float(rng.uniform(0.9, 1.1)),
+    )
 
 
 # Every non-empty subset of ATTRIBUTES, each equally likely to be left out of a partial caption.
 PARTIAL_DROPS: tuple[tuple[str, ...], ...] = tuple(
-    c for n in range(1, len(ATTRIBUTES) + 1) for c in itertools.combinations(ATTRIBUTES, n))
+    c for n in range(1, len(ATTRIBUTES) + 1) for c in itertools.combinations(ATTRIBUTES, n)
+)
 
 
 def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float = 0.2) -> str:
@@ -204,8 +217,9 @@ def random_caption(rng: np.random.Generator, scene: Scene, partial_rate: float =
     return caption(scene, int(rng.integers(15)))
 
 
-def sample_batch(seed: int, batch_size: int, *, partial_rate: float = 0.2,
-                 combinations=TRAIN_COMBINATIONS) -> tuple[np.ndarray, list[str]]:
+def sample_batch(
+    seed: int, batch_size: int, *, partial_rate: float = 0.2, combinations=TRAIN_COMBINATIONS
+) -> tuple[np.ndarray, list[str]]:
     """Images `(B, 64, 64, 3)` uint8 and their captions, deterministic from `seed`."""
     rng = np.random.default_rng(seed)
     scenes = [random_scene(rng, combinations) for _ in range(batch_size)]
@@ -226,6 +240,13 @@ def held_out_scenes(per_combination: int = 2) -> list[Scene]:
     for i, (colour, shape, background) in enumerate(sorted(HELD_OUT)):
         for j in range(per_combination):
             k = i * per_combination + j
-            scenes.append(Scene(shape=shape, colour=colour, background=background, size=SIZES[k % len(SIZES)],
-                                position=POSITIONS[(i + j * 2) % len(POSITIONS)]))
+            scenes.append(
+                Scene(
+                    shape=shape,
+                    colour=colour,
+                    background=background,
+                    size=SIZES[k % len(SIZES)],
+                    position=POSITIONS[(i + j * 2) % len(POSITIONS)],
+                )
+            )
     return scenes

@@ -1,6 +1,6 @@
 """Write trained sdjax params as a real diffusers `StableDiffusionPipeline` folder.
 
-The inverse of `sdjax.loading.convert`: a Flax param path becomes the PyTorch state-dict key
+The inverse of `sdjax.models.convert`: a Flax param path becomes the PyTorch state-dict key
 (`down_blocks_0/resnets_1/conv1/kernel` -> `down_blocks.0.resnets.1.conv1.weight`) and the layout goes back
 to PyTorch's (Dense `kernel (in, out)` -> `weight (out, in)`; Conv `kernel (H, W, I, O)` -> `weight (O, I, H, W)`;
 norm `scale` and Embed `embedding` -> `weight`). Which `name_N` segments were list indices (`nn.ModuleList`
@@ -38,8 +38,20 @@ TRANSFORMERS_VERSION = "5.23.0"
 
 # PyTorch `nn.ModuleList` / `nn.Sequential` attributes in diffusers' UNet2DConditionModel and AutoencoderKL and in
 # transformers' CLIPTextModel: their index is a key segment of its own (`resnets.0`), not part of the name.
-LIST_ATTRIBUTES = frozenset({"down_blocks", "up_blocks", "resnets", "attentions", "downsamplers", "upsamplers",
-                             "transformer_blocks", "to_out", "net", "layers"})
+LIST_ATTRIBUTES = frozenset(
+    {
+        "down_blocks",
+        "up_blocks",
+        "resnets",
+        "attentions",
+        "downsamplers",
+        "upsamplers",
+        "transformer_blocks",
+        "to_out",
+        "net",
+        "layers",
+    }
+)
 _INDEXED = re.compile(r"^(.*)_(\d+)$")
 
 
@@ -78,7 +90,7 @@ def _to_torch_layout(leaf: str, value: np.ndarray) -> np.ndarray:
 
 def params_to_state_dict(params: Mapping[str, Any], *, dtype=np.float32) -> dict[str, np.ndarray]:
     """Flax params -> PyTorch state dict (contiguous numpy arrays of `dtype`), the inverse of
-    `loading.convert.convert_state_dict`. Raises `ExportError` if two params map to one key."""
+    `models.convert.convert_state_dict`. Raises `ExportError` if two params map to one key."""
     out: dict[str, np.ndarray] = {}
     for path, value in flatten_dict(dict(params)).items():
         key = path_to_torch_key(path)
@@ -91,10 +103,12 @@ def params_to_state_dict(params: Mapping[str, Any], *, dtype=np.float32) -> dict
 
 def _config_dict(config: Any) -> dict[str, Any]:
     """A frozen config dataclass -> JSON-ready dict (tuples become lists)."""
+
     def plain(v):
         if isinstance(v, tuple):
             return [plain(x) for x in v]
         return v
+
     return {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
@@ -106,18 +120,28 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 def save_diffusers_model(folder: Path, class_name: str, config: Any, params: Mapping[str, Any]) -> None:
     """One diffusers model component: `config.json` + `diffusion_pytorch_model.safetensors`."""
     folder.mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "config.json",
-                {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION, **_config_dict(config)})
-    save_file(params_to_state_dict(params), str(folder / "diffusion_pytorch_model.safetensors"),
-              metadata={"format": "pt"})
+    _write_json(
+        folder / "config.json",
+        {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION, **_config_dict(config)},
+    )
+    save_file(
+        params_to_state_dict(params), str(folder / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"}
+    )
 
 
 def save_clip_text_model(folder: Path, config: Any, params: Mapping[str, Any]) -> None:
     """A transformers `CLIPTextModel`: `config.json` + `model.safetensors` (keys `text_model.*`, as SD ships)."""
     folder.mkdir(parents=True, exist_ok=True)
-    _write_json(folder / "config.json", {"architectures": ["CLIPTextModel"], "model_type": "clip_text_model",
-                                         "dtype": "float32", "transformers_version": TRANSFORMERS_VERSION,
-                                         **_config_dict(config)})
+    _write_json(
+        folder / "config.json",
+        {
+            "architectures": ["CLIPTextModel"],
+            "model_type": "clip_text_model",
+            "dtype": "float32",
+            "transformers_version": TRANSFORMERS_VERSION,
+            **_config_dict(config),
+        },
+    )
     save_file(params_to_state_dict(params), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -126,17 +150,36 @@ def save_clip_tokenizer(folder: Path, model_max_length: int = 77) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(CLIP_VOCAB_DIR / name, folder / name)
-    specials = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                "pad_token": "<|endoftext|>"}
+    specials = {
+        "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+    }
     _write_json(folder / "special_tokens_map.json", specials)
-    _write_json(folder / "tokenizer_config.json", {
-        **specials, "tokenizer_class": "CLIPTokenizer", "model_max_length": model_max_length,
-        "do_lower_case": True, "errors": "replace", "add_prefix_space": False,
-        "clean_up_tokenization_spaces": True})
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            **specials,
+            "tokenizer_class": "CLIPTokenizer",
+            "model_max_length": model_max_length,
+            "do_lower_case": True,
+            "errors": "replace",
+            "add_prefix_space": False,
+            "clean_up_tokenization_spaces": True,
+        },
+    )
 
 
-def export_pipeline(out: str | Path, *, text_config: Any, unet_config: Any, vae_config: Any,
-                    scheduler_config: Mapping[str, Any], params: Mapping[str, Any]) -> Path:
+def export_pipeline(
+    out: str | Path,
+    *,
+    text_config: Any,
+    unet_config: Any,
+    vae_config: Any,
+    scheduler_config: Mapping[str, Any],
+    params: Mapping[str, Any],
+) -> Path:
     """Write a complete `StableDiffusionPipeline` folder at `out` (replacing the components it writes).
 
     `params` holds `text_encoder`, `unet` and `vae` Flax params; `scheduler_config` is a diffusers
@@ -153,19 +196,23 @@ def export_pipeline(out: str | Path, *, text_config: Any, unet_config: Any, vae_
     save_clip_tokenizer(out / "tokenizer", text_config.max_position_embeddings)
     save_diffusers_model(out / "unet", "UNet2DConditionModel", unet_config, params["unet"])
     save_diffusers_model(out / "vae", "AutoencoderKL", vae_config, params["vae"])
-    _write_json(out / "scheduler" / "scheduler_config.json",
-                {"_diffusers_version": DIFFUSERS_VERSION, **scheduler_config})
-    _write_json(out / "model_index.json", {
-        "_class_name": "StableDiffusionPipeline",
-        "_diffusers_version": DIFFUSERS_VERSION,
-        "feature_extractor": [None, None],
-        "image_encoder": [None, None],
-        "requires_safety_checker": False,
-        "safety_checker": [None, None],
-        "scheduler": ["diffusers", scheduler_config["_class_name"]],
-        "text_encoder": ["transformers", "CLIPTextModel"],
-        "tokenizer": ["transformers", "CLIPTokenizer"],
-        "unet": ["diffusers", "UNet2DConditionModel"],
-        "vae": ["diffusers", "AutoencoderKL"],
-    })
+    _write_json(
+        out / "scheduler" / "scheduler_config.json", {"_diffusers_version": DIFFUSERS_VERSION, **scheduler_config}
+    )
+    _write_json(
+        out / "model_index.json",
+        {
+            "_class_name": "StableDiffusionPipeline",
+            "_diffusers_version": DIFFUSERS_VERSION,
+            "feature_extractor": [None, None],
+            "image_encoder": [None, None],
+            "requires_safety_checker": False,
+            "safety_checker": [None, None],
+            "scheduler": ["diffusers", scheduler_config["_class_name"]],
+            "text_encoder": ["transformers", "CLIPTextModel"],
+            "tokenizer": ["transformers", "CLIPTokenizer"],
+            "unet": ["diffusers", "UNet2DConditionModel"],
+            "vae": ["diffusers", "AutoencoderKL"],
+        },
+    )
     return out

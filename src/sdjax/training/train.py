@@ -116,40 +116,90 @@ SCHEDULER = {
     "thresholding": False,
 }
 
-_CLIP = dict(vocab_size=49408, hidden_size=64, intermediate_size=256, projection_dim=64, num_hidden_layers=2,
-             num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
-             bos_token_id=49406, eos_token_id=49407, pad_token_id=1)
+_CLIP = dict(
+    vocab_size=49408,
+    hidden_size=64,
+    intermediate_size=256,
+    projection_dim=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    max_position_embeddings=77,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+    bos_token_id=49406,
+    eos_token_id=49407,
+    pad_token_id=1,
+)
 # 64x64 images -> 16x16x4 latents (two 2x downsamplings); SD-style VAE blocks, no mid-block attention.
-_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32, 32), layers_per_block=1,
-            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-            norm_num_groups=4, sample_size=64, scaling_factor=1.0, mid_block_add_attention=False,
-            force_upcast=False)
+_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(16, 32, 32),
+    layers_per_block=1,
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    norm_num_groups=4,
+    sample_size=64,
+    scaling_factor=1.0,
+    mid_block_add_attention=False,
+    force_upcast=False,
+)
 # 16x16 latents, three resolutions (16, 8, 4) with cross-attention at each and in the 4x4 mid block: a convolution
 # knows where it is only through the zero padding at the borders, which every 4x4 pixel is near (a third level
 # costs about nothing here: 0.48 s per training step with it and without). Two attention heads (of 16 channels)
 # at the 16x16 level, four at the others: at 256 tokens the score tensor is most of a training step's time on
 # CPU, and two heads there make the step 1.3x faster than four (0.71 s against 0.92 s at batch 64).
-_UNET = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64, 64),
-             down_block_types=("CrossAttnDownBlock2D",) * 3, up_block_types=("CrossAttnUpBlock2D",) * 3,
-             cross_attention_dim=64, attention_head_dim=(2, 4, 4), norm_num_groups=8)
+_UNET = dict(
+    sample_size=16,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(32, 64, 64),
+    down_block_types=("CrossAttnDownBlock2D",) * 3,
+    up_block_types=("CrossAttnUpBlock2D",) * 3,
+    cross_attention_dim=64,
+    attention_head_dim=(2, 4, 4),
+    norm_num_groups=8,
+)
 
 PRESETS: dict[str, TrainConfig] = {
     # The shipped embedded model (see the README for its held-out scores).
     "embedded": TrainConfig(text_encoder=_CLIP, unet=_UNET, vae=_VAE, scheduler=SCHEDULER),
     # A seconds-long run for tests: same architecture family, tiny widths, a handful of steps.
     "tiny": TrainConfig(
-        text_encoder={**_CLIP, "hidden_size": 16, "intermediate_size": 32, "projection_dim": 16,
-                      "num_hidden_layers": 1},
-        unet={**_UNET, "block_out_channels": (8, 16, 16), "cross_attention_dim": 16, "attention_head_dim": 2,
-              "norm_num_groups": 4},
+        text_encoder={
+            **_CLIP,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "projection_dim": 16,
+            "num_hidden_layers": 1,
+        },
+        unet={
+            **_UNET,
+            "block_out_channels": (8, 16, 16),
+            "cross_attention_dim": 16,
+            "attention_head_dim": 2,
+            "norm_num_groups": 4,
+        },
         vae={**_VAE, "block_out_channels": (4, 8, 8), "norm_num_groups": 2},
-        scheduler=SCHEDULER, vae_steps=4, vae_batch=2, dataset_size=16, steps=4, batch=4, warmup=1),
+        scheduler=SCHEDULER,
+        vae_steps=4,
+        vae_batch=2,
+        dataset_size=16,
+        steps=4,
+        batch=4,
+        warmup=1,
+    ),
 }
 
 
 def model_configs(cfg: TrainConfig) -> tuple[CLIPTextConfig, UNet2DConditionConfig, AutoencoderKLConfig]:
-    return (CLIPTextConfig.from_dict(cfg.text_encoder, source="TrainConfig.text_encoder"),
-            UNet2DConditionConfig(**cfg.unet), AutoencoderKLConfig(**cfg.vae))
+    return (
+        CLIPTextConfig.from_dict(cfg.text_encoder, source="TrainConfig.text_encoder"),
+        UNet2DConditionConfig(**cfg.unet),
+        AutoencoderKLConfig(**cfg.vae),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -222,28 +272,31 @@ def train_vae(cfg: TrainConfig, vae_config: AutoencoderKLConfig, log: Log = prin
     t0 = time.time()
     for i in range(cfg.vae_steps):
         images, _ = next(stream)
-        params, opt_state, loss, (rec, kl) = step(params, opt_state,
-                                                   jax.device_put(images_to_nchw(images), split),
-                                                   jax.random.fold_in(key, i))
+        params, opt_state, loss, (rec, kl) = step(
+            params, opt_state, jax.device_put(images_to_nchw(images), split), jax.random.fold_in(key, i)
+        )
         losses.append(float(loss))
         if i % 100 == 0 or i == cfg.vae_steps - 1:
-            log(f"vae step {i:5d}  loss {float(loss):.4f}  rec {float(rec):.4f}  kl {float(kl):.2f}  "
-                f"{time.time() - t0:.0f}s")
+            log(
+                f"vae step {i:5d}  loss {float(loss):.4f}  rec {float(rec):.4f}  kl {float(kl):.2f}  "
+                f"{time.time() - t0:.0f}s"
+            )
     return params, losses
 
 
-def encode_dataset(vae: AutoencoderKL, params: dict, images: np.ndarray, batch: int = 64
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def encode_dataset(
+    vae: AutoencoderKL, params: dict, images: np.ndarray, batch: int = 64
+) -> tuple[np.ndarray, np.ndarray]:
     """Posterior mean and std NCHW of every image (float32)."""
     encode = jax.jit(lambda p, x: vae.apply({"params": p}, x, method=AutoencoderKL.encode))
     means, stds = [], []
     for i in range(0, len(images), batch):
-        chunk = images[i:i + batch]
+        chunk = images[i : i + batch]
         pad = batch - len(chunk)
         x = images_to_nchw(np.concatenate([chunk, np.repeat(chunk[-1:], pad, 0)]) if pad else chunk)
         post = encode(params, x)
-        means.append(np.asarray(post.mean)[:len(chunk)])
-        stds.append(np.asarray(post.std)[:len(chunk)])
+        means.append(np.asarray(post.mean)[: len(chunk)])
+        stds.append(np.asarray(post.std)[: len(chunk)])
     return np.concatenate(means), np.concatenate(stds)
 
 
@@ -273,7 +326,8 @@ def init_text_params(text_config: CLIPTextConfig, key, used_ids: np.ndarray) -> 
     emb = jnp.zeros_like(emb).at[used_ids].set(rows)
     params["text_model"]["embeddings"]["token_embedding"]["embedding"] = emb
     params["text_model"]["embeddings"]["position_embedding"]["embedding"] *= 0.01 / jnp.maximum(
-        jnp.std(params["text_model"]["embeddings"]["position_embedding"]["embedding"]), 1e-8)
+        jnp.std(params["text_model"]["embeddings"]["position_embedding"]["embedding"]), 1e-8
+    )
     return params
 
 
@@ -289,8 +343,9 @@ def min_snr_v_weight(snr, gamma: float):
     return (jnp.minimum(snr, gamma) + 1.0) / (snr + 1.0)
 
 
-def sample_timesteps(key, batch: int, num_t: int, low_share: float = 0.0, low_end: int = 0,
-                     low_start: int = 0) -> jax.Array:
+def sample_timesteps(
+    key, batch: int, num_t: int, low_share: float = 0.0, low_end: int = 0, low_start: int = 0
+) -> jax.Array:
     """`(batch,)` int timesteps: each is uniform over `[low_start, low_end)` with probability `low_share`, else
     uniform over `[0, num_t)`.
 
@@ -310,9 +365,16 @@ def sample_timesteps(key, batch: int, num_t: int, low_share: float = 0.0, low_en
     return jnp.where(jax.random.uniform(k_mix, (batch,)) < low_share, t_low, t_all)
 
 
-def diffusion_loss_fn(text_encoder: CLIPTextModel, unet: UNet2DConditionModel, alphas_cumprod: jax.Array,
-                      min_snr_gamma: float, prediction_type: str = "epsilon", low_t_share: float = 0.0,
-                      low_t_end: int = 0, low_t_start: int = 0):
+def diffusion_loss_fn(
+    text_encoder: CLIPTextModel,
+    unet: UNet2DConditionModel,
+    alphas_cumprod: jax.Array,
+    min_snr_gamma: float,
+    prediction_type: str = "epsilon",
+    low_t_share: float = 0.0,
+    low_t_end: int = 0,
+    low_t_start: int = 0,
+):
     """`loss(params, latents, ids, key)`: MSE to the noise (`epsilon`) or to `v = sqrt(ab) * noise -
     sqrt(1 - ab) * x0` (`v_prediction`, Salimans & Ho 2022), each weighted by Min-SNR-gamma (for v:
     `min_snr_v_weight`); timesteps from `sample_timesteps`."""
@@ -341,10 +403,17 @@ def diffusion_loss_fn(text_encoder: CLIPTextModel, unet: UNet2DConditionModel, a
     return loss
 
 
-def train_diffusion(cfg: TrainConfig, text_config: CLIPTextConfig, unet_config: UNet2DConditionConfig,
-                    latent_mean: np.ndarray, latent_std: np.ndarray, scenes: list[data.Scene],
-                    log: Log = print, checkpoint: Callable[[int, dict], None] | None = None,
-                    checkpoint_every: int = 0) -> tuple[dict, list[float]]:
+def train_diffusion(
+    cfg: TrainConfig,
+    text_config: CLIPTextConfig,
+    unet_config: UNet2DConditionConfig,
+    latent_mean: np.ndarray,
+    latent_std: np.ndarray,
+    scenes: list[data.Scene],
+    log: Log = print,
+    checkpoint: Callable[[int, dict], None] | None = None,
+    checkpoint_every: int = 0,
+) -> tuple[dict, list[float]]:
     """Train text encoder + UNet jointly on scaled latents; returns (EMA params, per-step losses).
 
     `checkpoint(step, ema_params)` is called every `checkpoint_every` steps (0: never)."""
@@ -358,20 +427,32 @@ def train_diffusion(cfg: TrainConfig, text_config: CLIPTextConfig, unet_config: 
     params = {
         "text_encoder": init_text_params(text_config, jax.random.fold_in(key, 0), caption_vocabulary_ids(tokenizer)),
         "unet": jax.jit(unet.init)(
-            jax.random.fold_in(key, 1), jnp.zeros((1,) + lat_shape), jnp.zeros((1,)),
-            jnp.zeros((1, text_config.max_position_embeddings, text_config.hidden_size)))["params"],
+            jax.random.fold_in(key, 1),
+            jnp.zeros((1,) + lat_shape),
+            jnp.zeros((1,)),
+            jnp.zeros((1, text_config.max_position_embeddings, text_config.hidden_size)),
+        )["params"],
     }
-    log(f"diffusion: text encoder {_count(params['text_encoder']) / 1e6:.2f}M params, unet "
-        f"{_count(params['unet']) / 1e6:.2f}M params; {cfg.steps} steps x {cfg.batch}, {len(scenes)} scenes")
+    log(
+        f"diffusion: text encoder {_count(params['text_encoder']) / 1e6:.2f}M params, unet "
+        f"{_count(params['unet']) / 1e6:.2f}M params; {cfg.steps} steps x {cfg.batch}, {len(scenes)} scenes"
+    )
     opt = _optimizer(cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay, cfg.grad_clip)
     replicated, split = data_parallel(cfg.batch)
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(opt.init(params), replicated)
     ema = params
     alphas_cumprod = jnp.asarray(training_alphas_cumprod(cfg.scheduler))
-    loss_fn = diffusion_loss_fn(text_encoder, unet, alphas_cumprod, cfg.min_snr_gamma,
-                                cfg.scheduler.get("prediction_type", "epsilon"), cfg.low_t_share, cfg.low_t_end,
-                                cfg.low_t_start)
+    loss_fn = diffusion_loss_fn(
+        text_encoder,
+        unet,
+        alphas_cumprod,
+        cfg.min_snr_gamma,
+        cfg.scheduler.get("prediction_type", "epsilon"),
+        cfg.low_t_share,
+        cfg.low_t_end,
+        cfg.low_t_start,
+    )
 
     @jax.jit
     def step(p, s, e, mean, std, ids, k, i):
@@ -395,8 +476,9 @@ def train_diffusion(cfg: TrainConfig, text_config: CLIPTextConfig, unet_config: 
         ids = tokenizer(captions)
         ids[rng.uniform(size=cfg.batch) < cfg.cfg_dropout] = empty
         batch = jax.device_put((latent_mean[idx], latent_std[idx], ids), split)
-        params, opt_state, ema, loss = step(params, opt_state, ema, *batch, jax.random.fold_in(key, 1000 + i),
-                                            jnp.float32(i))
+        params, opt_state, ema, loss = step(
+            params, opt_state, ema, *batch, jax.random.fold_in(key, 1000 + i), jnp.float32(i)
+        )
         pending.append(loss)  # read back at the log lines, so the host prepares the next batches meanwhile
         if i % 100 == 0 or i == cfg.steps - 1:
             losses += [float(x) for x in pending]
@@ -420,8 +502,14 @@ class TrainResult:
     seconds: float
 
 
-def train(cfg: TrainConfig, log: Log = print, *, vae: tuple[AutoencoderKLConfig, dict] | None = None,
-          checkpoint: Callable[[int, TrainResult], None] | None = None, checkpoint_every: int = 0) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    log: Log = print,
+    *,
+    vae: tuple[AutoencoderKLConfig, dict] | None = None,
+    checkpoint: Callable[[int, TrainResult], None] | None = None,
+    checkpoint_every: int = 0,
+) -> TrainResult:
     """Both stages; returns the configs (the VAE's with its measured `scaling_factor`) and the params.
 
     `vae=(config, params)` skips stage 1 and uses that autoencoder (its `scaling_factor` is measured again).
@@ -440,8 +528,10 @@ def train(cfg: TrainConfig, log: Log = print, *, vae: tuple[AutoencoderKLConfig,
     mean, std = encode_dataset(AutoencoderKL(vae_config), vae_params, images)
     scaling = float(f"{1.0 / float(np.std(mean)):.4g}")
     vae_config = dataclasses.replace(vae_config, scaling_factor=scaling)
-    log(f"latents: mean {mean.mean():.3f}, std {mean.std():.3f} -> scaling_factor {scaling}; "
-        f"posterior std {std.mean():.4f}")
+    log(
+        f"latents: mean {mean.mean():.3f}, std {mean.std():.3f} -> scaling_factor {scaling}; "
+        f"posterior std {std.mean():.4f}"
+    )
 
     def result(ema, losses) -> TrainResult:
         params = {"text_encoder": ema["text_encoder"], "unet": ema["unet"], "vae": vae_params}
@@ -449,8 +539,9 @@ def train(cfg: TrainConfig, log: Log = print, *, vae: tuple[AutoencoderKLConfig,
         return TrainResult(text_config, unet_config, vae_config, params, vae_losses, losses, time.time() - t0)
 
     on_checkpoint = None if checkpoint is None else (lambda step, ema: checkpoint(step, result(ema, [])))
-    ema, losses = train_diffusion(cfg, text_config, unet_config, mean * scaling, std * scaling, scenes, log,
-                                  on_checkpoint, checkpoint_every)
+    ema, losses = train_diffusion(
+        cfg, text_config, unet_config, mean * scaling, std * scaling, scenes, log, on_checkpoint, checkpoint_every
+    )
     out = result(ema, losses)
     log(f"trained in {out.seconds / 60:.1f} min")
     return out
@@ -459,5 +550,11 @@ def train(cfg: TrainConfig, log: Log = print, *, vae: tuple[AutoencoderKLConfig,
 def save(result: TrainResult, cfg: TrainConfig, out) -> None:
     from sdjax.training.export import export_pipeline
 
-    export_pipeline(out, text_config=result.text_config, unet_config=result.unet_config,
-                    vae_config=result.vae_config, scheduler_config=cfg.scheduler, params=result.params)
+    export_pipeline(
+        out,
+        text_config=result.text_config,
+        unet_config=result.unet_config,
+        vae_config=result.vae_config,
+        scheduler_config=cfg.scheduler,
+        params=result.params,
+    )

@@ -101,8 +101,10 @@ def convert_state_dict(
         raw = np.asarray(state_dict[key])
         value = _to_flax_layout(path[-1], raw)
         if tuple(value.shape) != want[path]:
-            misshaped.append(f"{key}: checkpoint {tuple(raw.shape)} (as Flax {tuple(value.shape)}) vs model "
-                             f"{want[path]} at {'/'.join(path)}")
+            misshaped.append(
+                f"{key}: checkpoint {tuple(raw.shape)} (as Flax {tuple(value.shape)}) vs model "
+                f"{want[path]} at {'/'.join(path)}"
+            )
             continue
         out[path] = cast(value) if cast is not None else value
     missing = ["/".join(p) for p in want if p not in seen]

@@ -44,8 +44,10 @@ def config_from_dict(cls: type[T], raw: dict[str, Any], *, source: str, ignore: 
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(k for k in raw if k not in fields and k not in BOOKKEEPING_KEYS and k not in ignore)
     if unknown:
-        raise ConfigError(f"{source}: unknown config key(s) {unknown} for {cls.__name__}; sdjax does not build "
-                          f"this architecture (known keys: {sorted(fields)})")
+        raise ConfigError(
+            f"{source}: unknown config key(s) {unknown} for {cls.__name__}; sdjax does not build "
+            f"this architecture (known keys: {sorted(fields)})"
+        )
     kwargs = {k: _freeze(v) for k, v in raw.items() if k in fields}
     try:
         return cls(**kwargs)
