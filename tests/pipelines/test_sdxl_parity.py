@@ -90,7 +90,7 @@ def test_sdxl_micro_conditioning_and_rescale_match_diffusers(loaded, torch_sdxl)
     kw = dict(original_size=(128, 96), crops_coords_top_left=(8, 4), target_size=(64, 64))
     # diffusers draws its own latents; ours come from the seed. Feed ours to diffusers.
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(7), i))(jnp.arange(2))
-    from sdjax.pipelines.common import per_image_normal
+    from sdjax.rng import per_image_normal
 
     latents = np.asarray(per_image_normal(keys, 0, (4, 8, 8)))
     ref = run_torch(torch_sdxl, latents, 4, NEGATIVE, guidance_rescale=0.7, **kw)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.rng import as_key_array, image_keys, per_image_normal  # noqa: F401 (re-exported)
+
 Progress = Callable[[str, int, int], None]
 
 
@@ -58,24 +60,6 @@ def check_size(height: int, width: int, multiple: int) -> None:
 def check_steps(num_inference_steps: int) -> None:
     if num_inference_steps < 1:
         raise ValueError(f"num_inference_steps={num_inference_steps} must be at least 1")
-
-
-def image_keys(key: jax.Array, count: int) -> jax.Array:
-    """One key per image: `fold_in(key, i)`, so an image does not depend on how the batch is split."""
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(count))
-
-
-def per_image_normal(keys: jax.Array, salt: int | jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
-    """Standard normal noise of `(len(keys),) + shape`, image `i` drawn from `fold_in(keys[i], salt)`."""
-    return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, salt), shape, dtype))(keys)
-
-
-def as_key_array(keys: Any) -> jax.Array:
-    """Accept raw uint32 keys `(..., 2)` or typed keys; return raw uint32 keys."""
-    keys = jnp.asarray(keys) if not isinstance(keys, jax.Array) else keys
-    if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(keys)
-    return keys
 
 
 def guidance_per_image(guidance_scale: Any, batch: int) -> jax.Array:
