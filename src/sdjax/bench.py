@@ -42,251 +42,8 @@ from typing import Any
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------------------- architectures
-# The released configs (config.json keys of diffusers / transformers); weights are random.
-_BETAS = dict(
-    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1
-)
-_CLIP_L = dict(
-    vocab_size=49408,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    max_position_embeddings=77,
-    hidden_act="quick_gelu",
-    layer_norm_eps=1e-5,
-    projection_dim=768,
-    bos_token_id=0,
-    eos_token_id=2,
-    pad_token_id=1,
-)
-_SD_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    latent_channels=4,
-    block_out_channels=(128, 256, 512, 512),
-    layers_per_block=2,
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-    norm_num_groups=32,
-    sample_size=512,
-    act_fn="silu",
-    scaling_factor=0.18215,
-)
-_SD_UNET = dict(
-    sample_size=64,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=2,
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768,
-    attention_head_dim=8,
-    norm_num_groups=32,
-    act_fn="silu",
-    flip_sin_to_cos=True,
-    freq_shift=0,
-    downsample_padding=1,
-    mid_block_scale_factor=1,
-    norm_eps=1e-5,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """A pipeline's component configs (diffusers / transformers keys) and its native image size."""
-
-    pipeline: str  # model_index.json `_class_name`
-    text_encoder: dict
-    unet: dict
-    vae: dict
-    scheduler: dict  # with `_class_name`
-    size: int
-    text_encoder_2: dict | None = None
-
-
-ARCHITECTURES: dict[str, Architecture] = {
-    # stable-diffusion-v1-5/stable-diffusion-v1-5
-    "sd15": Architecture(
-        "StableDiffusionPipeline",
-        _CLIP_L,
-        _SD_UNET,
-        _SD_VAE,
-        {"_class_name": "PNDMScheduler", **_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False},
-        512,
-    ),
-    # stabilityai/stable-diffusion-2-1 (768 px, v-prediction, OpenCLIP ViT-H text tower)
-    "sd21": Architecture(
-        "StableDiffusionPipeline",
-        dict(
-            _CLIP_L,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=23,
-            num_attention_heads=16,
-            hidden_act="gelu",
-            projection_dim=512,
-        ),
-        dict(
-            _SD_UNET,
-            sample_size=96,
-            attention_head_dim=(5, 10, 20, 20),
-            cross_attention_dim=1024,
-            use_linear_projection=True,
-            upcast_attention=True,
-        ),
-        dict(_SD_VAE, sample_size=768),
-        {
-            "_class_name": "DDIMScheduler",
-            **_BETAS,
-            "clip_sample": False,
-            "set_alpha_to_one": False,
-            "prediction_type": "v_prediction",
-        },
-        768,
-    ),
-    # stabilityai/stable-diffusion-xl-base-1.0
-    "sdxl": Architecture(
-        "StableDiffusionXLPipeline",
-        _CLIP_L,
-        dict(
-            sample_size=128,
-            in_channels=4,
-            out_channels=4,
-            layers_per_block=2,
-            block_out_channels=(320, 640, 1280),
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-            transformer_layers_per_block=(1, 2, 10),
-            attention_head_dim=(5, 10, 20),
-            cross_attention_dim=2048,
-            use_linear_projection=True,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=256,
-            projection_class_embeddings_input_dim=2816,
-            norm_num_groups=32,
-        ),
-        dict(_SD_VAE, sample_size=1024, scaling_factor=0.13025, force_upcast=True),
-        {"_class_name": "EulerDiscreteScheduler", **_BETAS, "timestep_spacing": "leading"},
-        1024,
-        text_encoder_2=dict(
-            _CLIP_L,
-            hidden_size=1280,
-            intermediate_size=5120,
-            num_hidden_layers=32,
-            num_attention_heads=20,
-            hidden_act="gelu",
-            projection_dim=1280,
-        ),
-    ),
-    # A seconds-long SD-shaped model for tests.
-    "tiny": Architecture(
-        "StableDiffusionPipeline",
-        dict(
-            _CLIP_L, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32
-        ),
-        dict(
-            _SD_UNET,
-            sample_size=8,
-            block_out_channels=(32, 64),
-            layers_per_block=1,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=32,
-            attention_head_dim=4,
-            norm_num_groups=8,
-        ),
-        dict(
-            _SD_VAE,
-            block_out_channels=(16, 32),
-            layers_per_block=1,
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            norm_num_groups=8,
-            sample_size=16,
-        ),
-        {"_class_name": "PNDMScheduler", **_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False},
-        16,
-    ),
-}
-
-
-def random_params(shapes: Any, seed: int, dtype) -> Any:
-    """Random weights for a params tree of `jax.ShapeDtypeStruct`: kernels N(0, 1/fan_in) (HWIO / (in, out)),
-    embeddings N(0, 0.02), norm scales 1, biases 0; floats in `dtype`. Deterministic from `seed`."""
-    import jax
-    import jax.numpy as jnp
-
-    rng = np.random.default_rng(seed)
-
-    def fill(path, leaf):
-        name = str(getattr(path[-1], "key", path[-1]))
-        shape = tuple(leaf.shape)
-        if name == "scale":
-            x = np.ones(shape, np.float32)
-        elif name == "bias":
-            x = np.zeros(shape, np.float32)
-        elif name == "embedding":
-            x = rng.standard_normal(shape, np.float32) * np.float32(0.02)
-        else:
-            fan_in = max(1, math.prod(shape[:-1]))
-            x = rng.standard_normal(shape, np.float32) * np.float32(1 / math.sqrt(fan_in))
-        return jnp.asarray(x, dtype)
-
-    return jax.tree_util.tree_map_with_path(fill, shapes)
-
-
-def build_pipeline(arch: str | Architecture, dtype, *, abstract: bool = False, seed: int = 0):
-    """The sdjax pipeline of an architecture with random weights -> `(pipeline, params)`.
-
-    `abstract=True`: params are `jax.ShapeDtypeStruct` (nothing allocated) except the small sampler state."""
-    import jax
-    import jax.numpy as jnp
-
-    from sdjax import samplers
-    from sdjax.models.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-    from sdjax.models.unet import UNet2DConditionConfig, UNet2DConditionModel
-    from sdjax.models.vae import AutoencoderKL, AutoencoderKLConfig
-    from sdjax.pipelines import StableDiffusionPipeline
-    from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
-    from sdjax.text.tokenizer import CLIPTokenizer
-
-    a = ARCHITECTURES[arch] if isinstance(arch, str) else arch
-    dtype = jnp.dtype(dtype)
-    parts = {
-        "text_encoder": (CLIPTextModel, CLIPTextConfig.from_dict(a.text_encoder, source="text_encoder")),
-        "unet": (UNet2DConditionModel, UNet2DConditionConfig(**a.unet)),
-        "vae": (AutoencoderKL, AutoencoderKLConfig(**a.vae)),
-    }
-    if a.text_encoder_2 is not None:
-        parts["text_encoder_2"] = (
-            CLIPTextModelWithProjection,
-            CLIPTextConfig.from_dict(a.text_encoder_2, source="text_encoder_2"),
-        )
-    modules, params = {}, {}
-    for i, (name, (cls, config)) in enumerate(parts.items()):
-        modules[name] = cls(config=config, dtype=dtype)
-        shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), cls.init_params_shape(config))
-        params[name] = shapes if abstract else random_params(shapes, seed + i, dtype)
-    sampler = samplers.get_sampler(dict(a.scheduler))
-    params["scheduler"] = sampler.create_state()
-    common = dict(
-        tokenizer=CLIPTokenizer.default(),
-        scheduler=sampler,
-        dtype=dtype,
-        name=f"random {a.pipeline}",
-        **{k: modules[k] for k in ("text_encoder", "unet", "vae")},
-    )
-    if a.pipeline == "StableDiffusionXLPipeline":
-        pipe = StableDiffusionXLPipeline(
-            tokenizer_2=CLIPTokenizer.default(pad_token="!"), text_encoder_2=modules["text_encoder_2"], **common
-        )
-    else:
-        pipe = StableDiffusionPipeline(**common)
-    pipe.params = params
-    return pipe, params
+from sdjax.models.presets import ARCHITECTURES, Architecture, random_params  # noqa: F401 (re-exported)
+from sdjax.pipelines.presets import build_pipeline
 
 
 # ---------------------------------------------------------------------------------------------- settings
@@ -457,33 +214,38 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         "load_s": load_s,
     }
     # One device: the pieces and the end-to-end executable all run on the first device (no batch splitting).
+    from sdjax.core import autoencoder
+
     pipe.devices = jax.devices()[:1]
+    gen = pipe.generator
+    cond = gen.models.conditioning
     prompts = ["a photograph of an astronaut riding a horse"] * b
-    ids = jnp.asarray(pipe.prepare_inputs(prompts))
-    neg = jnp.asarray(pipe.prepare_inputs([""] * b))
-    extra = pipe._batch_extra([""] * b, height, width)
-    extra = None if extra is None else jax.tree_util.tree_map(jnp.asarray, extra)
+    host = {
+        "ids": cond.tokenize(prompts),
+        "neg_ids": cond.tokenize([""] * b),
+        **cond.host_inputs(negative_prompts=[None] * b, height=height, width=width, task="txt2img"),
+    }
     f = pipe.vae_scale_factor
-    lat_shape = (b, pipe.unet.config.in_channels, height // f, width // f)
+    lat_shape = (b, pipe.vae.config.latent_channels, height // f, width // f)
 
     if cfg.memory_only:
-        return _memory_only(pipe, params, cfg, result, ids, neg, extra, height, width, log)
+        return _memory_only(pipe, params, cfg, result, height, width, log)
 
-    def conditioning(p, i, n, e):
-        return pipe._conditioning(p, i, n, height, width, e)
+    def conditioning(p, inputs):
+        return cond.encode(p, inputs, cfg=True)
 
+    inputs = {k: jnp.asarray(v) for k, v in host.items()}
     pieces: dict[str, dict[str, Any]] = {}
     log("compiling and timing the text encoder")
-    text_c, s = _compile(conditioning, params, ids, neg, extra)
-    context, added = text_c(params, ids, neg, extra)
-    pieces["text"] = {
-        "compile_s": s,
-        **_time(lambda: text_c(params, ids, neg, extra), cfg.reps),
-        "flops": _flops(text_c),
-    }
+    text_c, s = _compile(conditioning, params, inputs)
+    context, added = text_c(params, inputs)
+    pieces["text"] = {"compile_s": s, **_time(lambda: text_c(params, inputs), cfg.reps), "flops": _flops(text_c)}
 
     log("compiling and timing one UNet step")
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2 * b,) + lat_shape[1:], np.float32), dtype)
+    x = jnp.asarray(
+        np.random.default_rng(0).standard_normal((2 * b, pipe.unet.config.in_channels) + lat_shape[2:], np.float32),
+        dtype,
+    )
     t = jnp.full((2 * b,), 500.0, jnp.float32)
 
     def unet_step(p, x, t, c, a):
@@ -498,7 +260,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
 
     log("compiling and timing the VAE decoder")
     z = jnp.asarray(np.random.default_rng(1).standard_normal(lat_shape, np.float32))
-    decode_c, s = _compile(pipe._decode, params, z)
+
+    def decode(p, z):
+        return autoencoder.decode(pipe.vae, p["vae"], z, pipe.dtype)
+
+    decode_c, s = _compile(decode, params, z)
     pieces["decode"] = {"compile_s": s, **_time(lambda: decode_c(params, z), cfg.reps), "flops": _flops(decode_c)}
 
     log(f"compiling and timing end-to-end generation ({cfg.steps} steps)")
@@ -511,9 +277,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(jax.random.key(0), i)))(jnp.arange(b)), np.uint32
     )
     guidance = np.full((b,), 7.5, np.float32)
-    np_ids, np_neg = np.asarray(ids), np.asarray(neg)
-    np_extra = None if extra is None else jax.tree_util.tree_map(np.asarray, extra)
-    e2e = _time(lambda: run_e2e(np_ids, np_neg, keys, guidance, np_extra), cfg.reps)
+    extra = {k: v for k, v in host.items() if k not in ("ids", "neg_ids")}
+    e2e = _time(lambda: run_e2e(host["ids"], host["neg_ids"], keys, guidance, extra), cfg.reps)
     flop_parts = [pieces[k]["flops"] for k in ("text", "unet", "decode")]
     e2e_flops = (
         None
@@ -548,35 +313,21 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
     return result
 
 
-def _memory_only(pipe, params, cfg, result, ids, neg, extra, height, width, log) -> dict[str, Any]:
+def _memory_only(pipe, params, cfg, result, height, width, log) -> dict[str, Any]:
     """Compile end-to-end generation against abstract params and report XLA's memory analysis."""
     import jax
     import jax.numpy as jnp
 
     b = cfg.batch
     log(f"compiling end-to-end generation against abstract weights ({height}x{width}, batch {b})")
-
-    def spec(x):
-        return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype)
-
     t0 = time.perf_counter()
-    lowered = pipe._jit_sample.lower(
-        params,
-        spec(ids),
-        spec(neg),
-        jax.ShapeDtypeStruct((b, 2), jnp.uint32),
-        jax.ShapeDtypeStruct((b,), jnp.float32),
-        None,
-        None if extra is None else jax.tree_util.tree_map(spec, extra),
-        num_inference_steps=cfg.steps,
-        height=height,
-        width=width,
-        sampler=pipe._sampler(cfg.sampler),
-        progress=False,
-        guidance_rescale=0.0,
+    gen = pipe.generator
+    spec = gen.spec(batch=b, height=height, width=width, steps=cfg.steps, sampler=pipe._sampler(cfg.sampler))
+    compiled = gen.lower(spec, params=params).compile()
+    weights = sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree_util.tree_leaves({k: v for k, v in params.items() if k != "scheduler"})
     )
-    compiled = lowered.compile()
-    weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params))
     result.update(compile_s=time.perf_counter() - t0, weights_bytes=int(weights), e2e_memory=_memory(compiled))
     return result
 

@@ -227,7 +227,7 @@ def _plan(
 def load_pipeline_components(
     path_or_repo_id: str | os.PathLike,
     *,
-    expected_class: str | None = None,
+    expected_class: str | tuple[str, ...] | None = None,
     revision: str | None = None,
     variant: str | None = None,
     dtype: Any = jnp.float32,
@@ -249,8 +249,9 @@ def load_pipeline_components(
     `overrides` maps a component name to an object that replaces it (a sampler gets its state put in `params`;
     any other object's params are the caller's to supply) or to `None` to leave it out. An override for a name
     that `model_index.json` does not list is an error unless it is an optional component. `expected_class`
-    (e.g. "StableDiffusionPipeline") must equal `_class_name` (a `Flax` prefix is ignored); pass None to skip the
-    check. `dtype` is the dtype of the stored params and the compute dtype given to the modules.
+    (e.g. "StableDiffusionPipeline", or a tuple of accepted names) must name `_class_name` (a `Flax` prefix is
+    ignored); pass None to skip the check. `dtype` is the dtype of the stored params and the compute dtype given
+    to the modules.
     """
     overrides = dict(overrides or {})
     dtype = jnp.dtype(dtype)
@@ -260,10 +261,11 @@ def load_pipeline_components(
     def check(model_index: dict[str, Any], where: str) -> dict[str, tuple[str, str]]:
         """Everything that can be checked from `model_index.json` alone; on the Hub, before any download."""
         found = _normalize_class(model_index["_class_name"])
-        if expected_class is not None and found != _normalize_class(expected_class):
+        expected = (expected_class,) if isinstance(expected_class, str) else expected_class
+        if expected is not None and found not in {_normalize_class(c) for c in expected}:
             raise ValueError(
                 f"{where}: {files.MODEL_INDEX} describes a {model_index['_class_name']}, not a "
-                f"{expected_class}; load it with the matching pipeline class"
+                f"{' or '.join(expected)}; load it with the matching pipeline class"
             )
         entries = files.component_entries(model_index)
         stray = sorted(n for n in overrides if n not in entries and n not in OPTIONAL_COMPONENTS)

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-# The small model shipped inside the package (trained by sdjax itself, see sdjax.training).
-EMBEDDED_MODEL = str(Path(__file__).resolve().parents[1] / "assets" / "embedded")
-ALIASES = {"sdjax/embedded": EMBEDDED_MODEL, "embedded": EMBEDDED_MODEL}
-
-
-def resolve_alias(name: str | os.PathLike) -> str:
-    """`"sdjax/embedded"` -> the shipped model's folder; anything else unchanged."""
-    return ALIASES.get(str(name), str(name))
+from sdjax.models.presets import ALIASES, EMBEDDED_MODEL, resolve_alias  # noqa: F401 (re-exported)
 
 
 def pipeline_class_name(path_or_repo_id: str, **resolve_kwargs: Any) -> str:
@@ -42,7 +34,8 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
     model = resolve_alias(model or EMBEDDED_MODEL)
     resolve_kwargs = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
     name = pipeline_class_name(model, **resolve_kwargs)
-    classes = {cls.model_index_class: cls for cls in (StableDiffusionPipeline, StableDiffusionXLPipeline)}
+    name = name[4:] if name.startswith("Flax") else name
+    classes = {c: cls for cls in (StableDiffusionPipeline, StableDiffusionXLPipeline) for c in cls.model_index_classes}
     if name not in classes:
         raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; sdjax loads {sorted(classes)}")
     return classes[name].from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)

@@ -1,4 +1,4 @@
-"""Pieces shared by the SD and SDXL pipelines: outputs, validation, keys, the denoising loop."""
+"""Pieces shared by the guide API of every pipeline: outputs and argument checks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from sdjax.rng import as_key_array, image_keys, per_image_normal  # noqa: F401 (re-exported)
 
 Progress = Callable[[str, int, int], None]
 
@@ -71,58 +69,6 @@ def guidance_per_image(guidance_scale: Any, batch: int) -> jax.Array:
             f"or one per image (with pmap: shape (num_devices, 1) or (num_devices, batch_per_device))"
         )
     return jnp.broadcast_to(g, (batch,))
-
-
-def denoise(
-    *,
-    sampler,
-    sampler_state,
-    latents: jax.Array,
-    keys: jax.Array,
-    guidance: jax.Array,
-    num_inference_steps: int,
-    predict_noise: Callable[[jax.Array, jax.Array], jax.Array],
-    guidance_rescale: float = 0.0,
-    on_step: Callable[[jax.Array, int], None] | None = None,
-) -> jax.Array:
-    """Classifier-free-guided sampling loop under `lax.fori_loop`.
-
-    `latents` are the initial noise (not yet scaled by `init_noise_sigma`); `predict_noise(x_2b, t)` runs the UNet
-    on the unconditional and conditional halves stacked along the batch (uncond first). `on_step(i, total)`, if
-    given, is called on the host after each step (through `jax.debug.callback`, unordered, so it does not
-    serialize the loop); it is fixed at trace time.
-    """
-    state = sampler.set_timesteps(sampler_state, num_inference_steps, latents.shape)
-    latents = latents * sampler.init_noise_sigma(state)
-    calls = sampler.num_model_calls(num_inference_steps)
-    g = guidance.reshape((-1,) + (1,) * (latents.ndim - 1))
-
-    def body(i, carry):
-        x, st = carry
-        t = st.timesteps[i]
-        x_in = sampler.scale_model_input(st, jnp.concatenate([x, x]), i)
-        out = predict_noise(x_in, t).astype(jnp.float32)
-        uncond, cond = jnp.split(out, 2)
-        guided = uncond + g * (cond - uncond)
-        if guidance_rescale > 0:
-            guided = rescale_noise_cfg(guided, cond, guidance_rescale)
-        noise = per_image_normal(keys, i + 1, x.shape[1:]) if sampler.stochastic else None
-        x, st = sampler.step(st, guided, i, x, noise=noise)
-        if on_step is not None:
-            jax.debug.callback(on_step, i, calls, ordered=False)
-        return x, st
-
-    latents, _ = jax.lax.fori_loop(0, calls, body, (latents, state))
-    return latents
-
-
-def rescale_noise_cfg(guided: jax.Array, cond: jax.Array, rescale: float) -> jax.Array:
-    """Rescale guided noise toward the conditional prediction's per-image std (Lin et al. 2023, sec. 3.4)."""
-    axes = tuple(range(1, guided.ndim))
-    std_cond = jnp.std(cond, axis=axes, keepdims=True)
-    std_guided = jnp.std(guided, axis=axes, keepdims=True)
-    rescaled = guided * (std_cond / std_guided)
-    return rescale * rescaled + (1 - rescale) * guided
 
 
 def per_device_guidance(guidance_scale, ndev: int, per_device: int) -> jax.Array:

@@ -1,0 +1,50 @@
+"""Text conditioning of Stable Diffusion 1.x / 2.x: one CLIP text encoder (diffusers `StableDiffusionPipeline`).
+
+The UNet's context is the final-layer-normed last hidden state of the prompt `(B, 77, D)`; the unconditional
+branch encodes the negative prompt (the empty prompt when none is given), stacked before the conditional one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SDConditioning:
+    """Host side: `tokenize`, `host_inputs`; device side: `encode` (traced inside the generation program)."""
+
+    tokenizer: Any
+    text_encoder: Any
+
+    name = "sd"
+    components = ("text_encoder",)
+
+    @property
+    def ids_suffix(self) -> tuple[int, ...]:
+        return (self.tokenizer.model_max_length,)
+
+    def tokenize(self, prompts: Sequence[str]) -> np.ndarray:
+        """CLIP ids `(N, 77)` int32 (truncated with a warning)."""
+        return self.tokenizer(list(prompts))
+
+    def host_inputs(
+        self, *, negative_prompts: Sequence[str], height: int, width: int, task: str, **options: Any
+    ) -> dict[str, np.ndarray]:
+        """Per-image conditioning beyond the text: none for SD 1.x/2.x."""
+        if options:
+            raise TypeError(
+                f"unexpected conditioning argument(s) {sorted(options)} for an SD 1.x/2.x model "
+                f"(SDXL micro-conditioning applies to SDXL models only)"
+            )
+        return {}
+
+    def encode(self, params: dict, inputs: dict, *, cfg: bool) -> tuple[Any, dict]:
+        """`inputs["ids"]`, `inputs["neg_ids"]` -> (context `(2B or B, 77, D)`, UNet keyword arguments)."""
+        ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
+        out = self.text_encoder.apply({"params": params["text_encoder"]}, ids)
+        return out.last_hidden_state, {}

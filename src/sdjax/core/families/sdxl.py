@@ -1,0 +1,171 @@
+"""Text and micro-conditioning of Stable Diffusion XL (diffusers `StableDiffusionXLPipeline` and, for the
+refiner, `StableDiffusionXLImg2ImgPipeline`).
+
+- Ids are `(N, E, 77)`, one row per text encoder: E = 2 for the base model (CLIP ViT-L, then OpenCLIP bigG whose
+  tokenizer pads with "!"), E = 1 for the refiner (OpenCLIP bigG only).
+- The UNet context is the penultimate hidden state of each encoder (before the final layer norm), concatenated
+  along features; the pooled, projected embedding of the last encoder enters through the UNet's added embedding
+  together with the micro-conditioning `time_ids`.
+- `time_ids` as diffusers builds them: (orig_h, orig_w, crop_top, crop_left, target_h, target_w), or with
+  `requires_aesthetics_score` (the refiner) (orig_h, orig_w, crop_top, crop_left, aesthetic_score). The negative
+  ids follow each diffusers pipeline's own rules, kept here as they are (`negative_time_ids`).
+- With `force_zeros_for_empty_prompt`, an empty negative prompt gives zero unconditional embeddings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+Pair = tuple[int, int]
+OPTIONS = (
+    "original_size",
+    "crops_coords_top_left",
+    "target_size",
+    "negative_original_size",
+    "negative_crops_coords_top_left",
+    "negative_target_size",
+    "aesthetic_score",
+    "negative_aesthetic_score",
+)
+
+
+def _pair(name: str, value: Any) -> Pair:
+    try:
+        a, b = value
+        return int(a), int(b)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a pair of ints (height, width) / (top, left), got {value!r}") from None
+
+
+def negative_time_ids(
+    task: str,
+    aesthetic: bool,
+    *,
+    original_size: Pair,
+    crops: Pair,
+    target_size: Pair,
+    negative_original_size: Pair | None,
+    negative_crops: Pair | None,
+    negative_target_size: Pair | None,
+    negative_aesthetic_score: float,
+) -> tuple[float, ...]:
+    """The unconditional branch's time ids by diffusers' rules: the text-to-image pipeline reuses the positive ids
+    unless both a negative original and target size are given; the image-to-image and inpainting pipelines take
+    each negative size (default: the positive one) but the positive crop; the aesthetic variant takes the
+    negative crop (default (0, 0)) and the negative aesthetic score."""
+    if aesthetic:
+        return (*(negative_original_size or original_size), *(negative_crops or (0, 0)), negative_aesthetic_score)
+    if task == "txt2img":
+        if negative_original_size is not None and negative_target_size is not None:
+            return (*negative_original_size, *(negative_crops or (0, 0)), *negative_target_size)
+        return (*original_size, *crops, *target_size)
+    return (*(negative_original_size or original_size), *crops, *(negative_target_size or target_size))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SDXLConditioning:
+    """Host side: `tokenize`, `host_inputs`; device side: `encode`. `text_encoder`/`tokenizer` are None for the
+    refiner."""
+
+    tokenizer: Any
+    tokenizer_2: Any
+    text_encoder: Any
+    text_encoder_2: Any
+    force_zeros_for_empty_prompt: bool = True
+    requires_aesthetics_score: bool = False
+
+    name = "sdxl"
+
+    @property
+    def _pairs(self) -> list[tuple[str, Any, Any]]:
+        pairs = [
+            ("text_encoder", self.tokenizer, self.text_encoder),
+            ("text_encoder_2", self.tokenizer_2, self.text_encoder_2),
+        ]
+        return [p for p in pairs if p[2] is not None]
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self._pairs)
+
+    @property
+    def ids_suffix(self) -> tuple[int, ...]:
+        return (len(self._pairs), self.tokenizer_2.model_max_length)
+
+    def tokenize(self, prompts: Sequence[str]) -> np.ndarray:
+        """Ids `(N, E, 77)` int32, one row per text encoder."""
+        return np.stack([tok(list(prompts)) for _, tok, _ in self._pairs], axis=1)
+
+    def host_inputs(
+        self,
+        *,
+        negative_prompts: Sequence[str | None],
+        height: int,
+        width: int,
+        task: str,
+        original_size=None,
+        crops_coords_top_left=(0, 0),
+        target_size=None,
+        negative_original_size=None,
+        negative_crops_coords_top_left=None,
+        negative_target_size=None,
+        aesthetic_score: float = 6.0,
+        negative_aesthetic_score: float = 2.5,
+    ) -> dict[str, np.ndarray]:
+        """`time_ids`, `neg_time_ids` `(N, 6 or 5)` float32 and `zero_neg` `(N,)` bool for a batch (a negative
+        prompt of None is "none given": zero embeddings under `force_zeros_for_empty_prompt`, as diffusers)."""
+        size = (height, width)
+        original = _pair("original_size", original_size or size)
+        target = _pair("target_size", target_size or size)
+        crops = _pair("crops_coords_top_left", crops_coords_top_left)
+        neg = {
+            k: None if v is None else _pair(k, v)
+            for k, v in (
+                ("negative_original_size", negative_original_size),
+                ("negative_crops", negative_crops_coords_top_left),
+                ("negative_target_size", negative_target_size),
+            )
+        }
+        for name, v in (("aesthetic_score", aesthetic_score), ("negative_aesthetic_score", negative_aesthetic_score)):
+            if not np.isfinite(v):
+                raise ValueError(f"{name}={v!r} must be a finite number")
+        aesthetic = self.requires_aesthetics_score
+        pos = (*original, *crops, float(aesthetic_score)) if aesthetic else (*original, *crops, *target)
+        negative = negative_time_ids(
+            task,
+            aesthetic,
+            original_size=original,
+            crops=crops,
+            target_size=target,
+            negative_aesthetic_score=float(negative_aesthetic_score),
+            **neg,
+        )
+        n = len(negative_prompts)
+        return {
+            "time_ids": np.tile(np.asarray(pos, np.float32), (n, 1)),
+            "neg_time_ids": np.tile(np.asarray(negative, np.float32), (n, 1)),
+            "zero_neg": np.asarray([p is None and self.force_zeros_for_empty_prompt for p in negative_prompts]),
+        }
+
+    def encode(self, params: dict, inputs: dict, *, cfg: bool) -> tuple[Any, dict]:
+        """-> (context `(2B or B, 77, sum of widths)`, `{"text_embeds", "time_ids"}`)."""
+        ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
+        hidden, pooled = [], None
+        for k, (name, _, encoder) in enumerate(self._pairs):
+            out = encoder.apply({"params": params[name]}, ids[:, k])
+            hidden.append(out.hidden_states[-2])
+            pooled = out.text_embeds
+        context = jnp.concatenate(hidden, axis=-1)
+        time_ids = inputs["time_ids"]
+        if cfg:
+            batch = inputs["ids"].shape[0]
+            keep = jnp.concatenate([~inputs["zero_neg"], jnp.ones((batch,), bool)])
+            context = context * keep[:, None, None].astype(context.dtype)
+            pooled = pooled * keep[:, None].astype(pooled.dtype)
+            time_ids = jnp.concatenate([inputs["neg_time_ids"], time_ids])
+        return context, {"text_embeds": pooled, "time_ids": time_ids.astype(jnp.float32)}

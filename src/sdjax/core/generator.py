@@ -1,0 +1,554 @@
+"""The generator: one jitted program per static setting, run on a `Mesh`, with a bounded cache of executables.
+
+`program(models, spec, params, inputs, window)` is the whole generation as one pure function: text conditioning
+-> the task's initial latents and hooks -> `loop.denoise` over the window -> VAE decode. Everything that changes
+the compiled program is in the hashable `ProgramSpec` (task, batch, size, steps, sampler, guidance mode, outputs);
+everything else is an array input: prompt ids, per-image keys and guidance scales, the family's micro-conditioning,
+the task's images and masks, and the window `[start, end)` (so changing the strength does not recompile).
+
+`Generator` owns what is constant for a model -- the modules, the default sampler, the params -- and runs
+programs:
+- on a `Mesh` (`jit` with the batch split over the `data` axis and the params placed by `parallel.sharding`'s
+  rules), padding the batch to a multiple of the data axis;
+- from a cache of AOT-compiled executables keyed by `(ProgramSpec, mesh)`, least recently used out (count and
+  generated-code bytes bounded); an evicted executable is dropped, so XLA frees it;
+- placing params once per leaf: a leaf is placed again only when it is a different array (params are never cached
+  by the id of their dict, so new or edited params are always the ones used).
+
+The guide API's `pmap` path (`pipeline(..., jit=True)`) runs the same `program` under `jax.pmap`, and
+`pipeline._generate` traces it inside a user's own `pmap`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sdjax import rng
+from sdjax.core import autoencoder, loop
+from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
+from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax.parallel import sharding as sharding_lib
+
+Progress = Callable[[str, int, int], None]
+OUTPUTS = ("images", "latents")
+
+
+class Cancelled(Exception):
+    """A run stopped by its `should_stop` callback before the last denoising step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSpec:
+    """Everything that fixes a compiled generation program (hashable: the compile cache key)."""
+
+    task: TaskSpec
+    batch: int
+    height: int
+    width: int
+    steps: int
+    sampler: Any
+    cfg: bool = True  # compute the unconditional branch (False when every guidance scale is <= 1)
+    guidance_rescale: float = 0.0
+    output: str = "images"  # "images" (NHWC float32 in [0, 1]) or "latents" (NCHW float32)
+    interactive: bool = False  # a host callback per model call (progress, cancellation)
+    explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Models:
+    """The modules of one model (constant for a generator)."""
+
+    conditioning: Any
+    unet: Any
+    vae: Any
+    dtype: Any = jnp.float32
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae.config.latent_channels)
+
+    def components(self) -> tuple[str, ...]:
+        return (*self.conditioning.components, "unet", "vae")
+
+
+def program(
+    models: Models, spec: ProgramSpec, params: dict, inputs: dict, win: dict, on_step: Callable | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The whole generation -> `(images or latents, stopped)`. `inputs` hold per-image arrays with a leading batch
+    dimension; `win` holds the scalars `start`, `end` (and `run`, the id the host callback is called with)."""
+    batch = inputs["keys"].shape[0]
+    context, added = models.conditioning.encode(params, inputs, cfg=spec.cfg)
+    f = models.vae_scale_factor
+    shape = (batch, models.latent_channels, spec.height // f, spec.width // f)
+    sampler = spec.sampler
+    state = sampler.set_timesteps(sampler.create_state(), spec.steps, shape)
+    keys = inputs["keys"]
+    if spec.explicit_noise:
+        noise = inputs["noise"].astype(jnp.float32)
+    else:
+        noise = rng.per_image_normal(keys, rng.LATENTS, shape[1:])
+
+    def encode(images_nchw, stream):
+        eps = rng.per_image_normal(keys, stream, shape[1:])
+        return autoencoder.encode(models.vae, params["vae"], images_nchw, eps, models.dtype)
+
+    ctx = Context(
+        sampler=sampler,
+        state=state,
+        calls=int(sampler.num_model_calls(spec.steps)),
+        shape=shape,
+        keys=keys,
+        noise=noise,
+        start=win["start"],
+        end=win["end"],
+        cfg=spec.cfg,
+        unet_in_channels=int(models.unet.config.in_channels),
+        encode=encode,
+    )
+    latents, hooks = spec.task.prepare(ctx, inputs)
+
+    def model(x_in, t, **kwargs):
+        return models.unet.apply({"params": params["unet"]}, x_in.astype(models.dtype), t, context, **added, **kwargs)
+
+    interactive = spec.interactive and on_step is not None
+    latents, stopped = loop.denoise(
+        model=model,
+        sampler=sampler,
+        state=state,
+        latents=latents.astype(jnp.float32),
+        start=win["start"],
+        end=win["end"],
+        keys=keys,
+        guidance=inputs["guidance"],
+        cfg=spec.cfg,
+        guidance_rescale=spec.guidance_rescale,
+        hooks=hooks,
+        on_step=on_step if interactive else None,
+        on_step_args=(win["run"],) if interactive else (),
+    )
+    if spec.output == "latents":
+        return latents, stopped
+    height, width = spec.height, spec.width
+    images = jax.lax.cond(
+        stopped,
+        lambda z: jnp.zeros((z.shape[0], height, width, 3), jnp.float32),
+        lambda z: autoencoder.decode(models.vae, params["vae"], z, models.dtype),
+        latents,
+    )
+    return images, stopped
+
+
+# ------------------------------------------------------------------------------------------------- the cache
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    evictions: int = 0
+
+
+class ProgramCache:
+    """Compiled executables, least recently used out beyond `max_entries` or `max_bytes` of generated code."""
+
+    def __init__(self, max_entries: int = 16, max_bytes: int | None = None):
+        if max_entries < 1:
+            raise ValueError(f"max_entries={max_entries} must be at least 1")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        self._entries: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[Any, threading.Event] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self._entries.values())
+
+    def get(self, key, build: Callable[[], Any]):
+        """The executable for `key`, built (outside the lock; one builder per key) when missing."""
+        while True:
+            with self._lock:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    self.stats.hits += 1
+                    return self._entries[key][0]
+                event = self._building.get(key)
+                if event is None:
+                    event = self._building[key] = threading.Event()
+                    self.stats.misses += 1
+                    break
+            event.wait()
+        try:
+            value = build()
+            size = _code_bytes(value)
+            with self._lock:
+                self.stats.compiles += 1
+                self._entries[key] = (value, size)
+                self._evict()
+            return value
+        finally:
+            with self._lock:
+                self._building.pop(key, None)
+            event.set()
+
+    def _evict(self) -> None:
+        while len(self._entries) > self.max_entries or (
+            self.max_bytes is not None and len(self._entries) > 1 and self.nbytes > self.max_bytes
+        ):
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self.stats.evictions += len(self._entries)
+            self._entries.clear()
+
+
+def _code_bytes(executable) -> int:
+    try:
+        analysis = executable.memory_analysis()
+        return int(getattr(analysis, "generated_code_size_in_bytes", 0) or 0)
+    except Exception:  # not every backend reports it
+        return 0
+
+
+# ------------------------------------------------------------------------------------------------- the generator
+class Generator:
+    """Runs generation programs for one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        conditioning,
+        unet,
+        vae,
+        sampler,
+        params: dict | None = None,
+        dtype=jnp.float32,
+        mesh: Mesh | None = None,
+        devices: Sequence[Any] | None = None,
+        cache_size: int = 16,
+        cache_bytes: int | None = None,
+    ):
+        self.models = Models(conditioning, unet, vae, dtype)
+        self.sampler = sampler
+        self.params = params
+        self.mesh = mesh
+        self.devices = list(devices) if devices is not None else None
+        self.cache = ProgramCache(cache_size, cache_bytes)
+        self._placed: dict[Any, dict[int, tuple[Any, Any]]] = {}
+        self._place_lock = threading.Lock()
+        self._runs: dict[int, tuple[Progress | None, Callable[[], bool] | None]] = {}
+        self._run_ids = itertools.count(1)
+        self._pmapped: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ placement
+    def get_mesh(self) -> Mesh:
+        """`self.mesh` if set, else a data-parallel mesh over `self.devices` (default: every device)."""
+        if self.mesh is not None:
+            return self.mesh
+        devices = self.devices or jax.devices()
+        return sharding_lib.make_mesh(len(devices), 1, devices)
+
+    def place_params(self, params: dict, mesh: Mesh) -> dict:
+        """`params` on `mesh` by the sharding rules. A leaf seen before (the same immutable array object, kept
+        alive by this cache so its id is not reused) keeps its placed copy; any other leaf is placed now."""
+        mesh_key = _mesh_key(mesh)
+        specs = sharding_lib.param_specs(params, mesh)
+        with self._place_lock:
+            old = self._placed.get(mesh_key, {})
+            new: dict[int, tuple[Any, Any]] = {}
+
+            def place(x, spec):
+                hit = old.get(id(x))
+                if hit is not None and hit[0] is x and isinstance(x, jax.Array):
+                    new[id(x)] = hit
+                    return hit[1]
+                placed = jax.device_put(x, NamedSharding(mesh, spec))
+                if isinstance(x, jax.Array):
+                    new[id(x)] = (x, placed)
+                return placed
+
+            placed = jax.tree_util.tree_map(place, params, specs)
+            self._placed = {mesh_key: new}
+        return placed
+
+    def check_params(self, params: Any) -> dict:
+        if params is None:
+            raise ValueError("no params: pass params= or load the pipeline with from_pretrained")
+        if not isinstance(params, dict):
+            raise TypeError(f"params must be the dict returned by from_pretrained, got {type(params).__name__}")
+        missing = [k for k in self.models.components() if k not in params]
+        if missing:
+            raise KeyError(f"params is missing component(s) {missing}; pass the params from from_pretrained")
+        return {k: params[k] for k in self.models.components()}
+
+    # ------------------------------------------------------------------ specs and windows
+    def spec(
+        self,
+        *,
+        task: TaskSpec | None = None,
+        batch: int,
+        height: int,
+        width: int,
+        steps: int,
+        sampler=None,
+        cfg: bool = True,
+        guidance_rescale: float = 0.0,
+        output: str = "images",
+        interactive: bool = False,
+        explicit_noise: bool = False,
+    ) -> ProgramSpec:
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r} must be one of {list(OUTPUTS)}")
+        return ProgramSpec(
+            task=task or Txt2Img(),
+            batch=int(batch),
+            height=int(height),
+            width=int(width),
+            steps=int(steps),
+            sampler=sampler if sampler is not None else self.sampler,
+            cfg=bool(cfg),
+            guidance_rescale=float(guidance_rescale),
+            output=output,
+            interactive=bool(interactive),
+            explicit_noise=bool(explicit_noise),
+        )
+
+    def window(self, spec: ProgramSpec, task: TaskRequest) -> tuple[int, int]:
+        return window(
+            spec.sampler,
+            spec.steps,
+            strength=task.strength,
+            denoising_start=task.denoising_start,
+            denoising_end=task.denoising_end,
+        )
+
+    # ------------------------------------------------------------------ programs
+    def _jitted(self, spec: ProgramSpec):
+        return jax.jit(functools.partial(program, self.models, spec, on_step=self._on_step))
+
+    def lower(
+        self, spec: ProgramSpec, *, params: Any = None, mesh: Mesh | None = None, inputs: dict | None = None
+    ) -> jax.stages.Lowered:
+        """Lower the program for `spec` on `mesh` (default: the generator's). `params` may be arrays or abstract
+        `jax.ShapeDtypeStruct`s (nothing allocated: shapes from the config, e.g. for a TPU topology); they are
+        placed, or given shardings, by the rules table. `inputs` are example host arrays, used for their shapes."""
+        mesh = mesh or self.get_mesh()
+        params = self.check_params(self.params if params is None else params)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params)):
+            specs = sharding_lib.param_specs(params, mesh)
+            placed = jax.tree_util.tree_map(
+                lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), params, specs
+            )
+        else:
+            placed = self.place_params(params, mesh)
+        example = inputs if inputs is not None else self.example_inputs(spec)
+        abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), example)
+        return self._jitted(spec).lower(placed, abstract, self._window_spec(mesh))
+
+    def compile(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
+        """The AOT-compiled executable for `spec` on the current mesh (from the cache, or compiled now).
+
+        `inputs` are example host arrays (default: zeros of the right shapes), used only for their shapes."""
+        mesh = self.get_mesh()
+        key = (spec, _mesh_key(mesh))
+        return self.cache.get(key, lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs).compile())
+
+    def _window_spec(self, mesh: Mesh) -> dict:
+        rep = NamedSharding(mesh, PartitionSpec())
+        return {k: jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for k in ("start", "end", "run")}
+
+    def example_inputs(self, spec: ProgramSpec) -> dict[str, np.ndarray]:
+        """Zero host inputs of the shapes `spec` takes (for compiling ahead of time)."""
+        n = spec.batch
+        cond = self.models.conditioning
+        ids = np.zeros((n, *cond.ids_suffix), np.int32)
+        out = {
+            "ids": ids,
+            "neg_ids": ids,
+            "keys": np.zeros((n, 2), np.uint32),
+            "guidance": np.ones((n,), np.float32),
+            **cond.host_inputs(negative_prompts=[""] * n, height=spec.height, width=spec.width, task=spec.task.name),
+        }
+        f = self.models.vae_scale_factor
+        for name in spec.task.inputs:
+            out[name] = np.zeros(
+                _task_input_shape(name, n, spec.height, spec.width, f, self.models.latent_channels), np.float32
+            )
+        if spec.explicit_noise:
+            out["noise"] = np.zeros((n, self.models.latent_channels, spec.height // f, spec.width // f), np.float32)
+        return out
+
+    # ------------------------------------------------------------------ running
+    def run(
+        self,
+        *,
+        prompts: Sequence[str],
+        negative_prompts: Sequence[str],
+        keys: np.ndarray,
+        guidance_scales: Sequence[float],
+        steps: int,
+        height: int,
+        width: int,
+        sampler=None,
+        task: TaskRequest | None = None,
+        conditioning: dict | None = None,
+        noise: np.ndarray | None = None,
+        pad_to: int | None = None,
+        params: dict | None = None,
+        output: str = "images",
+        guidance_rescale: float = 0.0,
+        progress: Progress | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        interactive: bool | None = None,
+        ids: np.ndarray | None = None,
+        neg_ids: np.ndarray | None = None,
+        cfg: bool | None = None,
+    ) -> np.ndarray:
+        """Images `(N, H, W, 3)` float32 in [0, 1] (or latents `(N, C, h, w)` with `output="latents"`).
+
+        `keys` `(N, 2)` uint32: image `i` draws all of its noise from `keys[i]` (`sdjax.rng`). The batch is padded
+        to `pad_to` (or the next multiple of the mesh's data axis) and split over the `data` axis; padding images
+        are dropped. A negative prompt of None means "none given" (the empty prompt; SDXL zeroes its embeddings
+        under `force_zeros_for_empty_prompt`). `ids`/`neg_ids` (already tokenized) replace the tokenization of
+        `prompts`/`negative_prompts`. `cfg` (default: whether any guidance scale exceeds 1) computes the
+        unconditional branch. Raises `Cancelled` when `should_stop()` returned True between two model calls.
+        """
+        task = task or TaskRequest(Txt2Img())
+        n = len(prompts) if ids is None else int(np.shape(ids)[0])
+        keys = np.asarray(keys, np.uint32).reshape(n, 2)
+        guidance = np.asarray(guidance_scales, np.float32).reshape(-1)
+        if guidance.shape != (n,):
+            raise ValueError(f"guidance_scales: got {guidance.shape[0]} values for {n} images")
+        mesh = self.get_mesh()
+        ndata = mesh.shape[sharding_lib.DATA]
+        total = -(-max(n, pad_to or 0) // ndata) * ndata
+        pad = total - n
+        negs = list(negative_prompts) + [""] * pad
+        if len(negative_prompts) != n:
+            raise ValueError(f"negative_prompts: got {len(negative_prompts)} for {n} images")
+        host = {
+            "ids": _pad(self.models.conditioning.tokenize(list(prompts)) if ids is None else np.asarray(ids), pad),
+            "neg_ids": (
+                self.models.conditioning.tokenize([p if isinstance(p, str) else "" for p in negs])
+                if neg_ids is None
+                else _pad(np.asarray(neg_ids), pad)
+            ),
+            "keys": _pad(keys, pad),
+            "guidance": _pad(guidance, pad, fill=1.0),
+            **self.models.conditioning.host_inputs(
+                negative_prompts=negs, height=height, width=width, task=task.spec.name, **(conditioning or {})
+            ),
+        }
+        for name in task.spec.inputs:
+            if name not in task.arrays:
+                raise ValueError(f"the {task.spec.name} task needs the input {name!r}")
+            host[name] = _pad(np.asarray(task.arrays[name], np.float32), pad)
+        if noise is not None:
+            host["noise"] = _pad(np.asarray(noise, np.float32), pad)
+        interactive = (progress is not None or should_stop is not None) if interactive is None else interactive
+        spec = self.spec(
+            task=task.spec,
+            batch=total,
+            height=height,
+            width=width,
+            steps=steps,
+            sampler=sampler,
+            cfg=bool((guidance > 1).any()) if cfg is None else cfg,
+            guidance_rescale=guidance_rescale,
+            output=output,
+            interactive=interactive,
+            explicit_noise=noise is not None,
+        )
+        start, end = self.window(spec, task)
+        params = self.check_params(self.params if params is None else params)
+        executable = self.compile(spec, params=params, inputs=host)
+        placed = self.place_params(params, mesh)
+        inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}
+        run_id = next(self._run_ids)
+        win = {
+            k: jax.device_put(np.int32(v), NamedSharding(mesh, PartitionSpec()))
+            for k, v in (("start", start), ("end", end), ("run", run_id))
+        }
+        self._runs[run_id] = (progress, should_stop)
+        try:
+            if progress is not None:
+                progress("denoise", 0, end - start)
+            out, stopped = executable(placed, inputs, win)
+            out = sharding_lib.gather_to_host(out)
+            if bool(np.asarray(stopped)):
+                raise Cancelled("stopped by should_stop() before the last denoising step")
+        finally:
+            self._runs.pop(run_id, None)
+        if progress is not None and output == "images":
+            progress("decode", 1, 1)
+        return out[:n]
+
+    def _on_step(self, run_id: int, step: int, total: int) -> bool:
+        progress, should_stop = self._runs.get(run_id, (None, None))
+        if progress is not None:
+            progress("denoise", step, total)
+        return bool(should_stop()) if should_stop is not None else False
+
+    # ------------------------------------------------------------------ the guide API (pmap)
+    def pmapped(self, spec: ProgramSpec):
+        """`pmap` of the program for `spec`: `(params, inputs, window) -> (outputs, stopped)`, params and inputs
+        with a leading device axis, the window broadcast."""
+        fn = self._pmapped.get(spec)
+        if fn is None:
+            fn = jax.pmap(functools.partial(program, self.models, spec), in_axes=(0, 0, None))
+            if len(self._pmapped) >= self.cache.max_entries:
+                self._pmapped.pop(next(iter(self._pmapped)))
+            self._pmapped[spec] = fn
+        return fn
+
+
+def _task_input_shape(name: str, n: int, height: int, width: int, f: int, latent_channels: int):
+    if name == "image":
+        return (n, 3, height, width)
+    if name == "mask":
+        return (n, 1, height, width)
+    if name == "image_latents":
+        return (n, latent_channels, height // f, width // f)
+    raise ValueError(f"unknown task input {name!r}")
+
+
+def _pad(x: np.ndarray, pad: int, fill: float = 0.0) -> np.ndarray:
+    if pad == 0:
+        return x
+    return np.concatenate([x, np.full((pad,) + x.shape[1:], fill, x.dtype)])
+
+
+def _abstract(x, mesh: Mesh):
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_lib.batch_sharding(mesh))
+
+
+def _mesh_key(mesh: Mesh):
+    return (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape)

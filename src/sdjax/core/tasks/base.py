@@ -1,0 +1,145 @@
+"""What every task shares: the static spec contract, the request a caller builds, and the step window.
+
+A task is a frozen, hashable spec (part of the compile key) with one traced method, `prepare(ctx, inputs)`, that
+returns the initial latents and the loop hooks; the per-image arrays it needs (an init image, a mask) travel in a
+`TaskRequest` built on the host by the task module's `request(...)` function, next to the strength or
+denoising window that selects the model calls `[start, end)` of the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax.core.loop import Hook
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a task's `prepare` gets inside the generation program."""
+
+    sampler: Any
+    state: Any  # the sampler state after set_timesteps
+    calls: int  # model calls of the full schedule
+    shape: tuple[int, ...]  # latent shape (B, C, h, w)
+    keys: jax.Array  # (B, 2) per-image keys
+    noise: jax.Array  # (B, C, h, w) the initial noise (drawn from the keys, or given)
+    start: jax.Array  # first model call (traced int32)
+    end: jax.Array  # one past the last model call (traced int32)
+    cfg: bool
+    unet_in_channels: int
+    encode: Callable[[jax.Array, int], jax.Array]  # (images NCHW in [-1, 1], rng stream) -> UNet latents
+
+    def add_noise_at(self, x0: jax.Array, index: jax.Array) -> jax.Array:
+        """`x0` noised to the level of model call `index` with the initial noise (diffusers' `add_noise` after
+        `set_begin_index(index)`)."""
+        return add_noise_at(self.sampler, self.state, x0, self.noise, index)
+
+    def noised_start(self, x0: jax.Array) -> jax.Array:
+        """`x0` noised to the window's first model call; `x0` itself when the window is empty (strength 0)."""
+        index = jnp.minimum(self.start, self.calls - 1)
+        return jnp.where(self.start < self.calls, self.add_noise_at(x0, index), x0)
+
+
+def add_noise_at(sampler, state, x0, noise, index):
+    """`sampler.add_noise_at`, or (for a sampler without it) its timestep-keyed `add_noise` at `timesteps[index]`."""
+    at = getattr(sampler, "add_noise_at", None)
+    if at is not None:
+        return at(state, x0, noise, index)
+    t = jnp.broadcast_to(state.timesteps[index], (x0.shape[0],))
+    return sampler.add_noise(state, x0, noise, t)
+
+
+class TaskSpec:
+    """A task's static part. Subclasses are frozen dataclasses (hashable: they key compiled programs)."""
+
+    name: ClassVar[str] = ""
+    inputs: ClassVar[tuple[str, ...]] = ()  # per-image arrays the task reads from the program inputs
+
+    def prepare(self, ctx: Context, inputs: dict[str, jax.Array]) -> tuple[jax.Array, list[Hook]]:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class TaskRequest:
+    """A task with its per-image host arrays (leading dimension = number of images) and its window settings."""
+
+    spec: TaskSpec
+    arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    strength: float = 1.0
+    denoising_start: float | None = None
+    denoising_end: float | None = None
+    finish: Callable[[np.ndarray], np.ndarray] | None = None  # host post-processing of uint8 images (N, H, W, 3)
+
+    def __post_init__(self):
+        check_fraction("strength", self.strength, allow_zero=True)
+        for name in ("denoising_start", "denoising_end"):
+            value = getattr(self, name)
+            if value is not None:
+                check_fraction(name, value, allow_zero=False)
+        if (
+            self.denoising_start is not None
+            and self.denoising_end is not None
+            and self.denoising_start >= self.denoising_end
+        ):
+            raise ValueError(f"denoising_start={self.denoising_start} must be below denoising_end={self.denoising_end}")
+
+
+def check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__} {value!r}")
+    value = float(value)
+    low_ok = value >= 0 if allow_zero else value > 0
+    if not (low_ok and value <= 1):
+        raise ValueError(f"{name}={value!r} must lie in {'[0, 1]' if allow_zero else '(0, 1]'}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------- the window
+def sampler_timesteps(sampler, steps: int) -> np.ndarray:
+    """The timesteps fed to the model at each model call (one per call)."""
+    fn = getattr(sampler, "timesteps_for", None)
+    return np.asarray(fn(steps) if fn is not None else sampler._tables(steps)["timesteps"])
+
+
+def window(
+    sampler,
+    steps: int,
+    *,
+    strength: float = 1.0,
+    denoising_start: float | None = None,
+    denoising_end: float | None = None,
+) -> tuple[int, int]:
+    """The model calls `[start, end)` diffusers runs for these settings.
+
+    - `strength` (img2img, inpainting): `init = min(int(steps * strength), steps)`, the loop starts at step
+      `steps - init`, i.e. model call `(steps - init) * sampler.order`; when `init` is 0 (strength 0, or below
+      `1 / steps`) no model call runs and the result is the VAE round trip of the input (diffusers refuses).
+    - `denoising_start` (the SDXL refiner hand-off; overrides `strength`): the calls whose timestep is below
+      `round(T - denoising_start * T)`, one more for a second-order sampler when the count is even.
+    - `denoising_end` (the SDXL base hand-off): the leading calls of the window whose timestep is at least
+      `round(T - denoising_end * T)`.
+    """
+    calls = int(sampler.num_model_calls(steps))
+    order = int(getattr(sampler, "order", 1))
+    timesteps = sampler_timesteps(sampler, steps)
+    T = sampler.num_train_timesteps
+    if denoising_start is not None:
+        cutoff = int(round(T - denoising_start * T))
+        count = int((timesteps < cutoff).sum())
+        if order == 2 and count % 2 == 0:
+            count += 1
+        start = max(calls - count, 0)
+    else:
+        init = min(int(steps * strength), steps)
+        start = calls if init == 0 else (steps - init) * order
+    end = calls
+    if denoising_end is not None:
+        cutoff = int(round(T - denoising_end * T))
+        end = start + int((timesteps[start:] >= cutoff).sum())
+    return start, end

@@ -1,0 +1,154 @@
+"""Inpainting (diffusers `StableDiffusionInpaintPipeline` / `StableDiffusionXLInpaintPipeline`): white mask pixels
+are repainted, black ones kept.
+
+- A 9-channel inpainting UNet (SD 1.5 / 2 inpainting, SDXL inpainting) sees, after the scaled latents, the mask
+  at latent resolution and the VAE latents of the masked image (`image * (mask < 0.5)`), concatenated along
+  channels: a `model_input` hook.
+- Any ordinary 4-channel UNet inpaints by latent blending: after each step the kept region is replaced by the
+  init image's latents noised to the next step's level (clean after the last step): an `after_step` hook.
+- Strength 1 starts from pure noise (times `init_noise_sigma`), lower strengths from the noised init image.
+- `padding_mask_crop` (A1111's "inpaint only masked"): the region around the mask, widened to the output's aspect
+  ratio, is cropped, repainted at full resolution and pasted back; `paste_back` composites the original over the
+  result where the mask is black (soft where a blurred mask is grey), so unmasked pixels come back exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax import rng
+from sdjax.core import images as image_lib
+from sdjax.core.loop import Hook
+from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Inpaint(TaskSpec):
+    """`from_noise`: strength 1 (start from pure noise); `add_noise`: False for the `denoising_start` hand-off."""
+
+    from_noise: bool = False
+    add_noise: bool = True
+
+    name = "inpaint"
+    inputs = ("image", "mask")
+
+    def prepare(self, ctx: Context, inputs):
+        image, mask = inputs["image"].astype(jnp.float32), inputs["mask"].astype(jnp.float32)
+        channels = ctx.shape[1]
+        nine = ctx.unet_in_channels == 2 * channels + 1
+        if not nine and ctx.unet_in_channels != channels:
+            raise ValueError(
+                f"inpainting needs a UNet with {channels} (latent blending) or {2 * channels + 1} "
+                f"(inpainting model) input channels, this one has {ctx.unet_in_channels}"
+            )
+        f = image.shape[-1] // ctx.shape[-1]
+        mask_latent = mask[:, :, ::f, ::f]  # nearest, as torch.nn.functional.interpolate's default
+        image_latents = None
+        if not nine or not self.from_noise or not self.add_noise:
+            image_latents = ctx.encode(image, rng.ENCODE_IMAGE)
+        if not self.add_noise:
+            latents = image_latents
+        elif self.from_noise:
+            latents = ctx.noise * ctx.sampler.init_noise_sigma(ctx.state)
+        else:
+            latents = ctx.noised_start(image_latents)
+        if nine:
+            masked_latents = ctx.encode(image * (mask < 0.5), rng.ENCODE_MASKED_IMAGE)
+            return latents, [MaskedImageInput(mask_latent, masked_latents, ctx.cfg)]
+        return latents, [LatentBlend(ctx, image_latents, mask_latent)]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedImageInput(Hook):
+    """9-channel UNets: concatenate the latent mask and the masked image's latents after the model input."""
+
+    mask: jax.Array
+    masked_latents: jax.Array
+    cfg: bool
+
+    def model_input(self, step, x_in):
+        extra = jnp.concatenate([self.mask, self.masked_latents], axis=1)
+        if self.cfg:
+            extra = jnp.concatenate([extra, extra])
+        return jnp.concatenate([x_in, extra.astype(x_in.dtype)], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentBlend(Hook):
+    """4-channel UNets: keep the init image's latents, noised to the next step's level, outside the mask."""
+
+    ctx: Context
+    image_latents: jax.Array
+    mask: jax.Array
+
+    def after_step(self, step, x, state):
+        ctx, nxt = self.ctx, step + 1
+        noised = ctx.add_noise_at(self.image_latents, jnp.minimum(nxt, ctx.calls - 1))
+        proper = jnp.where(nxt < ctx.end, noised, self.image_latents)
+        return (1 - self.mask) * proper + self.mask * x
+
+
+def request(
+    images: Sequence[Any],
+    masks: Sequence[Any],
+    *,
+    width: int,
+    height: int,
+    strength: float = 1.0,
+    resize_mode: str = "resize",
+    mask_blur: float = 0.0,
+    padding_mask_crop: int | None = None,
+    paste_back: bool | None = None,
+    denoising_start: float | None = None,
+    denoising_end: float | None = None,
+) -> TaskRequest:
+    """Inpaint `images` where `masks` are white. Images and masks are loaded, (cropped,) resized to `width` x
+    `height`; `paste_back` (default: on with `padding_mask_crop`) composites the originals back."""
+    images = [image_lib.load_image(im, "image") for im in images]
+    masks = [image_lib.load_image(m, "mask_image") for m in masks]
+    image_lib.check_same_size(images, masks)
+    masks = [image_lib.blur_mask(m, mask_blur) for m in masks]
+    boxes = [None] * len(images)
+    if padding_mask_crop is not None:
+        if padding_mask_crop < 0:
+            raise ValueError(f"padding_mask_crop={padding_mask_crop} must be >= 0")
+        boxes = [image_lib.crop_region(m, width, height, padding_mask_crop) for m in masks]
+        mode = "fill"
+        model_images = [image_lib.resize(im.crop(b), width, height, mode) for im, b in zip(images, boxes)]
+        model_masks = [image_lib.resize(m.crop(b), width, height, mode) for m, b in zip(masks, boxes)]
+    else:
+        model_images = [image_lib.resize(im, width, height, resize_mode) for im in images]
+        model_masks = [image_lib.resize(m, width, height, resize_mode) for m in masks]
+    arrays = {
+        "image": np.stack([image_lib.image_array(im) for im in model_images]),
+        "mask": np.stack([image_lib.mask_array(m) for m in model_masks]),
+    }
+    if not arrays["mask"].any():
+        raise ValueError("mask_image: the mask is empty (no pixel >= 0.5), there is nothing to repaint")
+    spec = Inpaint(from_noise=strength == 1.0 and denoising_start is None, add_noise=denoising_start is None)
+    paste_back = padding_mask_crop is not None if paste_back is None else paste_back
+    finish = None
+    if paste_back:
+        originals = images if padding_mask_crop is not None else model_images
+        keep_masks = masks if padding_mask_crop is not None else model_masks
+
+        def finish(generated: np.ndarray) -> np.ndarray:
+            from PIL import Image
+
+            out = [
+                np.asarray(image_lib.paste_back(o.convert("RGB"), m, Image.fromarray(g), b))
+                for o, m, g, b in zip(originals, keep_masks, generated, boxes)
+            ]
+            if len({a.shape for a in out}) != 1:
+                raise ValueError("paste_back: the original images differ in size; inpaint them in separate calls")
+            return np.stack(out)
+
+    return TaskRequest(
+        spec, arrays, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end, finish=finish
+    )
