@@ -321,7 +321,8 @@ class DiffusionPipeline:
         output: str = "images",
         **conditioning,
     ) -> np.ndarray:
-        """Images `(N, H, W, 3)` uint8 (latents `(N, C, h, w)` float32 with `output="latents"`); image `i` uses
+        """Images `(N, H, W, 3)` uint8 (`output="float"`: float32 in [0, 1]; `output="latents"`: the final latents
+        `(N, C, h, w)` float32); image `i` uses
         key `fold_in(PRNGKey(seeds[i]), image_indices[i])`. The batch is padded to `pad_to` (or the next multiple
         of the device count) and sharded over the mesh's `data` axis; padding images are dropped. Raises
         `sdjax.core.Cancelled` when `should_stop()` returns True between two denoising steps."""
@@ -354,15 +355,18 @@ class DiffusionPipeline:
             noise=noise,
             pad_to=pad_to,
             params=params,
-            output=output,
+            output="latents" if output == "latents" else "images",
             guidance_rescale=guidance_rescale,
             progress=progress,
             should_stop=should_stop,
         )
         if output == "latents":
             return out
+        finish = task.finish if task is not None else None
+        if output == "float":
+            return out if finish is None else finish(to_uint8(out)).astype(np.float32) / 255.0
         images = to_uint8(out)
-        return task.finish(images) if task is not None and task.finish is not None else images
+        return images if finish is None else finish(images)
 
     def generate(
         self,
@@ -392,9 +396,9 @@ class DiffusionPipeline:
         guidance_rescale: float = 0.0,
         **conditioning,
     ):
-        """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives uint8 arrays,
-        `"latent"` the final latents `(N, C, h, w)`. Image `i` of the call uses `fold_in(PRNGKey(seed), i)`,
-        whatever the device count.
+        """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives float32 arrays
+        `(N, H, W, 3)` in [0, 1] (as diffusers), `"latent"` the final latents `(N, C, h, w)`. Image `i` of the
+        call uses `fold_in(PRNGKey(seed), i)`, whatever the device count.
 
         - image-to-image: `image` (PIL, numpy HWC, a path, or a list of one per image) and `strength` (0.8);
         - inpainting: `image` and `mask_image` (white = repaint), `strength` (1.0), `mask_blur`,
@@ -450,7 +454,7 @@ class DiffusionPipeline:
             task=task,
             guidance_rescale=guidance_rescale,
             noise=noise,
-            output="latents" if output_type == "latent" else "images",
+            output={"pil": "images", "np": "float", "latent": "latents"}[output_type],
             **conditioning,
         )
         if output_type != "pil":
