@@ -65,6 +65,23 @@ def _root(
     """Stable Diffusion in JAX: generate images, serve an HTTP API and web page, read PNG parameters."""
 
 
+def _require_extra(extra: str, *modules: str) -> None:
+    """Exit with an install hint when an optional extra's packages are missing."""
+    import importlib.util
+
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):
+            return True
+
+    missing = [m for m in modules if absent(m)]
+    if missing:
+        typer.echo(f"error: this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
+                   f"pip install 'sdjax[{extra}]'", err=True)
+        raise typer.Exit(2)
+
+
 # ---------------------------------------------------------------------------------------------- loading
 def _jnp_dtype(name: str | DType):
     import jax.numpy as jnp
@@ -484,6 +501,7 @@ def serve(
     """Serve the OpenAI and AUTOMATIC1111 image APIs, /metrics and a web page at / (FastAPI + uvicorn)."""
     import logging
 
+    _require_extra("serve", "fastapi", "uvicorn", "prometheus_client")
     from sdjax import server
 
     sizes = tuple(_parse_size(s, "--warm-size") for s in (warm_size or ()))

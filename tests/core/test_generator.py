@@ -1,0 +1,133 @@
+"""The generator's contracts: the params given are the params used, the sampler assigned is the sampler run, the
+compile cache is bounded and frees what it evicts, and a run can be stopped between two steps."""
+
+import gc
+import weakref
+
+import jax
+import numpy as np
+import pytest
+
+from sdjax import StableDiffusionPipeline, replicate, samplers
+from sdjax.core import Cancelled, ProgramCache
+
+
+@pytest.fixture(scope="module")
+def sd(sd1_dir):
+    return StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+
+
+def _scaled(tree, factor):
+    return jax.tree_util.tree_map(lambda x: x * factor, tree)
+
+
+def test_params_edited_in_place_are_the_params_used(sd):
+    """Regression: placed params were cached by `id(params)`, so a dict edited in place (or a new dict that reused
+    the id) kept generating with the old weights."""
+    pipe, params = sd
+    p = dict(params)
+    first = pipe.generate("a cat", steps=2, params=p, output_type="np")
+    p["unet"] = _scaled(params["unet"], 1.05)  # the same dict object, new weights
+    edited = pipe.generate("a cat", steps=2, params=p, output_type="np")
+    fresh = pipe.generate("a cat", steps=2, params=dict(p), output_type="np")
+    np.testing.assert_array_equal(edited, fresh)
+    assert np.abs(edited - first).max() > 1e-2
+
+
+def test_assigning_params_on_the_pipeline_is_used(sd):
+    pipe, params = sd
+    saved = pipe.params
+    try:
+        before = pipe.generate("a dog", steps=2, output_type="np")
+        pipe.params = {**params, "vae": _scaled(params["vae"], 0.9)}
+        after = pipe.generate("a dog", steps=2, output_type="np")
+    finally:
+        pipe.params = saved
+    assert np.abs(after - before).max() > 1e-2
+
+
+def test_assigning_the_scheduler_after_a_call_takes_effect(sd1_dir):
+    """Regression: the guide's jit=True call kept the first sampler, and the next generate() failed with
+    `DDIM.set_timesteps: expected a DDIMState ..., got PNDMState`."""
+    pipe, params = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    ddim_pipe, ddim_params = StableDiffusionPipeline.from_pretrained(str(sd1_dir), scheduler="ddim")
+    ndev = jax.local_device_count()
+    ids = pipe.prepare_inputs(["a cat"] * ndev).reshape(ndev, 1, 77)
+    keys = jax.random.split(jax.random.PRNGKey(0), ndev)
+    p_params = replicate(params)
+    pndm = pipe(ids, p_params, keys, num_inference_steps=3, jit=True).images
+    pipe.scheduler = samplers.get_sampler("DDIM", base_config=pipe.scheduler)
+    ddim = pipe(ids, p_params, keys, num_inference_steps=3, jit=True).images
+    expected = ddim_pipe(ids, replicate(ddim_params), keys, num_inference_steps=3, jit=True).images
+    np.testing.assert_allclose(ddim, expected, atol=1e-6)
+    assert np.abs(ddim - pndm).max() > 1e-3
+    # The high-level path runs the assigned sampler too (it used to fail on the cached PNDM state).
+    out = pipe.generate("a cat", steps=3, seed=0, output_type="np")
+    ref = ddim_pipe.generate("a cat", steps=3, seed=0, output_type="np")
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+
+
+def test_cache_is_bounded_and_evicted_executables_are_freed():
+    cache = ProgramCache(max_entries=2)
+
+    class Executable:  # stands in for a jax Compiled object
+        def memory_analysis(self):
+            return None
+
+    refs = []
+
+    def build():
+        exe = Executable()
+        refs.append(weakref.ref(exe))
+        return exe
+
+    for key in ("a", "b", "a", "c"):
+        cache.get(key, build)
+    assert cache.keys() == ["a", "c"]  # "b" was least recently used
+    assert (cache.stats.compiles, cache.stats.hits, cache.stats.evictions) == (3, 1, 1)
+    gc.collect()
+    assert refs[1]() is None and refs[0]() is not None
+
+
+def test_pipeline_cache_evicts_compiled_programs(sd1_dir):
+    pipe, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    pipe.generator.cache.max_entries = 1
+    pipe.generate("a", steps=2)
+    first = next(iter(pipe.generator.cache._entries.values()))[0]
+    ref = weakref.ref(first)
+    del first
+    pipe.generate("a", steps=3)  # another program: the first is evicted
+    assert len(pipe.generator.cache) == 1 and pipe.generator.cache.stats.evictions == 1
+    gc.collect()
+    assert ref() is None
+
+
+def test_should_stop_cancels_between_steps(sd):
+    pipe, _ = sd
+    seen = []
+
+    def progress(stage, step, total):
+        seen.append((stage, step, total))
+
+    with pytest.raises(Cancelled):
+        pipe.generate_arrays(
+            ["a"],
+            [""],
+            [0],
+            [0],
+            [7.5],
+            steps=6,
+            height=64,
+            width=64,
+            progress=progress,
+            should_stop=lambda: len([s for s in seen if s[1] > 0]) >= 2,
+        )
+    steps = [s for stage, s, _ in seen if stage == "denoise" and s > 0]
+    assert max(steps) == 2, seen  # stopped right after the second model call
+    # A run that is not stopped reports every step and finishes.
+    seen.clear()
+    out = pipe.generate_arrays(
+        ["a"], [""], [0], [0], [7.5], steps=6, height=64, width=64, progress=progress, should_stop=lambda: False
+    )
+    assert out.shape == (1, 64, 64, 3)
+    assert sorted({s for stage, s, _ in seen if stage == "denoise"}) == list(range(0, 8))  # PNDM: 7 model calls
