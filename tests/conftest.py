@@ -60,3 +60,15 @@ def sd2_dir(torch_sd2, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sdxl_dir(torch_sdxl, tmp_path_factory):
     return _save(torch_sdxl, tmp_path_factory.mktemp("tiny-sdxl"), legacy_tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def torch_sdxl_refiner(torch_sdxl):
+    import reference
+
+    return reference.sdxl_refiner_pipeline(base=torch_sdxl)
+
+
+@pytest.fixture(scope="session")
+def sdxl_refiner_dir(torch_sdxl_refiner, tmp_path_factory):
+    return _save(torch_sdxl_refiner, tmp_path_factory.mktemp("tiny-sdxl-refiner"), legacy_tokenizer=True)

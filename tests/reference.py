@@ -193,3 +193,40 @@ def sdxl_pipeline(seed: int = 0):
         scheduler=sched,
         force_zeros_for_empty_prompt=True,
     )
+
+
+UNET_SDXL_REFINER = {
+    **UNET_SDXL,
+    "cross_attention_dim": CLIP_SDXL_2["hidden_size"],
+    "projection_class_embeddings_input_dim": 5 * UNET_SDXL["addition_time_embed_dim"] + CLIP_SDXL_2["projection_dim"],
+}  # the refiner: OpenCLIP bigG's hidden states only, 5 micro-conditioning numbers (aesthetic score, no target size)
+
+
+def sdxl_refiner_pipeline(seed: int = 0, base=None):
+    """A tiny diffusers SDXL refiner (`StableDiffusionXLImg2ImgPipeline` with text_encoder_2 only,
+    `requires_aesthetics_score`), sharing the VAE, second text encoder and scheduler of `base` if given."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline
+
+    if base is not None:
+        vae_, te2, sched = base.vae, base.text_encoder_2, base.scheduler
+    else:
+        vae_, te2 = vae(VAE_SDXL, seed=seed + 2), text_encoder(CLIP_SDXL_2, with_projection=True, seed=seed + 3)
+        sched = EulerDiscreteScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            num_train_timesteps=1000,
+            steps_offset=1,
+            timestep_spacing="leading",
+        )
+    return StableDiffusionXLImg2ImgPipeline(
+        vae=vae_,
+        text_encoder=None,
+        text_encoder_2=te2,
+        tokenizer=None,
+        tokenizer_2=clip_tokenizer(pad_token="!"),
+        unet=unet(UNET_SDXL_REFINER, seed=seed + 5),
+        scheduler=sched,
+        requires_aesthetics_score=True,
+        force_zeros_for_empty_prompt=False,
+    )

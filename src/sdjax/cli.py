@@ -77,8 +77,11 @@ def _require_extra(extra: str, *modules: str) -> None:
 
     missing = [m for m in modules if absent(m)]
     if missing:
-        typer.echo(f"error: this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
-                   f"pip install 'sdjax[{extra}]'", err=True)
+        typer.echo(
+            f"error: this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
+            f"pip install 'sdjax[{extra}]'",
+            err=True,
+        )
         raise typer.Exit(2)
 
 

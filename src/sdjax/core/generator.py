@@ -347,6 +347,7 @@ class Generator:
             strength=task.strength,
             denoising_start=task.denoising_start,
             denoising_end=task.denoising_end,
+            start_step=task.start_step,
         )
 
     # ------------------------------------------------------------------ programs

@@ -75,9 +75,13 @@ class TaskRequest:
     denoising_start: float | None = None
     denoising_end: float | None = None
     finish: Callable[[np.ndarray], np.ndarray] | None = None  # host post-processing of uint8 images (N, H, W, 3)
+    start_step: int | None = None  # an explicit first step (overrides strength: AUTOMATIC1111's img2img, hires fix)
 
     def __post_init__(self):
         check_fraction("strength", self.strength, allow_zero=True)
+        bad = isinstance(self.start_step, bool) or not isinstance(self.start_step, (int, np.integer, type(None)))
+        if bad or (self.start_step is not None and self.start_step < 0):
+            raise ValueError(f"start_step={self.start_step!r} must be an int >= 0")
         for name in ("denoising_start", "denoising_end"):
             value = getattr(self, name)
             if value is not None:
@@ -114,6 +118,7 @@ def window(
     strength: float = 1.0,
     denoising_start: float | None = None,
     denoising_end: float | None = None,
+    start_step: int | None = None,
 ) -> tuple[int, int]:
     """The model calls `[start, end)` diffusers runs for these settings.
 
@@ -122,6 +127,7 @@ def window(
       `1 / steps`) no model call runs and the result is the VAE round trip of the input (diffusers refuses).
     - `denoising_start` (the SDXL refiner hand-off; overrides `strength`): the calls whose timestep is below
       `round(T - denoising_start * T)`, one more for a second-order sampler when the count is even.
+    - `start_step`: the loop starts at that step (model call `start_step * order`), whatever the strength.
     - `denoising_end` (the SDXL base hand-off): the leading calls of the window whose timestep is at least
       `round(T - denoising_end * T)`.
     """
@@ -129,7 +135,11 @@ def window(
     order = int(getattr(sampler, "order", 1))
     timesteps = sampler_timesteps(sampler, steps)
     T = sampler.num_train_timesteps
-    if denoising_start is not None:
+    if start_step is not None:
+        if start_step > steps:
+            raise ValueError(f"start_step={start_step} exceeds the {steps} steps")
+        start = calls if start_step == steps else start_step * order
+    elif denoising_start is not None:
         cutoff = int(round(T - denoising_start * T))
         count = int((timesteps < cutoff).sum())
         if order == 2 and count % 2 == 0:
