@@ -738,6 +738,9 @@ def load_vae(
             cache_dir=cache_dir,
             token=token,
         )
+        declared = read_json(folder / "config.json").get("_class_name", "AutoencoderKL")
+        if declared.removeprefix("Flax") != "AutoencoderKL":
+            raise ValueError(f"{folder / 'config.json'} describes a {declared}, not an AutoencoderKL")
         return comp.load_model(comp.VAE, comp.LoadRequest("vae", folder, None, dtype))
     ckpt = open_checkpoint(local, allow_pickle=allow_pickle)
     raw, where = _vae_config(config)
@@ -813,11 +816,13 @@ def convert_to_diffusers(
             save_file(params_to_state_dict(loaded.params[name], dtype=dtype), str(folder / weights), {"format": "pt"})
         elif name in loaded.configs:  # the scheduler
             _write_json(folder / "scheduler_config.json", loaded.configs[name])
-        else:  # a tokenizer
-            for f in ("tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
-                src = source / f if (source / f).is_file() else CLIP_VOCAB_DIR / f
-                if src.is_file():
-                    shutil.copyfile(src, folder / f)
+        else:  # a tokenizer: its files, and the shared CLIP vocabulary when the source is an embedded JSON-only set
+            for f in source.iterdir():
+                if f.is_file():
+                    shutil.copyfile(f, folder / f.name)
+            if not (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file():
+                for f in ("vocab.json", "merges.txt"):
+                    shutil.copyfile(CLIP_VOCAB_DIR / f, folder / f)
     _write_json(out / files.MODEL_INDEX, index)
     return out
 
