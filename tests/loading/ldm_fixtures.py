@@ -173,9 +173,10 @@ def pipeline_to_original(
 ) -> dict[str, torch.Tensor]:
     """A whole tiny diffusers pipeline (`reference.sd_pipeline` / `sdxl_pipeline`) -> one original-layout state dict.
 
-    `kind`: "sd1", "sd2" or "sdxl". `ema=True` writes the pipeline's UNet as the EMA copy (`model_ema.*`, LitEma's
-    dot-less names) and a perturbed copy as the plain weights, so the two are told apart. `sd2_extra_layer` adds
-    the 24th OpenCLIP block real SD 2 files carry (SD 2 uses the penultimate layer; diffusers drops it).
+    `kind`: "sd1" (also SD 1 inpainting), "sd2", "sdxl" or "sdxl-refiner". `ema=True` writes the pipeline's UNet
+    as the EMA copy (`model_ema.*`, LitEma's dot-less names) and a perturbed copy as the plain weights, so the two
+    are told apart. `sd2_extra_layer` adds the 24th OpenCLIP block real SD 2 files carry (SD 2 uses the penultimate
+    layer; diffusers drops it).
     """
     out: dict[str, torch.Tensor] = {}
     unet_sd = _sd(pipe.unet)
@@ -210,6 +211,9 @@ def pipeline_to_original(
         out.update(clip_to_original(_sd(pipe.text_encoder), "conditioner.embedders.0.transformer."))
         te2 = pipe.text_encoder_2
         out.update(openclip_to_original(_sd(te2), te2.config.num_hidden_layers, "conditioner.embedders.1.model."))
+    elif kind == "sdxl-refiner":  # OpenCLIP bigG alone, as embedder 0
+        te2 = pipe.text_encoder_2
+        out.update(openclip_to_original(_sd(te2), te2.config.num_hidden_layers, "conditioner.embedders.0.model."))
     else:
         raise ValueError(kind)
     if buffers:

@@ -253,6 +253,63 @@ def test_sd2_file_extras_are_ignored(single_file, sd2_dir, folder_load):
     assert max_diff(params["text_encoder"], folder_load("sd2")[1]["text_encoder"]) == 0.0
 
 
+def _tiny_refiner():
+    """A tiny SDXL refiner: OpenCLIP-bigG-like text encoder only, aesthetic-score time ids (5 x 8 + 40 = 80)."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline
+
+    unet_config = dict(reference.UNET_SDXL, cross_attention_dim=48, projection_class_embeddings_input_dim=80)
+    return StableDiffusionXLImg2ImgPipeline(
+        vae=reference.vae(reference.VAE_SDXL, seed=2),
+        text_encoder=None,
+        text_encoder_2=reference.text_encoder(reference.CLIP_SDXL_2, with_projection=True, seed=3),
+        tokenizer=None,
+        tokenizer_2=reference.clip_tokenizer(pad_token="!"),
+        unet=reference.unet(unet_config, seed=1),
+        scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
+        requires_aesthetics_score=True,
+        force_zeros_for_empty_prompt=False,
+    )
+
+
+def _tiny_inpainting():
+    """A tiny SD 1.x inpainting pipeline: the UNet reads 9 channels (latents, mask, masked-image latents)."""
+    from diffusers import PNDMScheduler, StableDiffusionInpaintPipeline
+
+    return StableDiffusionInpaintPipeline(
+        vae=reference.vae(reference.VAE, seed=2),
+        text_encoder=reference.text_encoder(reference.CLIP_SD1),
+        tokenizer=reference.clip_tokenizer(),
+        unet=reference.unet(dict(reference.UNET_SD1, in_channels=9), seed=1),
+        scheduler=PNDMScheduler(skip_prk_steps=True, steps_offset=1),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "make,kind,architecture,models",
+    [
+        (_tiny_refiner, "sdxl-refiner", "sdxl-refiner", ("text_encoder_2", "unet", "vae")),
+        (_tiny_inpainting, "sd1", "sd1-inpainting", ("text_encoder", "unet", "vae")),
+    ],
+)
+def test_refiner_and_inpainting_files(make, kind, architecture, models, tmp_path):
+    torch_pipe = make()
+    folder = tmp_path / "folder"
+    torch_pipe.save_pretrained(folder)
+    path = save_original(pipeline_to_original(torch_pipe, kind), tmp_path / "model.safetensors")
+    assert infer_architecture(sf.open_checkpoint(path).shapes()) == architecture
+    components, params, index = load_single_file(path, config=folder)
+    want_c, want_p, _ = load_pipeline_components(folder)
+    assert set(components) == set(want_c) and index["_single_file"]["architecture"] == architecture
+    for name in models:
+        assert max_diff(params[name], want_p[name]) == 0.0, name
+    loaded = type(torch_pipe).from_single_file(str(path), config=str(folder), local_files_only=True)
+    for name in models:
+        assert torch_max_diff(getattr(loaded, name), getattr(torch_pipe, name)) == 0.0, name
+
+
 # ---------------------------------------------------------------------------------------------------- prediction
 def test_prediction_type(single_file, sd2_dir, sd1_dir):
     path = single_file("sd2")

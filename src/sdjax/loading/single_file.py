@@ -127,6 +127,17 @@ class Checkpoint(Mapping[str, np.ndarray]):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: self.shape(k) for k in self._tensors}
 
+    def close(self) -> None:
+        """Release the open archive of a pickle checkpoint (safetensors readers hold no open file)."""
+        if hasattr(self._tensors, "close"):
+            self._tensors.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _pickle_refusal(path: Path) -> str:
     return (
@@ -476,7 +487,7 @@ class SingleFileLoad:
 def _config_dir(config: Any, architecture: str, prediction: str | None, **hub: Any) -> Path:
     if config is None:
         return CONFIGS_DIR / config_set_for(architecture, prediction)
-    if isinstance(config, str) and config in CONFIG_SETS:
+    if isinstance(config, str) and config in CONFIG_SETS and not Path(config).is_dir():
         return CONFIGS_DIR / config
     return files.resolve_config_dir(config, **hub)
 
@@ -493,8 +504,6 @@ def _load(
     overrides: Mapping[str, Any] | None,
     **hub: Any,
 ) -> SingleFileLoad:
-    from sdjax import samplers
-
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -505,7 +514,22 @@ def _load(
         if "vae" in overrides:
             raise ValueError("pass the replacement VAE either as vae= or as overrides['vae'], not both")
         overrides["vae"] = None  # not read from the file; loaded below
-    ckpt = open_checkpoint(path, allow_pickle=allow_pickle)
+    with open_checkpoint(path, allow_pickle=allow_pickle) as ckpt:
+        return _load_checkpoint(ckpt, dtype, prediction_type, config, vae, extract_ema, overrides, hub)
+
+
+def _load_checkpoint(
+    ckpt: Checkpoint,
+    dtype: Any,
+    prediction_type: str | None,
+    config: Any,
+    vae: Any,
+    extract_ema: bool,
+    overrides: dict[str, Any],
+    hub: dict[str, Any],
+) -> SingleFileLoad:
+    from sdjax import samplers
+
     shapes = ckpt.shapes()
     architecture = infer_architecture(shapes, source=str(ckpt.path))
     hint, hint_source = (prediction_type, "argument") if prediction_type else prediction_hint(ckpt, architecture)
@@ -581,12 +605,18 @@ def _load(
         if hasattr(obj, "create_state"):
             params[name] = obj.create_state()
     final_prediction = final_prediction or hint or "epsilon"
+    if prediction_type is not None:
+        prediction_from = "argument"
+    elif config is not None:
+        prediction_from = "config"
+    else:
+        prediction_from = hint_source if hint is not None else "default config"
     model_index["_single_file"] = {
         "file": str(ckpt.path),
         "architecture": architecture,
         "config": str(config_dir),
         "prediction_type": final_prediction,
-        "prediction_type_from": hint_source if config is None or prediction_type else "config",
+        "prediction_type_from": prediction_from,
     }
     return SingleFileLoad(components, params, model_index, architecture, config_dir, final_prediction, raw_configs)
 
@@ -742,7 +772,12 @@ def load_vae(
         if declared.removeprefix("Flax") != "AutoencoderKL":
             raise ValueError(f"{folder / 'config.json'} describes a {declared}, not an AutoencoderKL")
         return comp.load_model(comp.VAE, comp.LoadRequest("vae", folder, None, dtype))
-    ckpt = open_checkpoint(local, allow_pickle=allow_pickle)
+    with open_checkpoint(local, allow_pickle=allow_pickle) as ckpt:
+        return _vae_from_checkpoint(ckpt, config, dtype)
+
+
+def _vae_from_checkpoint(ckpt: Checkpoint, config: Any, dtype: Any) -> tuple[Any, dict]:
+    local = ckpt.path
     raw, where = _vae_config(config)
     vae_config = comp.model_config(comp.VAE, raw, source=where)
     keys = list(ckpt)
