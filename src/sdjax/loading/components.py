@@ -83,36 +83,52 @@ class LoadRequest:
     dtype: Any
 
 
+def model_config(spec: ModelSpec, raw: Mapping[str, Any], *, source: str) -> Any:
+    """The config dataclass of `spec` built from a parsed `config.json` dict (`source` names it in errors)."""
+    config_cls = getattr(importlib.import_module(spec.module), spec.config)
+    if hasattr(config_cls, "from_dict"):
+        return config_cls.from_dict(raw, source=source)
+    return config_from_dict(config_cls, dict(raw), source=source)
+
+
+def model_from_state_dict(
+    spec: ModelSpec, config: Any, state_dict: Mapping[str, Any], *, dtype: Any, component: str
+) -> tuple[Any, dict]:
+    """Build `spec`'s module from its `config` and convert a PyTorch-named `state_dict` (name -> array, read
+    lazily key by key, each tensor cast to `dtype` as it is converted) -> `(module, params)`. `component` names
+    the source in a `WeightLoadError`."""
+    mod = importlib.import_module(spec.module)
+    model_cls, convert = getattr(mod, spec.model), getattr(mod, spec.convert)
+    try:
+        params = convert(state_dict, config, cast=make_cast(dtype), **dict(spec.convert_kwargs))
+    except WeightLoadError as e:  # the same report, naming the component
+        raise WeightLoadError(component, e.missing, e.unexpected, e.misshaped) from None
+    return model_cls(config=config, dtype=dtype), params
+
+
 def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
     """Build one model from `req.folder/config.json` and load its weights -> `(module, params)`."""
-    mod = importlib.import_module(spec.module)
-    config_cls, model_cls, convert = getattr(mod, spec.config), getattr(mod, spec.model), getattr(mod, spec.convert)
+    model_cls = getattr(importlib.import_module(spec.module), spec.model)
     config_path = req.folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
             f"{req.folder}: component {req.name!r} has no config.json (files present: "
             f"{sorted(p.name for p in req.folder.iterdir())})"
         )
-    raw = read_json(config_path)
-    if hasattr(config_cls, "from_dict"):
-        config = config_cls.from_dict(raw, source=str(config_path))
-    else:
-        config = config_from_dict(config_cls, raw, source=str(config_path))
+    config = model_config(spec, read_json(config_path), source=str(config_path))
     weights = files.select_weight_files(req.folder, variant=req.variant)
-    cast = make_cast(req.dtype)
     component = f"{req.name} ({req.folder})"
     if weights.format == "flax":
         tree = files.read_flax_msgpack(weights.files[0])
         params = files.flax_params_to_sdjax(
-            tree, model_cls.init_params_shape(config), family=spec.flax_family, component=component, cast=cast
+            tree,
+            model_cls.init_params_shape(config),
+            family=spec.flax_family,
+            component=component,
+            cast=make_cast(req.dtype),
         )
-    else:
-        state_dict = files.read_weights(weights)
-        try:
-            params = convert(state_dict, config, cast=cast, **dict(spec.convert_kwargs))
-        except WeightLoadError as e:  # the same report, naming the component folder
-            raise WeightLoadError(component, e.missing, e.unexpected, e.misshaped) from None
-    return model_cls(config=config, dtype=req.dtype), params
+        return model_cls(config=config, dtype=req.dtype), params
+    return model_from_state_dict(spec, config, files.read_weights(weights), dtype=req.dtype, component=component)
 
 
 def make_cast(dtype: Any) -> Callable[[np.ndarray], Any]:
@@ -157,12 +173,18 @@ def _model(spec: ModelSpec):
     return lambda req: load_model(spec, req)
 
 
+# The model classes of a pipeline's `model_index.json` that a single-file checkpoint can hold (see
+# `single_file.py`): (library, class) -> spec.
+PIPELINE_MODELS: dict[tuple[str, str], ModelSpec] = {
+    ("transformers", "CLIPTextModel"): CLIP_TEXT,
+    ("transformers", "CLIPTextModelWithProjection"): CLIP_TEXT_PROJ,
+    ("diffusers", "UNet2DConditionModel"): UNET,
+    ("diffusers", "AutoencoderKL"): VAE,
+}
+
 # (library, class) -> loader(LoadRequest) -> (object, params or None). Schedulers: `find_loader`.
 COMPONENT_LOADERS: dict[tuple[str, str], Callable[[LoadRequest], tuple[Any, Any]]] = {
-    ("transformers", "CLIPTextModel"): _model(CLIP_TEXT),
-    ("transformers", "CLIPTextModelWithProjection"): _model(CLIP_TEXT_PROJ),
-    ("diffusers", "UNet2DConditionModel"): _model(UNET),
-    ("diffusers", "AutoencoderKL"): _model(VAE),
+    **{key: _model(spec) for key, spec in PIPELINE_MODELS.items()},
     ("transformers", "CLIPTokenizer"): load_tokenizer,
     ("transformers", "CLIPTokenizerFast"): load_tokenizer,
     ("stable_diffusion", "StableDiffusionSafetyChecker"): _model(SAFETY_CHECKER),
@@ -224,6 +246,23 @@ def _plan(
     return todo, skipped
 
 
+_PENDING = object()  # the `vae=` override before it is loaded
+
+
+def resolve_vae(vae: Any, *, dtype: Any, config: Any = None) -> tuple[Any, Any]:
+    """A `vae=` argument -> `(module, params)`: a `(module, params)` pair is returned as is, anything else is
+    loaded by `single_file.load_vae` (`config`: the VAE config for a single file that has none)."""
+    if isinstance(vae, tuple):
+        if len(vae) != 2 or not hasattr(vae[0], "config"):
+            raise TypeError("vae= takes a path, a Hub repo id or a (module, params) pair from load_vae")
+        return vae
+    if not isinstance(vae, (str, os.PathLike)):
+        raise TypeError(f"vae= takes a path, a Hub repo id or a (module, params) pair, got {type(vae).__name__}")
+    from sdjax.loading.single_file import load_vae
+
+    return load_vae(vae, dtype=dtype, config=config)
+
+
 def load_pipeline_components(
     path_or_repo_id: str | os.PathLike,
     *,
@@ -235,6 +274,7 @@ def load_pipeline_components(
     overrides: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
+    vae: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load a diffusers pipeline folder or Hub repo id -> `(components, params, model_index)`.
 
@@ -252,8 +292,16 @@ def load_pipeline_components(
     (e.g. "StableDiffusionPipeline", or a tuple of accepted names) must name `_class_name` (a `Flax` prefix is
     ignored); pass None to skip the check. `dtype` is the dtype of the stored params and the compute dtype given
     to the modules.
+
+    `vae` replaces the pipeline's VAE with another one (e.g. an fp16-safe SDXL VAE): a diffusers VAE folder or
+    Hub repo, a single VAE file (see `single_file.load_vae`; a file without a config of its own takes the
+    pipeline's `vae/config.json`), or an already loaded `(module, params)` pair.
     """
     overrides = dict(overrides or {})
+    if vae is not None:
+        if "vae" in overrides:
+            raise ValueError("pass the replacement VAE either as vae= or as overrides['vae'], not both")
+        overrides["vae"] = _PENDING
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -297,6 +345,10 @@ def load_pipeline_components(
 
     components: dict[str, Any] = {}
     params: dict[str, Any] = {}
+    if vae is not None:
+        overrides["vae"], params["vae"] = resolve_vae(
+            vae, dtype=dtype, config=folder / "vae" if (folder / "vae" / "config.json").is_file() else None
+        )
     for name, (library, cls) in todo.items():
         obj, p = find_loader(library, cls)(LoadRequest(name, folder / name, variant, dtype))
         components[name] = obj

@@ -726,3 +726,116 @@ def resolve_model_dir(
         raise FileNotFoundError(f"{where}: revision {revision!r} not found ({e})") from e
     except EntryNotFoundError as e:
         raise FileNotFoundError(f"{where}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------- configs only
+
+# What single-file loading with `config=<repo>` needs from a diffusers repo: its configs and tokenizer files, never
+# weights (diffusers' `from_single_file(config=...)` downloads the same set).
+CONFIG_PATTERNS = (
+    MODEL_INDEX,
+    "*/config.json",
+    "*/scheduler_config.json",
+    "tokenizer*/*.json",
+    "tokenizer*/*.txt",
+)
+
+
+def _hub_repo_id(text: str) -> str:
+    """`text` checked to be a Hub repo id (`owner/name`), else a FileNotFoundError naming it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+        if text.count("/") != 1 or text.startswith((".", "~")):
+            raise HFValidationError("expected owner/name")
+    except HFValidationError as e:
+        raise FileNotFoundError(f"{text!r} is neither an existing local path nor a valid Hub repo id ({e})") from e
+    return text
+
+
+def _snapshot(repo_id: str, patterns: list[str], **kwargs: Any) -> Path:
+    """`huggingface_hub.snapshot_download` of `patterns`, its errors turned into ones that name the repo."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, **kwargs))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{repo_id}: not in the Hugging Face cache and downloads are off ({e})") from e
+    except GatedRepoError as e:
+        raise PermissionError(f"{repo_id}: gated repo; accept its license on the Hub and pass token= ({e})") from e
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(f"{repo_id!r}: no such Hub repo (or it is private: pass token=) ({e})") from e
+
+
+def resolve_config_dir(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """A local diffusers folder, or a snapshot of a Hub repo with only `CONFIG_PATTERNS` (configs, tokenizer
+    files): the architecture description single-file loading takes from `config=`. The folder must have a
+    `model_index.json`."""
+    text = os.fspath(path_or_repo_id)
+    local = Path(text).expanduser()
+    if not local.is_dir():
+        if local.exists():
+            raise NotADirectoryError(f"config={text!r} is a file; expected a diffusers folder or a Hub repo id")
+        local = _snapshot(
+            _hub_repo_id(text),
+            list(CONFIG_PATTERNS),
+            revision=revision,
+            cache_dir=cache_dir,
+            token=token,
+            local_files_only=local_files_only or _hub_offline(),
+        )
+    read_model_index(local)  # a clear error when it is not a pipeline folder
+    return local
+
+
+def resolve_component_dir(
+    path_or_repo_id: str | os.PathLike,
+    component: str,
+    *,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """The folder of one model component (`config.json` + weights): a local folder that is the component itself or
+    a pipeline folder with a `component/` subfolder, or the same on the Hub (e.g. `madebyollin/sdxl-vae-fp16-fix`,
+    whose files are at the root), downloading only `config.json` and the weights `choose_weight_name` picks."""
+    text = os.fspath(path_or_repo_id)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        for folder in (local, local / component):
+            if (folder / "config.json").is_file():
+                return folder
+        raise FileNotFoundError(
+            f"{local}: neither a {component} folder (config.json + weights) nor a pipeline folder with {component}/ "
+            f"(files present: {_describe(p.name for p in local.iterdir())})"
+        )
+    repo_id = _hub_repo_id(text)
+    common: dict[str, Any] = dict(revision=revision, cache_dir=cache_dir, token=token)
+    if local_files_only or _hub_offline():
+        snap = _snapshot(repo_id, ["config.json", f"{component}/config.json"], local_files_only=True, **common)
+        sub = "" if (snap / "config.json").is_file() else f"{component}/"
+        names = [p.name for p in (snap / sub).iterdir() if p.is_file()] if (snap / sub).is_dir() else []
+    else:
+        repo_files = _list_repo_files(repo_id, revision, token)
+        sub = "" if "config.json" in repo_files else f"{component}/"
+        if f"{sub}config.json" not in repo_files:
+            raise FileNotFoundError(
+                f"{repo_id}: no config.json at the root nor in {component}/ (files: {_describe(repo_files[:30])})"
+            )
+        names = [f[len(sub) :] for f in repo_files if f.startswith(sub) and "/" not in f[len(sub) :]]
+    _, chosen, is_index, used = choose_weight_name(names, where=f"{repo_id}/{sub}")
+    patterns = [f"{sub}config.json", f"{sub}{chosen}"]
+    if is_index:
+        patterns += [f"{sub}{n}" for n in sorted(names) if _is_shard_of(n, chosen, used)]
+    snap = _snapshot(repo_id, patterns, local_files_only=local_files_only or _hub_offline(), **common)
+    return snap / sub if sub else snap

@@ -1,0 +1,168 @@
+"""Single-file loading: time and peak host memory of sdjax `load_single_file` vs diffusers `from_single_file`.
+
+    python benchmarks/bench_single_file.py [--width 64] [--dtype fp16] [--reps 3] [--json out.json]
+
+Builds a small but not trivial SD 1.x-shaped pipeline with random weights (UNet `block_out_channels` = `width` x
+(1, 2, 4, 4), a 6-layer CLIP text encoder, a 4-level VAE: about 40 M parameters at `--width 64`), writes it once as
+an original-layout single file (fp16 by default, as civitai ships them; the test suite's own writer,
+`tests/loading/ldm_fixtures.py`) plus the diffusers folder both loaders take the configs from (`config=`). Then each
+loader runs in fresh Python processes (`--reps` each, median reported): the time of the load call alone (imports
+apart), and the peak resident memory the load adds (`VmHWM` after the load minus after the imports). Both load
+into float32. Needs torch, diffusers and transformers (test extras). Runs in well under a minute at the default size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss_mb() -> float:
+    """Peak resident memory of this process so far, MiB: `VmHWM` (reset by exec, unlike `ru_maxrss`, which keeps
+    the forking parent's peak), else `ru_maxrss`."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def child_sdjax(path: str, config: str) -> dict:
+    t0 = time.perf_counter()
+    import jax
+
+    from sdjax.loading.single_file import load_single_file
+
+    import_s, base = time.perf_counter() - t0, _rss_mb()
+    t0 = time.perf_counter()
+    _, params, _ = load_single_file(path, config=config)
+    jax.block_until_ready(params)
+    return {"import_s": import_s, "load_s": time.perf_counter() - t0, "base_mb": base, "peak_mb": _rss_mb()}
+
+
+def child_diffusers(path: str, config: str) -> dict:
+    t0 = time.perf_counter()
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    import_s, base = time.perf_counter() - t0, _rss_mb()
+    t0 = time.perf_counter()
+    StableDiffusionPipeline.from_single_file(path, config=config, local_files_only=True, torch_dtype=torch.float32)
+    return {"import_s": import_s, "load_s": time.perf_counter() - t0, "base_mb": base, "peak_mb": _rss_mb()}
+
+
+def make_files(out: Path, width: int, dtype: str) -> tuple[Path, Path, int]:
+    """Write the pipeline as a diffusers folder and as one original-layout file; returns (file, folder, #params)."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "loading")]
+    import ldm_fixtures
+    import reference
+    import torch
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    w = width
+    unet = reference.unet(
+        dict(
+            reference.UNET_SD1,
+            sample_size=32,
+            block_out_channels=(w, 2 * w, 4 * w, 4 * w),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=4 * w,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+    )
+    text = reference.text_encoder(
+        dict(
+            reference.CLIP_SD1, hidden_size=4 * w, intermediate_size=16 * w, num_hidden_layers=6, num_attention_heads=8
+        )
+    )
+    vae = reference.vae(dict(reference.VAE, block_out_channels=(w // 2, w, 2 * w, 2 * w), layers_per_block=2))
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text,
+        tokenizer=reference.clip_tokenizer(),
+        unet=unet,
+        scheduler=PNDMScheduler(
+            beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
+        ),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    folder = out / "pipeline"
+    pipe.save_pretrained(folder)
+    state = ldm_fixtures.pipeline_to_original(pipe, "sd1")
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    path = ldm_fixtures.save_original(state, out / f"model-{dtype}.safetensors", dtype=torch_dtype)
+    n = sum(p.numel() for m in (unet, text, vae) for p in m.parameters())
+    return path, folder, n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--width", type=int, default=64, help="UNet base channels (SD 1.5: 320)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="tensors in the file")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json")
+    p.add_argument("--child", choices=("sdjax", "diffusers"), help=argparse.SUPPRESS)
+    p.add_argument("--file", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        fn = child_sdjax if args.child == "sdjax" else child_diffusers
+        print(json.dumps(fn(args.file, args.config)))
+        return
+    with tempfile.TemporaryDirectory(prefix="sdjax-single-file-") as tmp:
+        path, folder, n_params = make_files(Path(tmp), args.width, args.dtype)
+        size_mb = path.stat().st_size / 2**20
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+        runs: dict[str, list[dict]] = {"sdjax": [], "diffusers": []}
+        for _ in range(args.reps):
+            for name in runs:
+                cmd = [sys.executable, __file__, "--child", name, "--file", str(path), "--config", str(folder)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    summary = {}
+    for name, rs in runs.items():
+        summary[name] = {
+            "load_s": statistics.median(r["load_s"] for r in rs),
+            "import_s": statistics.median(r["import_s"] for r in rs),
+            "load_peak_mb": statistics.median(r["peak_mb"] - r["base_mb"] for r in rs),
+            "process_peak_mb": statistics.median(r["peak_mb"] for r in rs),
+        }
+    print(f"file: {n_params / 1e6:.1f} M parameters, {args.dtype}, {size_mb:.1f} MiB; loaded into float32 "
+          f"({n_params * 4 / 2**20:.1f} MiB); median of {args.reps} fresh processes each")  # fmt: skip
+    print(f"{'':10s} {'load s':>8s} {'+peak RSS MiB':>14s} {'process peak MiB':>17s} {'imports s':>10s}")
+    for name, s in summary.items():
+        row = f"{s['load_s']:8.2f} {s['load_peak_mb']:14.0f} {s['process_peak_mb']:17.0f} {s['import_s']:10.2f}"
+        print(f"{name:10s} {row}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "params_m": n_params / 1e6,
+                    "file_dtype": args.dtype,
+                    "file_mib": size_mb,
+                    "summary": summary,
+                    "runs": runs,
+                },
+                indent=2,
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

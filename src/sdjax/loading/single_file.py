@@ -1,0 +1,870 @@
+"""Single-file checkpoints ("bring your own weights"): one original Stability/LDM-layout file -> pipeline components.
+
+The files users download from civitai or Stability (`v1-5-pruned-emaonly.safetensors`, `sd_xl_base_1.0.safetensors`,
+fine-tunes and merges of them) hold a whole pipeline in the layout of the original training code, not diffusers'.
+`load_single_file` turns one into exactly what `components.load_pipeline_components` returns for a diffusers
+folder, `(components, params, model_index)`, so the same pipeline classes run either; it mirrors diffusers'
+`StableDiffusionPipeline.from_single_file` / `StableDiffusionXLPipeline.from_single_file` without torch:
+
+1. Read. safetensors through `files.read_safetensors` (header checked against the file size first, then one
+   tensor per lookup, so peak memory stays near one copy of the weights plus the params). PyTorch pickles
+   (`.ckpt`, `.pt`, `.pth`, `.bin`) are refused unless `allow_pickle=True`, and then read by
+   `safe_pickle.read_torch_checkpoint`, which can execute no code.
+2. Infer the architecture from the keys and shapes alone (`infer_architecture`, the rules of diffusers'
+   `infer_diffusers_model_type` restated on the text encoders the file holds): SD 1.x, SD 2.x, SDXL base, SDXL
+   refiner, and the 9-channel inpainting variants of SD 1.x, SD 2.x and SDXL.
+3. Configs. `model_index.json`, each model's `config.json`, the scheduler and tokenizer settings come from the
+   embedded config sets (`assets/configs/<set>/`, copies of the released repositories' files, see the README
+   there), or from `config=` (a diffusers folder or Hub repo, as diffusers' `from_single_file(config=...)`; the
+   way to load a model whose shapes are not the released ones). SD 2.x has two released configs with identical
+   weights shapes: 768-px v-prediction (`sd21`, diffusers' default) and 512-px epsilon (`sd21-base`). The choice:
+   `prediction_type=` if given, else the file's `modelspec.prediction_type` / `modelspec.architecture` metadata,
+   a `v_pred` marker tensor, the training step 875000 of Stability's `512-base-ema.ckpt` (diffusers' rule), and
+   last the default (v-prediction for SD 2.x, epsilon for the others). `prediction_type=` also overrides the
+   scheduler of any other family.
+4. Convert each model through `ldm_keys` (original key of every diffusers key, derived from the config) and the
+   model's own converter (`convert_unet`, `convert_vae`, `convert_clip_text`), casting each tensor to `dtype` as
+   it is converted. Every missing, mis-shaped or unexpected tensor under a component's prefix is reported by its
+   original name; tensors outside the components (the DDPM schedule buffers `betas`, `alphas_cumprod`, ..., EMA
+   copies that are not used) are ignored.
+
+EMA weights: files that keep both (`model_ema.*` beside `model.diffusion_model.*`, e.g. `v1-5-pruned.ckpt`) load
+the non-EMA UNet by default, as diffusers does (`extract_ema=False` is its default too); `extract_ema=True` takes the
+EMA copy. Most distributed files (`*-emaonly`, `*-ema-pruned`, civitai) hold only one set. The safety checker is
+not part of a single file and is left out, as diffusers' `from_single_file` does.
+
+`load_vae` loads a replacement VAE (a diffusers VAE folder or repo, or one file in the original or the diffusers
+layout), `convert_to_diffusers` writes a single file out as a diffusers folder that sdjax and diffusers both load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax.config import read_json
+from sdjax.loading import components as comp
+from sdjax.loading import files, ldm_keys, safe_pickle
+from sdjax.loading.files import CheckpointError, MissingWeightsError
+from sdjax.models.convert import WeightLoadError
+
+logger = logging.getLogger(__name__)
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "assets" / "configs"
+CLIP_VOCAB_DIR = Path(__file__).resolve().parents[1] / "assets" / "clip_tokenizer"
+# Embedded config sets (folder names under `assets/configs`).
+CONFIG_SETS = (
+    "sd15",
+    "sd15-inpainting",
+    "sd21",
+    "sd21-base",
+    "sd2-inpainting",
+    "sdxl-base",
+    "sdxl-refiner",
+    "sdxl-inpainting",
+)
+# What `infer_architecture` returns.
+ARCHITECTURES = ("sd1", "sd1-inpainting", "sd2", "sd2-inpainting", "sdxl-base", "sdxl-refiner", "sdxl-inpainting")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+# Components a single file never holds; diffusers' `from_single_file` leaves them out too.
+NOT_IN_FILE = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
+# The training step of Stability's `512-base-ema.ckpt`: diffusers' one rule for telling SD 2 base (epsilon) apart.
+SD2_BASE_GLOBAL_STEP = 875000
+
+
+class PickleRefusedError(CheckpointError):
+    """A PyTorch pickle checkpoint offered without `allow_pickle=True`."""
+
+
+class UnknownArchitectureError(ValueError):
+    """A checkpoint whose keys do not describe a pipeline sdjax loads; the message lists the key families."""
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+class Checkpoint(Mapping[str, np.ndarray]):
+    """One single-file checkpoint: key -> numpy array (read on lookup), with `shape(key)` from the header alone.
+
+    `format` is "safetensors" or "torch"; `metadata` the safetensors `__metadata__` (str -> str); `extras` the plain
+    values stored beside a pickle's state dict (`global_step`, `epoch`).
+    """
+
+    def __init__(self, path: Path, tensors: Any, *, format: str, metadata: Mapping[str, str], extras: Mapping):
+        self.path, self._tensors, self.format = path, tensors, format
+        self.metadata, self.extras = dict(metadata), dict(extras)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        try:
+            return self._tensors[key]
+        except safe_pickle.PickleFormatError as e:
+            raise CheckpointError(str(e)) from e
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._tensors.shape(key))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: self.shape(k) for k in self._tensors}
+
+    def close(self) -> None:
+        """Release the open archive of a pickle checkpoint (safetensors readers hold no open file)."""
+        if hasattr(self._tensors, "close"):
+            self._tensors.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pickle_refusal(path: Path) -> str:
+    return (
+        f"{path}: is a PyTorch pickle checkpoint. Unpickling runs whatever code the file names, so sdjax does not "
+        f"read pickles unless asked: pass allow_pickle=True to read it with sdjax's restricted unpickler (it only "
+        f"rebuilds tensors and refuses anything else, so no code in the file can run), or convert it to safetensors "
+        f"once where you trust it, e.g.\n"
+        f"  python -c \"import torch, safetensors.torch as st; sd = torch.load('{path.name}', weights_only=True); "
+        f"sd = sd.get('state_dict', sd); st.save_file({{k: v.contiguous().clone() for k, v in sd.items() "
+        f"if isinstance(v, torch.Tensor)}}, '{path.with_suffix('.safetensors').name}')\""
+    )
+
+
+def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False) -> Checkpoint:
+    """Open a single-file checkpoint lazily. safetensors always; a PyTorch zip pickle only with `allow_pickle`
+    (else `PickleRefusedError` explaining why and how to convert). Truncated or corrupt files raise
+    `CheckpointError` naming the file."""
+    path = Path(os.fspath(path)).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; load diffusers folders with load_pipeline_components")
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    with path.open("rb") as f:
+        head = f.read(8)
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80" or path.suffix.lower() in PICKLE_SUFFIXES:
+        if not allow_pickle:
+            raise PickleRefusedError(_pickle_refusal(path))
+        try:
+            tensors = safe_pickle.read_torch_checkpoint(path)
+        except safe_pickle.PickleFormatError as e:
+            raise CheckpointError(str(e)) from e
+        return Checkpoint(path, tensors, format="torch", metadata={}, extras=tensors.extras)
+    reader = files.read_safetensors(path)
+    return Checkpoint(path, reader, format="safetensors", metadata=reader.metadata.get(path.name, {}), extras={})
+
+
+# ---------------------------------------------------------------------------------------------------- architecture
+
+
+def key_families(keys: Any, limit: int = 12) -> str:
+    """A short census of key prefixes (`model.diffusion_model (686), first_stage_model (248), ...`)."""
+    counts: Counter[str] = Counter()
+    for k in keys:
+        parts = k.split(".")
+        depth = 3 if parts[0] == "conditioner" else 2
+        counts[".".join(parts[: min(depth, len(parts) - 1)]) or k] += 1
+    shown = [f"{name} ({n})" for name, n in counts.most_common(limit)]
+    more = len(counts) - limit
+    return ", ".join(shown) + (f", ... {more} more" if more > 0 else "") if shown else "(no tensors)"
+
+
+# Keys of families sdjax does not load, for a better error than "unknown".
+_UNSUPPORTED_MARKERS = (
+    ("control_model.", "a ControlNet"),
+    ("edm_mean", "Playground v2.5"),
+    ("depth_model.", "SD 2 depth-to-image"),
+    ("model.diffusion_model.joint_blocks.", "SD 3"),
+    ("model.diffusion_model.double_blocks.", "Flux"),
+    ("lora_unet_", "a LoRA (kohya layout), not a full checkpoint"),
+    ("lora_te_", "a LoRA (kohya layout), not a full checkpoint"),
+)
+_CROSS_ATTENTION_WIDTH = {768: "sd1", 1024: "sd2", 2048: "sdxl-base", 1280: "sdxl-refiner"}
+
+
+def _has_prefix(keys: Any, prefix: str) -> bool:
+    return any(k.startswith(prefix) for k in keys)
+
+
+def infer_architecture(shapes: Mapping[str, Any], *, source: str = "checkpoint") -> str:
+    """The pipeline a `{key: shape}` mapping of an original-layout checkpoint describes, one of `ARCHITECTURES`.
+
+    The text encoders decide the family (SD 1.x: OpenAI CLIP `cond_stage_model.transformer.`; SD 2.x: OpenCLIP
+    `cond_stage_model.model.`; SDXL: `conditioner.embedders.1.model.`; SDXL refiner: OpenCLIP bigG alone as
+    `conditioner.embedders.0.model.`); a file without one is told by its UNet's cross-attention width (768, 1024,
+    2048, 1280), as diffusers does; a 9-channel `conv_in` makes it the inpainting variant. Anything else raises
+    `UnknownArchitectureError` listing the key families found.
+    """
+    keys = list(shapes)
+    for marker, name in _UNSUPPORTED_MARKERS:
+        if _has_prefix(keys, marker):
+            raise UnknownArchitectureError(
+                f"{source}: looks like {name} (keys {marker}*), which sdjax does not load; key families: "
+                f"{key_families(keys)}"
+            )
+    conv_in = ldm_keys.UNET_PREFIX + "input_blocks.0.0.weight"
+    if conv_in not in shapes:
+        hint = ""
+        if _has_prefix(keys, "encoder.down.") or any(k.startswith(ldm_keys.VAE_PREFIXES) for k in keys):
+            if not _has_prefix(keys, ldm_keys.UNET_PREFIX):
+                hint = " It holds only a VAE: load it with load_vae or pass it as vae=."
+        elif _has_prefix(keys, "down_blocks.") or _has_prefix(keys, "encoder.down_blocks."):
+            hint = " Its keys are in the diffusers layout (one model of a diffusers folder), not a whole checkpoint."
+        raise UnknownArchitectureError(
+            f"{source}: not a Stable Diffusion checkpoint in the original layout (no UNet "
+            f"{ldm_keys.UNET_PREFIX}input_blocks.*).{hint} Key families found: {key_families(keys)}"
+        )
+    if _has_prefix(keys, ldm_keys.SDXL_OPENCLIP_PREFIX):
+        family = "sdxl-base"
+    elif _has_prefix(keys, ldm_keys.REFINER_OPENCLIP_PREFIX):
+        family = "sdxl-refiner"
+    elif _has_prefix(keys, ldm_keys.SD2_OPENCLIP_PREFIX):
+        family = "sd2"
+    elif _has_prefix(keys, ldm_keys.SD1_CLIP_PREFIX):
+        family = "sd1"
+    else:
+        widths = {
+            tuple(shapes[k])[1]
+            for k in keys
+            if k.startswith(ldm_keys.UNET_PREFIX) and k.endswith(".attn2.to_k.weight") and len(shapes[k]) == 2
+        }
+        if len(widths) != 1 or next(iter(widths)) not in _CROSS_ATTENTION_WIDTH:
+            raise UnknownArchitectureError(
+                f"{source}: no known text encoder and UNet cross-attention width(s) {sorted(widths)} (SD 1.x 768, "
+                f"SD 2.x 1024, SDXL 2048, SDXL refiner 1280); key families found: {key_families(keys)}"
+            )
+        family = _CROSS_ATTENTION_WIDTH[next(iter(widths))]
+    channels = tuple(shapes[conv_in])[1]
+    if channels == 4:
+        return family
+    if channels == 9 and family != "sdxl-refiner":
+        return {"sd1": "sd1-inpainting", "sd2": "sd2-inpainting", "sdxl-base": "sdxl-inpainting"}[family]
+    raise UnknownArchitectureError(
+        f"{source}: a {family} UNet with {channels} input channels; sdjax loads 4 (text-to-image) and 9 "
+        f"(inpainting, not for the SDXL refiner). 8 is InstructPix2Pix, 5 SD 2 depth, 7 the x4 upscaler."
+    )
+
+
+def component_layout(architecture: str, keys: Any) -> dict[str, tuple[str, str]]:
+    """Component name -> (`ldm_keys` kind, key prefix) for a checkpoint of `architecture`."""
+    vae_prefix = next((p for p in ldm_keys.VAE_PREFIXES if _has_prefix(keys, p)), ldm_keys.VAE_PREFIXES[0])
+    layout = {"unet": ("unet", ldm_keys.UNET_PREFIX), "vae": ("vae", vae_prefix)}
+    if architecture.startswith("sd1"):
+        layout["text_encoder"] = ("clip", ldm_keys.SD1_CLIP_PREFIX)
+    elif architecture.startswith("sd2"):
+        layout["text_encoder"] = ("openclip", ldm_keys.SD2_OPENCLIP_PREFIX)
+    elif architecture == "sdxl-refiner":
+        layout["text_encoder_2"] = ("openclip", ldm_keys.REFINER_OPENCLIP_PREFIX)
+    else:
+        layout["text_encoder"] = ("clip", ldm_keys.SDXL_CLIP_PREFIX)
+        layout["text_encoder_2"] = ("openclip", ldm_keys.SDXL_OPENCLIP_PREFIX)
+    return layout
+
+
+def config_set_for(architecture: str, prediction_type: str | None = None) -> str:
+    """The embedded config set of an architecture (SD 2.x: `sd21-base` for epsilon, `sd21` otherwise)."""
+    if architecture == "sd2":
+        return "sd21-base" if prediction_type == "epsilon" else "sd21"
+    return {
+        "sd1": "sd15",
+        "sd1-inpainting": "sd15-inpainting",
+        "sd2-inpainting": "sd2-inpainting",
+        "sdxl-base": "sdxl-base",
+        "sdxl-refiner": "sdxl-refiner",
+        "sdxl-inpainting": "sdxl-inpainting",
+    }[architecture]
+
+
+_PREDICTION_NAMES = {"epsilon": "epsilon", "eps": "epsilon", "v": "v_prediction", "v_prediction": "v_prediction"}
+
+
+def prediction_hint(ckpt: Checkpoint, architecture: str) -> tuple[str | None, str]:
+    """What the file itself says about its prediction type -> (value or None, where it was found)."""
+    md = ckpt.metadata
+    declared = str(md.get("modelspec.prediction_type", "")).strip().lower()
+    if declared in _PREDICTION_NAMES:
+        return _PREDICTION_NAMES[declared], "metadata modelspec.prediction_type"
+    arch = str(md.get("modelspec.architecture", ""))
+    if arch.startswith("stable-diffusion-v2"):
+        return ("v_prediction" if "768-v" in arch else "epsilon"), f"metadata modelspec.architecture={arch!r}"
+    if "v_pred" in ckpt:
+        return "v_prediction", "the v_pred marker tensor"
+    if architecture == "sd2" and ckpt.extras.get("global_step") == SD2_BASE_GLOBAL_STEP:
+        return "epsilon", f"global_step {SD2_BASE_GLOBAL_STEP} (Stability's 512-base-ema.ckpt)"
+    return None, "default"
+
+
+# ---------------------------------------------------------------------------------------------------- conversion
+
+
+def _torch_shapes(model_cls: Any, config: Any) -> dict[str, tuple[int, ...]]:
+    """diffusers/transformers state-dict key -> PyTorch shape, for the sdjax model built from `config`."""
+    from flax.traverse_util import flatten_dict
+
+    from sdjax.training.export import path_to_torch_key
+
+    out = {}
+    for path, leaf in flatten_dict(dict(model_cls.init_params_shape(config))).items():
+        shape = tuple(leaf.shape)
+        if path[-1] == "kernel":
+            shape = shape[::-1] if len(shape) == 2 else (shape[3], shape[2], shape[0], shape[1])
+        out[path_to_torch_key(path)] = shape
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentTable:
+    """How one model component is read from an original-layout file: diffusers key -> (file key, `Source`), the
+    diffusers shapes, and which other keys under `prefix` the file may hold unused."""
+
+    name: str
+    prefix: str
+    sources: dict[str, tuple[str, ldm_keys.Source]]
+    shapes: dict[str, tuple[int, ...]]
+    ignored: tuple[re.Pattern, ...]
+    region: tuple[str, ...]  # prefixes whose keys must all be used or ignored
+
+
+def component_table(
+    name: str, kind: str, prefix: str, model_cls: Any, config: Any, *, extract_ema: bool = False
+) -> ComponentTable:
+    """The `ComponentTable` of component `name` (`kind` and `prefix` from `component_layout`)."""
+    shapes = _torch_shapes(model_cls, config)
+    source_of = ldm_keys.SOURCES[kind]
+    sources = {}
+    for key in shapes:
+        try:
+            src = source_of(key, config)
+        except KeyError:
+            raise WeightLoadError(name, [], [f"{key} (sdjax has no original-layout name for it)"], []) from None
+        full = ldm_keys.ema_key(src.key) if extract_ema else prefix + src.key
+        sources[key] = (full, src)
+    ignored = list(ldm_keys.IGNORED[kind])
+    region: tuple[str, ...] = (prefix,)
+    if kind == "openclip":
+        if "text_projection.weight" not in shapes:  # SD 2's CLIPTextModel has no projection; the file keeps it
+            ignored.append(re.compile(r"text_projection"))
+        if prefix == ldm_keys.SD2_OPENCLIP_PREFIX:  # SD 2 conditions on the penultimate layer: the last one is unused
+            ignored.append(re.compile(rf"transformer\.resblocks\.{config.num_hidden_layers}\..*"))
+    if extract_ema:
+        region = (ldm_keys.EMA_PREFIX,)
+        ignored += [re.compile(r"decay"), re.compile(r"num_updates")]
+    return ComponentTable(name, prefix, sources, shapes, tuple(ignored), region)
+
+
+def check_component(table: ComponentTable, shapes: Mapping[str, Any], *, source: str) -> None:
+    """Every tensor the component needs is in `shapes` with a fitting shape, and every key in its region is used
+    or known to be unused; else `WeightLoadError` naming the original keys."""
+    missing, misshaped, used = [], [], set()
+    for key, (full, src) in table.sources.items():
+        used.add(full)
+        if full not in shapes:
+            missing.append(f"{full} (diffusers {key})")
+            continue
+        allowed = src.ldm_shapes(table.shapes[key])
+        if tuple(shapes[full]) not in allowed:
+            misshaped.append(
+                f"{full}: file {tuple(shapes[full])} vs model {allowed[0]} (diffusers {key} {table.shapes[key]})"
+            )
+    unexpected = []
+    for k in shapes:
+        region = next((p for p in table.region if k.startswith(p)), None)
+        if region is None or k in used:
+            continue
+        if not any(p.fullmatch(k[len(region) :]) for p in table.ignored):
+            unexpected.append(k)
+    if missing or misshaped or unexpected:
+        raise WeightLoadError(f"{table.name} ({source})", sorted(set(missing)), sorted(unexpected), misshaped)
+
+
+class _TableView(Mapping[str, np.ndarray]):
+    """diffusers key -> tensor, read from the checkpoint through a `ComponentTable` (in file-key order, so the
+    three q/k/v slices of one fused OpenCLIP tensor read it once: a one-entry cache)."""
+
+    def __init__(self, ckpt: Mapping[str, np.ndarray], table: ComponentTable):
+        self._ckpt, self._table = ckpt, table
+        self._order = sorted(table.sources, key=lambda k: (table.sources[k][0], k))
+        self._cached: tuple[str, np.ndarray] | None = None
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        full, src = self._table.sources[key]
+        if self._cached is None or self._cached[0] != full:
+            self._cached = (full, np.asarray(self._ckpt[full]))
+        return src.apply(self._cached[1])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+def load_component(
+    ckpt: Checkpoint,
+    name: str,
+    spec: comp.ModelSpec,
+    config: Any,
+    kind: str,
+    prefix: str,
+    *,
+    dtype: Any,
+    extract_ema: bool = False,
+) -> tuple[Any, dict]:
+    """One model of an original-layout checkpoint -> `(module, params)` (tensors cast to `dtype` one by one)."""
+    import importlib
+
+    model_cls = getattr(importlib.import_module(spec.module), spec.model)
+    table = component_table(name, kind, prefix, model_cls, config, extract_ema=extract_ema)
+    check_component(table, ckpt.shapes(), source=str(ckpt.path))
+    return comp.model_from_state_dict(
+        spec, config, _TableView(ckpt, table), dtype=dtype, component=f"{name} ({ckpt.path})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizers
+
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def load_tokenizer_folder(folder: Path):
+    """A tokenizer folder; an embedded JSON-only one (no `vocab.json`) takes sdjax's shared CLIP vocabulary and
+    merges with its own special tokens and length (`special_tokens_map.json` over `tokenizer_config.json`, the
+    precedence transformers applies)."""
+    from sdjax.text.tokenizer import CLIPTokenizer
+
+    if (folder / "vocab.json").is_file() or (folder / "tokenizer.json").is_file():
+        return CLIPTokenizer.from_folder(folder)
+    config = read_json(folder / "tokenizer_config.json")
+    specials = {k: config[k] for k in _SPECIAL_NAMES if config.get(k) is not None}
+    if (folder / "special_tokens_map.json").is_file():
+        stm = read_json(folder / "special_tokens_map.json")
+        specials.update({k: stm[k] for k in _SPECIAL_NAMES if stm.get(k) is not None})
+    return CLIPTokenizer.from_files(
+        CLIP_VOCAB_DIR / "vocab.json",
+        CLIP_VOCAB_DIR / "merges.txt",
+        special_tokens=specials,
+        model_max_length=int(config.get("model_max_length", 77)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+@dataclasses.dataclass
+class SingleFileLoad:
+    """Everything `load_single_file` learned: the returned triple plus where each part came from."""
+
+    components: dict[str, Any]
+    params: dict[str, Any]
+    model_index: dict[str, Any]
+    architecture: str
+    config_dir: Path
+    prediction_type: str
+    configs: dict[str, dict[str, Any]]  # component -> the raw config.json / scheduler_config.json used
+
+
+def _config_dir(config: Any, architecture: str, prediction: str | None, **hub: Any) -> Path:
+    if config is None:
+        return CONFIGS_DIR / config_set_for(architecture, prediction)
+    if isinstance(config, str) and config in CONFIG_SETS and not Path(config).is_dir():
+        return CONFIGS_DIR / config
+    return files.resolve_config_dir(config, **hub)
+
+
+def _load(
+    path: str | os.PathLike,
+    *,
+    dtype: Any,
+    prediction_type: str | None,
+    config: Any,
+    vae: Any,
+    extract_ema: bool,
+    allow_pickle: bool,
+    overrides: Mapping[str, Any] | None,
+    **hub: Any,
+) -> SingleFileLoad:
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type={prediction_type!r}: expected one of {PREDICTION_TYPES} or None")
+    overrides = dict(overrides or {})
+    if vae is not None:
+        if "vae" in overrides:
+            raise ValueError("pass the replacement VAE either as vae= or as overrides['vae'], not both")
+        overrides["vae"] = None  # not read from the file; loaded below
+    with open_checkpoint(path, allow_pickle=allow_pickle) as ckpt:
+        return _load_checkpoint(ckpt, dtype, prediction_type, config, vae, extract_ema, overrides, hub)
+
+
+def _load_checkpoint(
+    ckpt: Checkpoint,
+    dtype: Any,
+    prediction_type: str | None,
+    config: Any,
+    vae: Any,
+    extract_ema: bool,
+    overrides: dict[str, Any],
+    hub: dict[str, Any],
+) -> SingleFileLoad:
+    from sdjax import samplers
+
+    shapes = ckpt.shapes()
+    architecture = infer_architecture(shapes, source=str(ckpt.path))
+    hint, hint_source = (prediction_type, "argument") if prediction_type else prediction_hint(ckpt, architecture)
+    config_dir = _config_dir(config, architecture, hint, **hub)
+    model_index = files.read_model_index(config_dir)
+    entries = files.component_entries(model_index)
+    stray = sorted(n for n in overrides if n not in entries and n not in NOT_IN_FILE)
+    if stray:
+        raise ValueError(f"override(s) {stray} name no component of this pipeline (components: {sorted(entries)})")
+    layout = component_layout(architecture, shapes)
+    if extract_ema and sum(k.startswith(ldm_keys.EMA_PREFIX) for k in shapes) <= 100:
+        raise MissingWeightsError(f"{ckpt.path}: extract_ema=True but the file holds no EMA weights (model_ema.*)")
+    if not extract_ema and sum(k.startswith(ldm_keys.EMA_PREFIX) for k in shapes) > 100:
+        logger.info("%s: holds EMA weights too; loading the non-EMA UNet (pass extract_ema=True for EMA)", ckpt.path)
+    logger.info("%s: %s checkpoint, configs from %s", ckpt.path, architecture, config_dir)
+
+    components: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    raw_configs: dict[str, dict[str, Any]] = {}
+    final_prediction = None
+    model_index = dict(model_index)
+    for name, (library, cls) in entries.items():
+        if library is None or cls is None or name in overrides:
+            continue
+        if name in NOT_IN_FILE:
+            model_index[name] = [None, None]
+            continue
+        cls = cls[4:] if cls.startswith("Flax") else cls
+        folder = config_dir / name
+        if (library, cls) in comp.PIPELINE_MODELS:
+            spec = comp.PIPELINE_MODELS[(library, cls)]
+            if name not in layout:
+                raise UnknownArchitectureError(
+                    f"{config_dir}/{files.MODEL_INDEX} names component {name!r}, which a {architecture} checkpoint "
+                    f"does not hold (it holds {sorted(layout)}); pass a config= that matches the file"
+                )
+            kind, prefix = layout[name]
+            if not _has_prefix(shapes, prefix):
+                hint_arg = " or vae=" if name == "vae" else ""
+                raise MissingWeightsError(
+                    f"{ckpt.path}: no {name} weights (no key starts with {prefix!r}); pass overrides[{name!r}]"
+                    f"{hint_arg} to supply them. Key families found: {key_families(shapes)}"
+                )
+            raw = read_json(folder / "config.json")
+            model_config = comp.model_config(spec, raw, source=str(folder / "config.json"))
+            components[name], params[name] = load_component(
+                ckpt, name, spec, model_config, kind, prefix, dtype=dtype, extract_ema=extract_ema and name == "unet"
+            )
+            raw_configs[name] = raw
+        elif library == "transformers" and cls in ("CLIPTokenizer", "CLIPTokenizerFast"):
+            components[name] = load_tokenizer_folder(folder)
+        elif library == "diffusers" and cls in samplers.CLASSES:
+            raw = read_json(folder / "scheduler_config.json")
+            raw["_class_name"] = cls
+            if prediction_type is not None or (config is None and hint is not None):
+                raw["prediction_type"] = prediction_type or hint
+            final_prediction = raw.get("prediction_type", "epsilon")
+            components[name] = samplers.get_sampler(raw)
+            params[name] = components[name].create_state()
+            raw_configs[name] = raw
+        else:
+            raise ValueError(f"{config_dir}/{files.MODEL_INDEX}: sdjax cannot load {name}: [{library}, {cls}]")
+    if vae is not None:
+        vae_config = config_dir / "vae" if (config_dir / "vae" / "config.json").is_file() else None
+        overrides["vae"] = comp.resolve_vae(vae, dtype=dtype, config=vae_config)
+    for name, obj in overrides.items():
+        if obj is None:
+            continue
+        if name == "vae" and vae is not None:
+            components["vae"], params["vae"] = obj
+            continue
+        components[name] = obj
+        if hasattr(obj, "create_state"):
+            params[name] = obj.create_state()
+    final_prediction = final_prediction or hint or "epsilon"
+    if prediction_type is not None:
+        prediction_from = "argument"
+    elif config is not None:
+        prediction_from = "config"
+    else:
+        prediction_from = hint_source if hint is not None else "default config"
+    model_index["_single_file"] = {
+        "file": str(ckpt.path),
+        "architecture": architecture,
+        "config": str(config_dir),
+        "prediction_type": final_prediction,
+        "prediction_type_from": prediction_from,
+    }
+    return SingleFileLoad(components, params, model_index, architecture, config_dir, final_prediction, raw_configs)
+
+
+def load_single_file(
+    path: str | os.PathLike,
+    *,
+    dtype: Any = jnp.float32,
+    prediction_type: str | None = None,
+    config: str | os.PathLike | None = None,
+    vae: Any = None,
+    extract_ema: bool = False,
+    allow_pickle: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Load an original-layout single-file checkpoint -> `(components, params, model_index)`, the triple
+    `load_pipeline_components` returns for a diffusers folder (see the module docstring for each step).
+
+    - `dtype`: dtype of the stored params and compute dtype of the modules (the scheduler state stays float32).
+    - `prediction_type`: "epsilon", "v_prediction" or "sample", overriding the scheduler's (and, for SD 2.x,
+      choosing the 512-px epsilon or 768-px v-prediction configs); None: what the file says, else the default.
+    - `config`: a diffusers folder or Hub repo id to take the configs from (only configs and tokenizer files are
+      downloaded), or the name of an embedded set (`CONFIG_SETS`); None: the embedded set for the architecture.
+    - `vae`: a replacement VAE (see `load_vae`), or a `(module, params)` pair.
+    - `extract_ema`: load the UNet's EMA copy (`model_ema.*`) instead of its plain weights.
+    - `allow_pickle`: read `.ckpt`/`.pt`/`.bin` pickles with the restricted unpickler (refused otherwise).
+    - `overrides`: component name -> object replacing it, or None to leave it out (as in
+      `load_pipeline_components`).
+
+    `model_index` is the config's `model_index.json` with the components a single file does not hold set to
+    `[null, null]` and a `_single_file` entry recording the file, the inferred architecture, the config folder and
+    the prediction type used (and where it came from).
+    """
+    loaded = _load(
+        path,
+        dtype=dtype,
+        prediction_type=prediction_type,
+        config=config,
+        vae=vae,
+        extract_ema=extract_ema,
+        allow_pickle=allow_pickle,
+        overrides=overrides,
+        revision=revision,
+        local_files_only=local_files_only,
+        cache_dir=cache_dir,
+        token=token,
+    )
+    return loaded.components, loaded.params, loaded.model_index
+
+
+def checkpoint_shapes(config: str | os.PathLike, architecture: str | None = None) -> dict[str, tuple[int, ...]]:
+    """The `{key: shape}` set of an original-layout checkpoint of the pipeline that a config set (name in
+    `CONFIG_SETS` or a diffusers folder) describes: every tensor `load_single_file` reads, nothing else. Built from
+    sdjax's abstract params (`init_params_shape`, nothing allocated) through `ldm_keys`; `architecture` (default:
+    inferred from the set's name) picks the text-encoder prefixes."""
+    import importlib
+
+    folder = CONFIGS_DIR / config if isinstance(config, str) and config in CONFIG_SETS else Path(config)
+    if architecture is None:
+        by_set = {config_set_for(a, p): a for a in ARCHITECTURES for p in ("epsilon", "v_prediction")}
+        architecture = by_set[folder.name]
+    layout = component_layout(architecture, ())
+    out: dict[str, tuple[int, ...]] = {}
+    for name, (library, cls) in files.component_entries(files.read_model_index(folder)).items():
+        if (library, cls) not in comp.PIPELINE_MODELS or name not in layout:
+            continue
+        spec = comp.PIPELINE_MODELS[(library, cls)]
+        model_cls = getattr(importlib.import_module(spec.module), spec.model)
+        raw = read_json(folder / name / "config.json")
+        kind, prefix = layout[name]
+        table = component_table(name, kind, prefix, model_cls, comp.model_config(spec, raw, source=name))
+        for key, (full, src) in table.sources.items():
+            out[full] = src.ldm_shapes(table.shapes[key])[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- VAE
+
+
+def _vae_config(config: Any) -> tuple[dict[str, Any], str]:
+    """`load_vae`'s `config=` -> (raw VAE config dict, where it came from)."""
+    if config is None:
+        path = CONFIGS_DIR / "sd15" / "vae" / "config.json"
+        logger.warning(
+            "no VAE config given: using SD 1.5's (scaling_factor 0.18215); pass config='sdxl-base' (or a folder) "
+            "for an SDXL VAE"
+        )
+        return read_json(path), str(path)
+    if isinstance(config, Mapping):
+        return dict(config), "config dict"
+    if isinstance(config, str) and config in CONFIG_SETS:
+        path = CONFIGS_DIR / config / "vae" / "config.json"
+        return read_json(path), str(path)
+    path = Path(os.fspath(config)).expanduser()
+    for candidate in (path, path / "config.json", path / "vae" / "config.json"):
+        if candidate.is_file():
+            return read_json(candidate), str(candidate)
+    raise FileNotFoundError(f"VAE config {path}: not a config.json, a VAE folder or a pipeline folder with vae/")
+
+
+class _PrefixView(Mapping[str, np.ndarray]):
+    def __init__(self, ckpt: Checkpoint, prefix: str):
+        self._ckpt, self._prefix = ckpt, prefix
+        self._keys = [k[len(prefix) :] for k in ckpt if k.startswith(prefix)]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._ckpt[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def load_vae(
+    path_or_folder: str | os.PathLike,
+    dtype: Any = jnp.float32,
+    *,
+    config: Any = None,
+    allow_pickle: bool = False,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> tuple[Any, dict]:
+    """A VAE (diffusers `AutoencoderKL`) -> `(module, params)`, e.g. an fp16-safe SDXL VAE to replace a pipeline's.
+
+    - a diffusers VAE folder (`config.json` + weights), a pipeline folder (its `vae/`), or a Hub repo of either
+      (only the config and the chosen weights are downloaded);
+    - one file holding a VAE in the original layout (`encoder.down.*`, `decoder.up.*`, `quant_conv`, optionally
+      under `first_stage_model.` or `vae.`, so a whole SD checkpoint gives its VAE too) or in the diffusers layout
+      (`encoder.down_blocks.*`). Its architecture and `scaling_factor` come from `config`: a diffusers `config.json`,
+      a VAE or pipeline folder, a dict, or an embedded set name ("sd15", "sdxl-base", ...); None: SD 1.5's, with a
+      warning. The weights cannot tell an SD 1.x VAE from an SDXL one: only the scaling factor differs.
+    """
+    dtype = jnp.dtype(dtype)
+    local = Path(os.fspath(path_or_folder)).expanduser()
+    if not local.is_file():
+        folder = files.resolve_component_dir(
+            path_or_folder,
+            "vae",
+            revision=revision,
+            local_files_only=local_files_only,
+            cache_dir=cache_dir,
+            token=token,
+        )
+        declared = read_json(folder / "config.json").get("_class_name", "AutoencoderKL")
+        if declared.removeprefix("Flax") != "AutoencoderKL":
+            raise ValueError(f"{folder / 'config.json'} describes a {declared}, not an AutoencoderKL")
+        return comp.load_model(comp.VAE, comp.LoadRequest("vae", folder, None, dtype))
+    with open_checkpoint(local, allow_pickle=allow_pickle) as ckpt:
+        return _vae_from_checkpoint(ckpt, config, dtype)
+
+
+def _vae_from_checkpoint(ckpt: Checkpoint, config: Any, dtype: Any) -> tuple[Any, dict]:
+    local = ckpt.path
+    raw, where = _vae_config(config)
+    vae_config = comp.model_config(comp.VAE, raw, source=where)
+    keys = list(ckpt)
+    prefix = next(
+        (p for p in ldm_keys.VAE_PREFIXES if _has_prefix(keys, p + "encoder.") or _has_prefix(keys, p + "decoder.")),
+        "",
+    )
+    if _has_prefix(keys, prefix + "encoder.down_blocks.") or _has_prefix(keys, prefix + "decoder.up_blocks."):
+        return comp.model_from_state_dict(
+            comp.VAE, vae_config, _PrefixView(ckpt, prefix), dtype=dtype, component=f"vae ({local})"
+        )
+    if _has_prefix(keys, prefix + "encoder.down.") or _has_prefix(keys, prefix + "decoder.up."):
+        return load_component(ckpt, "vae", comp.VAE, vae_config, "vae", prefix, dtype=dtype)
+    raise UnknownArchitectureError(
+        f"{local}: not a VAE checkpoint (no encoder.down.* / encoder.down_blocks.* keys, with or without "
+        f"{' or '.join(ldm_keys.VAE_PREFIXES)}); key families found: {key_families(keys)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- conversion out
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def convert_to_diffusers(
+    path: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False, **load_kwargs: Any
+) -> Path:
+    """Write an original-layout single file as a diffusers folder at `out_dir` that sdjax and diffusers both load.
+
+    `load_kwargs` are `load_single_file`'s (`dtype` sets the dtype the weights are written in: float32 by default,
+    float16 or bfloat16 to halve the folder). The folder holds `model_index.json`, each model's `config.json` (the
+    config used, as read) and weights in the PyTorch layout (`diffusion_pytorch_model.safetensors`,
+    `model.safetensors` for the text encoders; inverse layout rules of `sdjax.training.export`), the tokenizers
+    (`vocab.json`, `merges.txt`, their special-token files) and `scheduler/scheduler_config.json`. An existing
+    non-empty `out_dir` is an error unless `overwrite=True`.
+    """
+    from safetensors.numpy import save_file
+
+    from sdjax.training.export import params_to_state_dict
+
+    out = Path(os.fspath(out_dir)).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to write into it")
+    if load_kwargs.get("overrides") or load_kwargs.get("vae") is not None:
+        raise ValueError("convert_to_diffusers writes what the file holds: overrides and vae= are not accepted")
+    loaded = _load(
+        path,
+        dtype=load_kwargs.pop("dtype", jnp.float32),
+        prediction_type=load_kwargs.pop("prediction_type", None),
+        config=load_kwargs.pop("config", None),
+        vae=None,
+        extract_ema=load_kwargs.pop("extract_ema", False),
+        allow_pickle=load_kwargs.pop("allow_pickle", False),
+        overrides=None,
+        **load_kwargs,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    index = {k: v for k, v in loaded.model_index.items() if k != "_single_file"}
+    for name, (library, _) in files.component_entries(index).items():
+        if library is None:
+            continue
+        folder, source = out / name, loaded.config_dir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        if name in loaded.params and name != "scheduler" and name in loaded.configs:
+            weights = "model.safetensors" if library == "transformers" else "diffusion_pytorch_model.safetensors"
+            _write_json(folder / "config.json", loaded.configs[name])
+            dtype = np.dtype(jnp.dtype(next(iter(_leaves(loaded.params[name]))).dtype))
+            save_file(params_to_state_dict(loaded.params[name], dtype=dtype), str(folder / weights), {"format": "pt"})
+        elif name in loaded.configs:  # the scheduler
+            _write_json(folder / "scheduler_config.json", loaded.configs[name])
+        else:  # a tokenizer: its files, and the shared CLIP vocabulary when the source is an embedded JSON-only set
+            for f in source.iterdir():
+                if f.is_file():
+                    shutil.copyfile(f, folder / f.name)
+            if not (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file():
+                for f in ("vocab.json", "merges.txt"):
+                    shutil.copyfile(CLIP_VOCAB_DIR / f, folder / f)
+    _write_json(out / files.MODEL_INDEX, index)
+    return out
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, Mapping):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
