@@ -809,3 +809,21 @@ def test_peak_memory_of_a_single_file_load_stays_near_one_copy(tmp_path, dtype, 
         peaks[layout] = json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"]
     assert peaks["original"] < 1.1 * peaks["diffusers"], peaks
     assert peaks["original"] < limit * size_kib, f"peak RSS grew by {peaks['original'] / size_kib:.2f}x the file"
+
+
+def test_pipeline_from_single_file_generates_the_folders_images(single_file, sd1_dir, sdxl_dir):
+    """The pipeline-level entry points: `from_single_file`, `from_pretrained(file)` and `load_pipeline(file)`."""
+    from sdjax import StableDiffusionPipeline, StableDiffusionXLPipeline, load_pipeline
+
+    path = single_file("sd1")
+    ref = StableDiffusionPipeline.from_pretrained(str(sd1_dir))[0].generate("a cat", steps=2, output_type="np")
+    for pipe in (
+        StableDiffusionPipeline.from_single_file(str(path), config=str(sd1_dir))[0],
+        load_pipeline(str(path), config=str(sd1_dir))[0],
+    ):
+        assert type(pipe) is StableDiffusionPipeline
+        np.testing.assert_allclose(pipe.generate("a cat", steps=2, output_type="np"), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="StableDiffusionPipeline model; load it with the matching pipeline class"):
+        StableDiffusionXLPipeline.from_single_file(str(path), config=str(sd1_dir))
+    xl = load_pipeline(str(single_file("sdxl")), config=str(sdxl_dir))[0]
+    assert type(xl) is StableDiffusionXLPipeline

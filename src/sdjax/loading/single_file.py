@@ -321,7 +321,7 @@ def _torch_shapes(model_cls: Any, config: Any) -> dict[str, tuple[int, ...]]:
     """diffusers/transformers state-dict key -> PyTorch shape, for the sdjax model built from `config`."""
     from flax.traverse_util import flatten_dict
 
-    from sdjax.training.export import path_to_torch_key
+    from sdjax.models.convert import path_to_torch_key
 
     out = {}
     for path, leaf in flatten_dict(dict(model_cls.init_params_shape(config))).items():
@@ -813,13 +813,13 @@ def convert_to_diffusers(
     `load_kwargs` are `load_single_file`'s (`dtype` sets the dtype the weights are written in: float32 by default,
     float16 or bfloat16 to halve the folder). The folder holds `model_index.json`, each model's `config.json` (the
     config used, as read) and weights in the PyTorch layout (`diffusion_pytorch_model.safetensors`,
-    `model.safetensors` for the text encoders; inverse layout rules of `sdjax.training.export`), the tokenizers
+    `model.safetensors` for the text encoders; inverse layout rules of `sdjax.models.convert`), the tokenizers
     (`vocab.json`, `merges.txt`, their special-token files) and `scheduler/scheduler_config.json`. An existing
     non-empty `out_dir` is an error unless `overwrite=True`.
     """
     from safetensors.numpy import save_file
 
-    from sdjax.training.export import params_to_state_dict
+    from sdjax.models.convert import params_to_state_dict
 
     out = Path(os.fspath(out_dir)).expanduser()
     if out.exists() and any(out.iterdir()) and not overwrite:

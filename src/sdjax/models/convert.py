@@ -111,3 +111,69 @@ def convert_state_dict(
     if missing or unexpected or misshaped:
         raise WeightLoadError(component, sorted(missing), sorted(unexpected), misshaped)
     return unflatten_dict(out)
+
+
+# ------------------------------------------------------------------------------ the inverse: params -> state dict
+# PyTorch `nn.ModuleList` / `nn.Sequential` attributes in diffusers' UNet2DConditionModel and AutoencoderKL and in
+# transformers' CLIPTextModel: their index is a key segment of its own (`resnets.0`), not part of the name.
+LIST_ATTRIBUTES = frozenset(
+    {
+        "down_blocks",
+        "up_blocks",
+        "resnets",
+        "attentions",
+        "downsamplers",
+        "upsamplers",
+        "transformer_blocks",
+        "to_out",
+        "net",
+        "layers",
+    }
+)
+_INDEXED = re.compile(r"^(.*)_(\d+)$")
+
+
+class ExportError(ValueError):
+    """Params that cannot be written as a PyTorch state dict (a leaf or name sdjax does not know)."""
+
+
+def path_to_torch_key(path: tuple[str, ...]) -> str:
+    """`("down_blocks_0", "resnets_1", "conv1", "kernel")` -> `"down_blocks.0.resnets.1.conv1.weight"`."""
+    parts = []
+    for segment in path[:-1]:
+        m = _INDEXED.match(segment)
+        if m and m.group(1) in LIST_ATTRIBUTES:
+            parts += [m.group(1), m.group(2)]
+        else:
+            parts.append(segment)
+    leaf = path[-1]
+    if leaf in ("kernel", "scale", "embedding", "weight"):
+        parts.append("weight")
+    elif leaf == "bias":
+        parts.append("bias")
+    else:
+        raise ExportError(f"cannot name param {'/'.join(path)} in PyTorch: unknown leaf {leaf!r}")
+    return ".".join(parts)
+
+
+def _to_torch_layout(leaf: str, value: np.ndarray) -> np.ndarray:
+    if leaf == "kernel":
+        if value.ndim == 2:
+            return value.T
+        if value.ndim == 4:
+            return value.transpose(3, 2, 0, 1)
+        raise ExportError(f"kernel of rank {value.ndim} has no PyTorch layout rule")
+    return value
+
+
+def params_to_state_dict(params: Mapping[str, Any], *, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Flax params -> PyTorch state dict (contiguous numpy arrays of `dtype`), the inverse of
+    `convert_state_dict`. Raises `ExportError` if two params map to one key."""
+    out: dict[str, np.ndarray] = {}
+    for path, value in flatten_dict(dict(params)).items():
+        key = path_to_torch_key(path)
+        if key in out:
+            raise ExportError(f"two params map to the PyTorch key {key!r} (the second is {'/'.join(path)})")
+        arr = _to_torch_layout(path[-1], np.asarray(value))
+        out[key] = np.ascontiguousarray(arr.astype(dtype))
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,32 @@ def pipeline_class_name(path_or_repo_id: str, **resolve_kwargs: Any) -> str:
 def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: Any):
     """Load SD 1.x/2.x or SDXL by what the model says it is -> `(pipeline, params)`; `None` is the embedded model.
 
-    `dtype` may be a string ("bf16", "float32", ...) or a jnp dtype.
+    `model` is a diffusers folder, a Hub repo id, or a single checkpoint file (`.safetensors`; see
+    `from_single_file`). `dtype` may be a string ("bf16", "float32", ...) or a jnp dtype.
     """
     from sdjax.pipelines.stable_diffusion import StableDiffusionPipeline
     from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
     from sdjax.precision import resolve_dtype
 
     model = resolve_alias(model or EMBEDDED_MODEL)
+    classes = {c: cls for cls in (StableDiffusionPipeline, StableDiffusionXLPipeline) for c in cls.model_index_classes}
+    if os.path.isfile(model):
+        from sdjax.loading.single_file import load_single_file
+
+        single = {k: kwargs.pop(k) for k in ("prediction_type", "config", "extract_ema", "allow_pickle") if k in kwargs}
+        scheduler = kwargs.pop("scheduler", None)
+        loaded, params, model_index = load_single_file(
+            model, dtype=resolve_dtype(dtype), vae=kwargs.pop("vae", None), overrides=kwargs, **single
+        )
+        name = model_index.get("_class_name", "")
+        if name not in classes:
+            raise ValueError(f"{model}: a {name!r} checkpoint; sdjax loads {sorted(classes)}")
+        return classes[name]._assemble(
+            loaded, params, model_index, dtype=resolve_dtype(dtype), name=model, scheduler=scheduler
+        )
     resolve_kwargs = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
     name = pipeline_class_name(model, **resolve_kwargs)
     name = name[4:] if name.startswith("Flax") else name
-    classes = {c: cls for cls in (StableDiffusionPipeline, StableDiffusionXLPipeline) for c in cls.model_index_classes}
     if name not in classes:
         raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; sdjax loads {sorted(classes)}")
     return classes[name].from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)
