@@ -60,28 +60,18 @@ def _variant_options(name: str):
 
 @contextlib.contextmanager
 def _attention_override(impl: str | None):
-    """Route `sdjax.models.layers.attention` through `sdjax.ops.attention` while tracing (what-if only)."""
+    """Make every model attention resolve to `impl` while tracing (what-if only)."""
     if impl is None:
         yield
         return
-    import jax.numpy as jnp
-
-    from sdjax.models import layers
     from sdjax.ops import attention as ops_attention
 
-    original = layers.attention
-
-    def patched(q, k, v, *, heads, upcast=False, **_):
-        dtype = v.dtype
-        if upcast:
-            q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-        return ops_attention.attention(q, k, v, heads=heads, impl=impl).astype(dtype)
-
-    layers.attention = patched
+    original = ops_attention.resolve
+    ops_attention.resolve = lambda implementation, query_tokens: impl
     try:
         yield
     finally:
-        layers.attention = original
+        ops_attention.resolve = original
 
 
 # ---------------------------------------------------------------------------------------------- components

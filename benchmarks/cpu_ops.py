@@ -12,7 +12,7 @@ PyTorch's (< 1: JAX faster). Run it with the cores to itself for absolute number
 JAX variants: `ynn` is XLA:CPU's default in jaxlib 0.10 (dots, convolutions and some elementwise/reduce
 fusions go to YNNPACK); `eigen` compiles the same function with
 `compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""}` (XLA's own emitters + Eigen for dots and
-convolutions, what jaxlib <= 0.7 did). Conv lowerings are those of `sdjax.ops.conv.conv2d` plus NCHW
+convolutions, what jaxlib <= 0.7 did). Conv lowerings are those of `benchmarks/conv_lowerings.py` plus NCHW
 `lax.conv_general_dilated`; attention variants are described in `sdjax.ops.attention`.
 Torch uses `torch.set_num_threads(n)` with n = the number of cores (2 on the reference machine).
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
@@ -65,10 +66,10 @@ def _cases():
     import jax.numpy as jnp
     import numpy as np
     import torch
+    from conv_lowerings import conv2d
     from jax import lax
 
     from sdjax.ops import attention as attn_ops
-    from sdjax.ops.conv import conv2d
 
     rng = np.random.default_rng(0)
 
@@ -186,7 +187,7 @@ def _cases():
             for impl in attn_ops.IMPLEMENTATIONS:
                 if impl == "auto":
                     continue
-                fn = lambda q, k, v, impl=impl: attn_ops.attention(q, k, v, heads=heads, impl=impl)
+                fn = lambda q, k, v, impl=impl: attn_ops.attention(q, k, v, heads=heads, implementation=impl)
                 v[f"{impl}/ynn"] = jit_variant(fn, (qj, kj, vj))
                 v[f"{impl}/eigen"] = jit_variant(fn, (qj, kj, vj), NO_YNN)
             return v, 4 * b * heads * t * s * d

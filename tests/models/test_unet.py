@@ -17,6 +17,7 @@ from sdjax.config import ConfigError, config_from_dict
 from sdjax.models import layers
 from sdjax.models import unet as U
 from sdjax.models.convert import WeightLoadError
+from sdjax.ops import attention as ops_attention
 
 torch = pytest.importorskip("torch")
 
@@ -208,9 +209,9 @@ def test_attention_function_against_numpy(upcast, context_len):
     scores = np.einsum("bthd,bshd->bhts", qh, kh) / np.sqrt(d)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vh).reshape(2, t, heads * d)
-    for implementation in layers.ATTENTION_IMPLEMENTATIONS:
+    for implementation in ops_attention.IMPLEMENTATIONS:
         for split in (False, True):
-            got = layers.attention(
+            got = ops_attention.attention(
                 jnp.asarray(q),
                 jnp.asarray(k),
                 jnp.asarray(v),
@@ -224,11 +225,11 @@ def test_attention_function_against_numpy(upcast, context_len):
 
 
 def test_auto_attention_picks_by_backend_and_size(monkeypatch):
-    assert layers.resolve_implementation("auto", layers.AUTO_CHUNK_ABOVE) == "xla"  # this suite runs on CPU
-    assert layers.resolve_implementation("auto", layers.AUTO_CHUNK_ABOVE + 1) == "chunked"
-    assert layers.resolve_implementation("xla", 10**6) == "xla"  # an explicit choice is kept
+    assert ops_attention.resolve("auto", ops_attention.AUTO_CHUNK_ABOVE) == "xla"  # this suite runs on CPU
+    assert ops_attention.resolve("auto", ops_attention.AUTO_CHUNK_ABOVE + 1) == "chunked"
+    assert ops_attention.resolve("xla", 10**6) == "xla"  # an explicit choice is kept
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.resolve_implementation("auto", 16384) == "dot_product"
+    assert ops_attention.resolve("auto", 16384) == "dot_product"
 
 
 def test_odd_latent_size_and_scalar_timestep():

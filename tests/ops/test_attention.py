@@ -23,14 +23,16 @@ def test_matches_torch(impl, t, s):
     q = rng.standard_normal((2, t, heads * d), dtype=np.float32) * 2
     k = rng.standard_normal((2, s, heads * d), dtype=np.float32) * 2
     v = rng.standard_normal((2, s, heads * d), dtype=np.float32)
-    got = jax.jit(lambda q, k, v: attention(q, k, v, heads=heads, impl=impl, chunk=32, block=48))(q, k, v)
+    got = jax.jit(lambda q, k, v: attention(q, k, v, heads=heads, implementation=impl, chunk_size=32, block_size=48))(
+        q, k, v
+    )
     np.testing.assert_allclose(np.asarray(got), _torch_sdpa(q, k, v, heads), rtol=2e-5, atol=2e-5)
 
 
 def test_bad_arguments():
     x = np.zeros((1, 4, 6), np.float32)
-    with pytest.raises(ValueError, match="unknown impl"):
-        attention(x, x, x, heads=2, impl="sparse")
+    with pytest.raises(ValueError, match="unknown implementation 'sparse'"):
+        attention(x, x, x, heads=2, implementation="sparse")
     with pytest.raises(ValueError, match="does not split into 4 heads"):
         attention(x, x, x, heads=4)
     with pytest.raises(ValueError, match="expected q"):

@@ -26,11 +26,8 @@ from sdjax.ops import attention as ops_attention
 
 Dtype = Any
 
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "dot_product", "chunked")
-# "auto" on CPU: one softmax over the whole query axis up to this many query tokens, query chunks of `chunk_size`
-# above it. Chunking from a 512x512 image's 64x64 latent (4096 tokens) on is both leaner and faster on XLA:CPU:
-# the SD 1.5 UNet step went from 17.3 s to 11.6 s (PyTorch: 11.8 s) in benchmarks/bench_components.py.
-AUTO_CHUNK_ABOVE = 1024
+# The attention implementations a model's `attention` field may name (`sdjax.ops.attention`, the one dispatcher).
+ATTENTION_IMPLEMENTATIONS = ops_attention.IMPLEMENTATIONS
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -136,105 +133,6 @@ def conv(
 
 
 # ----------------------------------------------------------------------------------------------- attention
-def _attend(q_btnd, k_bsnd, v_bsnd, upcast: bool):
-    """softmax(q k^T / sqrt(d)) v, scores and softmax in float32; probabilities cast to v's dtype for p @ v."""
-    if upcast:
-        q_btnd, k_bsnd = q_btnd.astype(jnp.float32), k_bsnd.astype(jnp.float32)
-    scores_bnts = jnp.einsum("btnd,bsnd->bnts", q_btnd, k_bsnd, preferred_element_type=jnp.float32)
-    scores_bnts = scores_bnts * (1.0 / math.sqrt(q_btnd.shape[-1]))
-    probs_bnts = jax.nn.softmax(scores_bnts, axis=-1).astype(v_bsnd.dtype)
-    return jnp.einsum("bnts,bsnd->btnd", probs_bnts, v_bsnd)
-
-
-def _attend_dot_product(q_btnd, k_bsnd, v_bsnd, upcast: bool):
-    """`jax.nn.dot_product_attention`: cuDNN flash attention on GPU for half-precision inputs, XLA elsewhere.
-
-    Flash attention accumulates q k^T and the softmax in float32, which is what `upcast_attention` asks for.
-    """
-    dtype = v_bsnd.dtype
-    d = q_btnd.shape[-1]
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
-        try:
-            return jax.nn.dot_product_attention(q_btnd, k_bsnd, v_bsnd, implementation="cudnn")
-        except Exception:  # an unsupported cuDNN version or shape: fall back to XLA's lowering
-            pass
-    if upcast:
-        q_btnd, k_bsnd, v_bsnd = (a.astype(jnp.float32) for a in (q_btnd, k_bsnd, v_bsnd))
-    return jax.nn.dot_product_attention(q_btnd, k_bsnd, v_bsnd, implementation="xla").astype(dtype)
-
-
-def _attend_chunked(q_btnd, k_bsnd, v_bsnd, upcast: bool, chunk: int):
-    """Query-chunked attention, one (batch, head) at a time (`sdjax.ops.attention`): each block's scores are
-    `chunk * S` floats, so they stay in cache on CPU; exact per block."""
-    if q_btnd.shape[1] <= chunk:
-        return _attend(q_btnd, k_bsnd, v_bsnd, upcast)
-    if upcast:
-        q_btnd, k_bsnd = q_btnd.astype(jnp.float32), k_bsnd.astype(jnp.float32)
-    return ops_attention.chunked(q_btnd, k_bsnd, v_bsnd, chunk).astype(v_bsnd.dtype)
-
-
-def resolve_implementation(implementation: str, query_tokens: int) -> str:
-    """The implementation "auto" stands for: `jax.nn.dot_product_attention` on GPU (cuDNN flash attention for
-    half precision), plain XLA attention elsewhere, query-chunked above `AUTO_CHUNK_ABOVE` query tokens on CPU."""
-    if implementation != "auto":
-        return implementation
-    backend = jax.default_backend()
-    if backend == "gpu":
-        return "dot_product"
-    if backend == "cpu" and query_tokens > AUTO_CHUNK_ABOVE:
-        return "chunked"
-    return "xla"
-
-
-def attention(
-    q_btc,
-    k_bsc,
-    v_bsc,
-    *,
-    heads: int,
-    implementation: str = "auto",
-    split_head_dim: bool = False,
-    upcast: bool = False,
-    chunk_size: int = 1024,
-) -> jax.Array:
-    """Multi-head scaled dot-product attention on projected inputs `(B, T, H*D)`, `(B, S, H*D)` -> `(B, T, H*D)`.
-
-    `implementation`: "xla" (einsum + softmax), "dot_product" (`jax.nn.dot_product_attention`, cuDNN flash
-    attention on GPU), "chunked" (queries in chunks of `chunk_size`, for large images on small memory), "auto"
-    (the default: see `resolve_implementation`).
-    `split_head_dim`: keep heads on their own axis `(B, T, H, D)` instead of folding them into the batch
-    `(B*H, T, 1, D)`. The choices change speed and memory, never the numbers beyond float rounding.
-    `upcast`: compute q k^T from float32 q and k (diffusers `upcast_attention`, SD 2.1); the softmax is
-    float32 in every case.
-    """
-    b, t, c = q_btc.shape
-    s = k_bsc.shape[1]
-    d = c // heads
-    if split_head_dim:
-        q, k, v = q_btc.reshape(b, t, heads, d), k_bsc.reshape(b, s, heads, d), v_bsc.reshape(b, s, heads, -1)
-    else:
-
-        def fold(x, n):
-            return x.reshape(b, n, heads, -1).transpose(0, 2, 1, 3).reshape(b * heads, n, 1, -1)
-
-        q, k, v = fold(q_btc, t), fold(k_bsc, s), fold(v_bsc, s)
-    implementation = resolve_implementation(implementation, t)
-    if implementation == "xla":
-        out = _attend(q, k, v, upcast)
-    elif implementation == "dot_product":
-        out = _attend_dot_product(q, k, v, upcast)
-    elif implementation == "chunked":
-        out = _attend_chunked(q, k, v, upcast, chunk_size)
-    else:
-        raise ValueError(
-            f"unknown attention implementation {implementation!r}; choose one of {ATTENTION_IMPLEMENTATIONS}"
-        )
-    if split_head_dim:
-        return out.reshape(b, t, -1)
-    return out.reshape(b, heads, t, -1).transpose(0, 2, 1, 3).reshape(b, t, -1)
-
-
 class Attention(nn.Module):
     """diffusers `Attention` (the default `AttnProcessor2_0` path) on token sequences `(B, T, C)`.
 
@@ -270,7 +168,7 @@ class Attention(nn.Module):
         q = dense("to_q", self.qkv_bias)(x_btc)
         k = dense("to_k", self.qkv_bias)(context_bsd)
         v = dense("to_v", self.qkv_bias)(context_bsd)
-        out = attention(
+        out = ops_attention.attention(
             q,
             k,
             v,

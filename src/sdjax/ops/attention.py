@@ -1,20 +1,25 @@
-"""Multi-head scaled dot-product attention, softmax(q k^T / sqrt(d)) v, with lowerings chosen for speed.
+"""Multi-head scaled dot-product attention, softmax(q k^T / sqrt(d)) v: the one dispatcher every model uses.
 
-`attention(q_btc, k_bsc, v_bsc, heads=)` takes projected inputs `(B, T, H*D)`, `(B, S, H*D)`, `(B, S, H*Dv)`
-and returns `(B, T, H*Dv)` (diffusers `Attention` between `to_q/k/v` and `to_out`). The implementations
-compute the same function (scores and softmax in float32); they differ in memory traffic:
+`attention(q_btc, k_bsc, v_bsc, heads=, implementation=)` takes projected inputs `(B, T, H*D)`, `(B, S, H*D)`,
+`(B, S, H*Dv)` and returns `(B, T, H*Dv)` (diffusers `Attention` between `to_q/k/v` and `to_out`). The
+implementations compute the same function (scores and softmax in float32); they differ in memory traffic:
 
 - "xla": the whole `(B, H, T, S)` score tensor, a float32 softmax, then `p @ v`. At SD 1.5's 64x64 latents
-  (T = S = 4096, B*H = 16) the scores are 1 GiB: every pass over them (scale, max, exp, sum, divide, p @ v)
-  streams that through memory, which dominates the UNet step on CPU.
+  (T = S = 4096, B*H = 16) the scores are 1 GiB: every pass over them streams that through memory.
 - "deferred": the same, but the softmax normalization is applied after `p @ v` (`(exp(s - max) @ v) / sum`),
-  dividing a `(B, H, T, Dv)` tensor instead of the scores: one pass over the scores fewer. The same
-  numbers up to float rounding (flash attention does the same).
-- "chunked": "deferred" on blocks of `chunk` queries (`lax.map`), so each block's scores stay in cache;
-  memory O(B*H*chunk*S). The default, and the CPU-fast choice for long sequences.
-- "dot_product": `jax.nn.dot_product_attention(implementation="xla")` (XLA's own lowering; on GPU callers
-  may prefer cuDNN through `sdjax.models.layers`).
-- "auto": "chunked" when T*S is large (>= 1M score entries per head), else "deferred".
+  dividing a `(B, H, T, Dv)` tensor instead of the scores: one pass over the scores fewer (as flash attention).
+- "chunked": the softmax on blocks of `chunk_size` queries, one (batch, head) at a time (`lax.map`), so each
+  block's scores stay in cache; memory O(chunk * S).
+- "flash": online softmax over key blocks of `block_size` (Dao et al. 2022, "FlashAttention"), all heads at once.
+- "dot_product": `jax.nn.dot_product_attention`: cuDNN flash attention on GPU for half-precision inputs with head
+  widths it supports, XLA's lowering elsewhere.
+- "auto" (the default; see `resolve`): "dot_product" on GPU, "chunked" on CPU above `AUTO_CHUNK_ABOVE` query
+  tokens (a 512x512 image's 64x64 latent), "xla" otherwise. On XLA:CPU chunking made the SD 1.5 UNet step 17.3 s
+  -> 11.6 s (docs/benchmarks.md).
+
+`split_head_dim` keeps heads on their own axis `(B, T, H, D)` instead of folding them into the batch; `upcast`
+computes q k^T from float32 q and k (diffusers `upcast_attention`, SD 2.1). Neither changes the numbers beyond
+float rounding.
 """
 
 from __future__ import annotations
@@ -26,16 +31,24 @@ import jax.numpy as jnp
 from jax import lax
 
 IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product")
-CHUNKED_MIN_SCORES = 1 << 20  # T*S per head from which "auto" picks "chunked"
+AUTO_CHUNK_ABOVE = 1024
 
 
-def _split_heads(x_btc, heads):
-    b, t, c = x_btc.shape
-    if c % heads:
-        raise ValueError(f"attention: width {c} does not split into {heads} heads")
-    return x_btc.reshape(b, t, heads, c // heads)
+def resolve(implementation: str, query_tokens: int) -> str:
+    """The implementation "auto" stands for on this backend and sequence length; any other name unchanged."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "dot_product"
+    if backend == "cpu" and query_tokens > AUTO_CHUNK_ABOVE:
+        return "chunked"
+    return "xla"
 
 
+# ------------------------------------------------------------------------------------- on (B, T, N, D) heads
 def _scores(q_btnd, k_bsnd):
     s = jnp.einsum("btnd,bsnd->bnts", q_btnd, k_bsnd, preferred_element_type=jnp.float32)
     return s * (1.0 / math.sqrt(q_btnd.shape[-1]))
@@ -59,8 +72,8 @@ def _fold_heads(x_btnd):
     return jnp.transpose(x_btnd, (0, 2, 1, 3)).reshape(b * n, t, d)
 
 
-def _deferred_ntd(q_ntd, k_nsd, v_nsd):
-    """`_attend_deferred` on head-folded `(N, T, D)` blocks (scores `(N, T, S)`)."""
+def _softmax_block(q_ntd, k_nsd, v_nsd):
+    """Softmax attention of head-folded `(N, T, D)` blocks, normalization deferred after `p @ v`."""
     s = jnp.einsum("ntd,nsd->nts", q_ntd, k_nsd, preferred_element_type=jnp.float32)
     s = s * (1.0 / math.sqrt(q_ntd.shape[-1]))
     e = jnp.exp(s - lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
@@ -71,6 +84,8 @@ def _deferred_ntd(q_ntd, k_nsd, v_nsd):
 def _attend_chunked(q_btnd, k_bsnd, v_bsnd, chunk):
     """One (batch, head) at a time, queries in blocks of `chunk`: a block's scores are `chunk * S` floats."""
     b, t, n, _ = q_btnd.shape
+    if t <= chunk:
+        return _attend_xla(q_btnd, k_bsnd, v_bsnd)
     q_ntd, k_nsd, v_nsd = _fold_heads(q_btnd), _fold_heads(k_bsnd), _fold_heads(v_bsnd)
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
@@ -80,20 +95,15 @@ def _attend_chunked(q_btnd, k_bsnd, v_bsnd, chunk):
 
     def one_head(args):
         q_ctd, k_sd, v_sd = args
-        return lax.map(lambda q_td: _deferred_ntd(q_td[None], k_sd[None], v_sd[None])[0], q_ctd)
+        return lax.map(lambda q_td: _softmax_block(q_td[None], k_sd[None], v_sd[None])[0], q_ctd)
 
     out_nctd = lax.map(one_head, (q_nctd, k_nsd, v_nsd))
     out_ntd = out_nctd.reshape(b * n, n_chunks * chunk, -1)[:, :t]
     return jnp.transpose(out_ntd.reshape(b, n, t, -1), (0, 2, 1, 3))
 
 
-def chunked(q_btnd: jax.Array, k_bsnd: jax.Array, v_bsnd: jax.Array, chunk: int = 1024) -> jax.Array:
-    """Query-chunked attention on `(B, T, N, D)` q and `(B, S, N, D)` k, v (what `sdjax.models.layers` uses)."""
-    return _attend_chunked(q_btnd, k_bsnd, v_bsnd, chunk)
-
-
 def _attend_flash(q_btnd, k_bsnd, v_bsnd, block):
-    """Online softmax over key blocks of `block` (Dao et al. 2022, "FlashAttention"), all heads at once."""
+    """Online softmax over key blocks of `block`, all heads at once."""
     b, t, n, d = q_btnd.shape
     s = k_bsnd.shape[1]
     q_ntd = _fold_heads(q_btnd).astype(jnp.float32) * (1.0 / math.sqrt(d))
@@ -128,51 +138,71 @@ def _attend_flash(q_btnd, k_bsnd, v_bsnd, block):
         jnp.zeros((b * n, t), jnp.float32),
         jnp.zeros((b * n, t, dv), jnp.float32),
     )
-    blocks = (k_cnsd, v_cnsd, valid)
-    (_, l_nt, acc_ntd), _ = lax.scan(step, init, blocks)
+    (_, l_nt, acc_ntd), _ = lax.scan(step, init, (k_cnsd, v_cnsd, valid))
     out_ntd = (acc_ntd / l_nt[..., None]).astype(v_bsnd.dtype)
     return jnp.transpose(out_ntd.reshape(b, n, t, dv), (0, 2, 1, 3))
 
 
 def _attend_dot_product(q_btnd, k_bsnd, v_bsnd):
     dtype = v_bsnd.dtype
+    d = q_btnd.shape[-1]
+    if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
+        try:
+            return jax.nn.dot_product_attention(q_btnd, k_bsnd, v_bsnd, implementation="cudnn")
+        except Exception:  # an unsupported cuDNN version or shape: XLA's lowering below
+            pass
     q, k, v = (a.astype(jnp.float32) for a in (q_btnd, k_bsnd, v_bsnd))
     return jax.nn.dot_product_attention(q, k, v, implementation="xla").astype(dtype)
 
 
+# ------------------------------------------------------------------------------------------------ dispatcher
 def attention(
     q_btc: jax.Array,
     k_bsc: jax.Array,
     v_bsc: jax.Array,
     *,
     heads: int,
-    impl: str = "auto",
-    chunk: int = 1024,
-    block: int = 512,
+    implementation: str = "auto",
+    split_head_dim: bool = False,
+    upcast: bool = False,
+    chunk_size: int = 1024,
+    block_size: int = 512,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(d)) v per head on `(B, T, H*D)` inputs -> `(B, T, H*Dv)`; see the module docstring.
 
-    `chunk`: queries per block for "chunked" (a block's float32 scores are chunk*S*4 bytes: 16 MiB at 1024 x
-    4096). `block`: keys per step for "flash".
+    `chunk_size`: queries per block for "chunked" (a block's float32 scores are chunk*S*4 bytes: 16 MiB at
+    1024 x 4096). `block_size`: keys per step for "flash".
     """
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"attention: unknown impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     if q_btc.ndim != 3 or k_bsc.ndim != 3 or v_bsc.ndim != 3 or k_bsc.shape[:2] != v_bsc.shape[:2]:
         raise ValueError(
             f"attention: expected q (B, T, C), k and v (B, S, C); got {q_btc.shape}, {k_bsc.shape}, {v_bsc.shape}"
         )
-    q, k, v = _split_heads(q_btc, heads), _split_heads(k_bsc, heads), _split_heads(v_bsc, heads)
-    if impl == "auto":
-        impl = "chunked" if q.shape[1] * k.shape[1] >= CHUNKED_MIN_SCORES else "deferred"
-    if impl == "xla":
+    b, t, c = q_btc.shape
+    s = k_bsc.shape[1]
+    if c % heads or v_bsc.shape[-1] % heads:
+        raise ValueError(f"attention: width {c} does not split into {heads} heads")
+    implementation = resolve(implementation, t)
+    if upcast:
+        q_btc, k_bsc = q_btc.astype(jnp.float32), k_bsc.astype(jnp.float32)
+    if split_head_dim:
+        q, k, v = q_btc.reshape(b, t, heads, -1), k_bsc.reshape(b, s, heads, -1), v_bsc.reshape(b, s, heads, -1)
+    else:  # heads folded into the batch: (B*H, T, 1, D)
+
+        def fold(x, n):
+            return x.reshape(b, n, heads, -1).transpose(0, 2, 1, 3).reshape(b * heads, n, 1, -1)
+
+        q, k, v = fold(q_btc, t), fold(k_bsc, s), fold(v_bsc, s)
+    if implementation == "xla":
         out = _attend_xla(q, k, v)
-    elif impl == "deferred":
+    elif implementation == "deferred":
         out = _attend_deferred(q, k, v)
-    elif impl == "chunked":
-        out = _attend_chunked(q, k, v, chunk)
-    elif impl == "flash":
-        out = _attend_flash(q, k, v, block)
+    elif implementation == "chunked":
+        out = _attend_chunked(q, k, v, chunk_size)
+    elif implementation == "flash":
+        out = _attend_flash(q, k, v, block_size)
     else:
         out = _attend_dot_product(q, k, v)
-    b, t = q_btc.shape[:2]
-    return out.reshape(b, t, -1)
+    out = out.astype(v_bsc.dtype)
+    if split_head_dim:
+        return out.reshape(b, t, -1)
+    return out.reshape(b, heads, t, -1).transpose(0, 2, 1, 3).reshape(b, t, -1)

@@ -1,4 +1,6 @@
-"""2-D convolution on NHWC activations with HWIO kernels: one function, several lowerings of the same math.
+"""(Benchmark-only: compared by benchmarks/cpu_ops.py; sdjax's models use flax `nn.Conv`.)
+
+2-D convolution on NHWC activations with HWIO kernels: one function, several lowerings of the same math.
 
 `conv2d(x_nhwc, kernel_hwio, bias, stride=, padding=)` is `torch.nn.functional.conv2d` (cross-correlation, no
 dilation, no groups) in channels-last layout, i.e. `lax.conv_general_dilated` with
