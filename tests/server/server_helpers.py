@@ -22,16 +22,15 @@ from sdjax import metadata
 
 
 class LiveServer:
-    def __init__(self, pipeline, config):
+    def __init__(self, pipeline, config, loader=None):
         import uvicorn
 
-        from sdjax.server import build_asgi
+        from sdjax.server import build_asgi, uvicorn_config
 
         self.pipeline = pipeline
-        self.app = build_asgi(pipeline, config)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
-        )
+        self.config = config
+        self.app = build_asgi(pipeline, config, loader=loader)
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -49,6 +48,11 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{port}"
         while not self.batcher.ready:
             time.sleep(0.01)
+        # the start-up compilations, as (batch, height, width, steps, sampler), in the order run
+        self.warmups = [
+            (c["pad_to"], c["height"], c["width"], c["steps"], c["sampler"])
+            for c in getattr(self.pipeline, "calls", [])
+        ]
         return self
 
     def __exit__(self, *exc):
@@ -57,11 +61,11 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(pipeline=None, **config):
+def live_server(pipeline=None, loader=None, **config):
     from sdjax.server import ServerConfig
 
     config.setdefault("model_name", "fake-model")
-    with LiveServer(pipeline or FakePipeline(), ServerConfig(**config)) as server:
+    with LiveServer(pipeline or FakePipeline(), ServerConfig(**config), loader=loader) as server:
         yield server
 
 
