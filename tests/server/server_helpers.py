@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
+import socket
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -105,3 +109,62 @@ def check_image(b64: str, **want) -> metadata.ImageParameters:
 
 def client(url: str, timeout: float = 30.0) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+class SpawnedServer:
+    """`sdjax.server.serve` in a subprocess on 127.0.0.1, so that its signals, exit and open descriptors are its
+    own. `pipeline` and `config` are Python expressions (names from fake_pipeline and sdjax.server in scope)."""
+
+    def __init__(self, pipeline: str = "FakePipeline()", config: str = "", ready_timeout_s: float = 60.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.script = textwrap.dedent(f"""
+            import sys
+            sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(SRC)!r}]
+            from fake_pipeline import *
+            from sdjax.server import Limits, ServerConfig, serve
+            serve({pipeline}, ServerConfig(model_name="fake", {config}), host="127.0.0.1", port={self.port},
+                  log_level="warning")
+        """)
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the server did not start:\n{self.proc.stdout.read()}")
+            time.sleep(0.1)
+
+    def open_descriptors(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __exit__(self, *exc):
+        self.kill()

@@ -356,8 +356,8 @@ def create_app(
     async def get_file(file_id: str):
         data = files.get(file_id.removesuffix(".png"))
         if data is None:
-            raise APIError(404, f"no such file {file_id!r} (files expire after {config.file_ttl_s:g} s)", "file_id",
-                           code="not_found")  # fmt: skip
+            message = f"file_id: no such file {file_id!r} (files expire after {config.file_ttl_s:g} s)"
+            raise APIError(404, message, "file_id", code="not_found")
         return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=60"})
 
     def settings() -> dict[str, Any]:

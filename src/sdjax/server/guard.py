@@ -14,9 +14,10 @@
 
 `protocol_class` wraps uvicorn's HTTP protocol: a connection that has not sent a complete request head within
 `header_timeout_s` (of being opened or of its last response) is closed (uvicorn itself has no such limit, so a
-client that sends its headers slowly kept a connection and a descriptor open forever); a client that half-closes
-its side still gets its answer (a truncated body gets its 400); and a malformed request line or header gets a
-JSON 400 in the OpenAI error shape instead of uvicorn's plain text.
+client that sends its headers slowly kept a connection and a descriptor open forever); and a malformed request
+line or header gets a JSON 400 in the OpenAI error shape instead of uvicorn's plain text. End of stream from the
+client still closes the connection (as in uvicorn): that is how a disconnect is noticed and its work cancelled, so
+a client that half-closes after a truncated body gets no answer (and nothing of it reaches the app).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def _unauthorized(path: str, auth: Auth) -> APIError:
     if is_a1111(path):
         message = "Incorrect username or password"  # AUTOMATIC1111's words
     else:
-        message = "missing or incorrect credentials: send Authorization: Bearer <API key>"
+        message = "authorization: missing or incorrect credentials; send the header Authorization: Bearer <API key>"
     if auth.users and not is_a1111(path):
         message += " or HTTP basic auth"
     return APIError(
@@ -271,9 +272,6 @@ def protocol_class(header_timeout_s: float, base: type | None = None) -> type:
             if self._head_timer is not None:
                 self._head_timer.cancel()
             super().connection_lost(exc)
-
-        def eof_received(self):
-            return True  # the client half-closed: keep our side open to answer (the guard bounds the wait)
 
         def send_400_response(self, msg: str) -> None:
             error = APIError(400, f"malformed HTTP request: {msg}", None, code="malformed_request")

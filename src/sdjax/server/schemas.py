@@ -287,7 +287,7 @@ def check_common(
             f"the request costs {width}x{height} pixels x {steps} steps x {num_images} images = {cost} pixel-steps, "
             f"over the per-request budget of {limits.max_cost} (max_request_cost); ask for fewer images or steps, "
             "or a smaller size",
-            fields["num_images"],
+            None,
             code="over_budget",
         )
     check_text(fields.get("prompt", "prompt"), prompt)
