@@ -29,12 +29,16 @@ class LiveServer:
     def __init__(self, pipeline, config, loader=None):
         import uvicorn
 
-        from sdjax.server import build_asgi, uvicorn_config
+        from sdjax import server
 
         self.pipeline = pipeline
         self.config = config
-        self.app = build_asgi(pipeline, config, loader=loader)
-        self.server = uvicorn.Server(uvicorn_config(self.app, config, host="127.0.0.1", port=0, log_level="warning"))
+        self.app = server.build_asgi(pipeline, config, **({"loader": loader} if loader is not None else {}))
+        if hasattr(server, "uvicorn_config"):  # the guarded protocol and limits that serve() uses
+            uv_config = server.uvicorn_config(self.app, config, host="127.0.0.1", port=0, log_level="warning")
+        else:  # (servers before issue 19, to show which tests fail there)
+            uv_config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(uv_config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
