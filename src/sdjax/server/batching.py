@@ -334,7 +334,7 @@ class Batcher:
 
     def submit(self, images: list[ImageParameters], task_id: str | None = None) -> Job:
         """Queue a request's images (all of one shape); await `job.future` for an `Outcome`."""
-        if self.stopping or self.draining:
+        if self.stopping:  # while draining, requests already received still run (uvicorn accepts no new ones)
             raise ShuttingDown("the server is shutting down")
         if not images:
             raise ValueError("a request needs at least one image")
