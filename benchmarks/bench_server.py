@@ -94,12 +94,11 @@ class Server:
     def __init__(self, pipe, config):
         import uvicorn
 
-        from sdjax.server import build_asgi
+        from sdjax.server import build_asgi, uvicorn_config
 
         self.app = build_asgi(pipe, config)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
-        )
+        # the protocol, limits and timeouts `sdjax serve` uses
+        self.server = uvicorn.Server(uvicorn_config(self.app, config, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

@@ -437,6 +437,14 @@ def _parse_size(text: str, option: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def _parse_list(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+
+def _mega(value: float | None) -> int | None:
+    return None if value is None else int(value * 1_000_000)
+
+
 @app.command()
 def serve(
     model: Annotated[
@@ -445,7 +453,9 @@ def serve(
             "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model."
         ),
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on: 127.0.0.1 (this machine only) unless you name another.")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
     max_batch: Annotated[int, typer.Option(min=1, help="Most images in one compiled batch.")] = 8,
@@ -453,22 +463,49 @@ def serve(
         str | None,
         typer.Option(
             help="Compiled batch sizes, comma-separated (a batch is padded to the next). Default: powers of two up "
-            "to --max-batch."
+            "to --max-batch. One size (e.g. 8) makes every image's bytes independent of the load."
         ),
     ] = None,
     batch_window_ms: Annotated[
         float, typer.Option(min=0.0, help="How long the oldest waiting request waits for others to share its batch.")
     ] = 10.0,
     max_queue: Annotated[int, typer.Option(min=1, help="Most images waiting; more get 429 Retry-After.")] = 64,
+    max_queue_cost: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Most work waiting, in millions of pixel-steps (width x height x steps x images); more get 429, "
+            "a request larger than all of it 422. Default: no bound.",
+        ),
+    ] = None,
+    max_request_cost: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Most work one request may ask for, in millions of pixel-steps (512x512 x 50 steps x 4 images = "
+            "52.4); more get 422. Default: no bound beyond --max-size, --max-steps and --max-images.",
+        ),
+    ] = None,
     request_timeout: Annotated[
         float,
-        typer.Option(min=0.001, help="Seconds before a request is answered 504 (compilation of a new shape counts)."),
+        typer.Option(
+            min=0.001,
+            help="Seconds before a request is answered 504 and its work cancelled (compilation of a new shape counts).",
+        ),
     ] = 300.0,
     warm_size: Annotated[
         list[str] | None,
         typer.Option(
             help="WIDTHxHEIGHT to compile at start-up, for each batch size (repeatable). Default: the model's size."
         ),
+    ] = None,
+    warm_steps: Annotated[
+        list[int] | None,
+        typer.Option(min=1, help="Steps to compile at start-up (repeatable). Default: --steps."),
+    ] = None,
+    warm_sampler: Annotated[
+        list[str] | None,
+        typer.Option(help="Samplers to compile at start-up (repeatable). Default: --sampler."),
     ] = None,
     steps: Annotated[
         int | None,
@@ -479,18 +516,76 @@ def serve(
         typer.Option(help="Sampler of requests that give none, compiled at start-up. Default: the model's scheduler."),
     ] = None,
     no_warm: Annotated[bool, typer.Option("--no-warm", help="Compile nothing at start-up.")] = False,
+    pin: Annotated[
+        bool,
+        typer.Option(
+            "--pin",
+            help="Serve only what start-up compiled: the --warm-size sizes x --warm-steps x --warm-sampler samplers "
+            "(422 otherwise), so that no request stalls the server compiling.",
+        ),
+    ] = False,
     only_warm_sizes: Annotated[
         bool,
         typer.Option(
             "--only-warm-sizes",
-            help="Refuse (422) sizes other than the --warm-size ones, so that no request "
-            "stalls the server compiling a new shape.",
+            help="Refuse (422) sizes other than the --warm-size ones (sizes only; --pin also pins steps and samplers).",
         ),
     ] = False,
     max_size: Annotated[int, typer.Option(min=8, help="Largest width or height a request may ask for.")] = 1024,
     max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
     max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
     max_body_kb: Annotated[int, typer.Option(min=1, help="Largest request body in KiB (413 above).")] = 64,
+    body_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds for a whole request body to arrive (then 400 or 408).")
+    ] = 10.0,
+    header_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds for a connection's request head to arrive (then it is closed).")
+    ] = 10.0,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(min=0.0, help="On SIGTERM, seconds to let running requests finish before cancelling them."),
+    ] = 30.0,
+    stuck_after: Annotated[
+        float,
+        typer.Option(
+            min=0.001, help="GET /health/ready answers 503 when the running batch shows no progress this long."
+        ),
+    ] = 600.0,
+    max_connections: Annotated[
+        int, typer.Option(min=1, help="Most concurrent connections and requests; more get 503.")
+    ] = 1024,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SDJAX_API_KEY",
+            help="Require this key as Authorization: Bearer <key> (OpenAI clients' api_key). Or set SDJAX_API_KEY.",
+        ),
+    ] = None,
+    api_auth: Annotated[
+        str | None,
+        typer.Option(
+            envvar="SDJAX_API_AUTH",
+            help="Require HTTP basic auth (AUTOMATIC1111's --api-auth): user:password, comma-separated for several. "
+            "Or set SDJAX_API_AUTH.",
+        ),
+    ] = None,
+    cors_origins: Annotated[
+        str | None,
+        typer.Option(help="Origins allowed to call the API from a browser, comma-separated. Default: none."),
+    ] = None,
+    models_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="A folder of diffusers model folders that POST /sdapi/v1/options (sd_model_checkpoint) may switch "
+            "to, by folder name."
+        ),
+    ] = None,
+    file_ttl: Annotated[
+        float, typer.Option(min=1.0, help='Seconds an image of response_format="url" stays downloadable.')
+    ] = 3600.0,
+    no_docs: Annotated[
+        bool, typer.Option("--no-docs", help="No /docs page (it is served from the local swagger-ui-bundle).")
+    ] = False,
     no_progress: Annotated[
         bool,
         typer.Option(
@@ -516,6 +611,12 @@ def serve(
         ) from None
     if any(b < 1 or b > max_batch for b in batch):
         raise typer.BadParameter(f"sizes must lie in 1..--max-batch ({max_batch})", param_hint="--batch-sizes")
+    try:
+        users = tuple(server.Auth.parse_user(u) for u in _parse_list(api_auth))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--api-auth") from None
+    if models_dir is not None and not Path(models_dir).is_dir():
+        raise typer.BadParameter(f"{models_dir} is not a folder", param_hint="--models-dir")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("sdjax")
@@ -533,17 +634,18 @@ def serve(
                 soft_wrap=True,
             )
             raise typer.Exit(1) from None
+    for name, option in [(sampler, "--sampler"), *((s, "--warm-sampler") for s in warm_sampler or ())]:
+        if name is not None:
+            try:
+                pipe.validate(sampler=name)
+            except (ValueError, KeyError) as e:
+                raise typer.BadParameter(str(e.args[0] if e.args else e), param_hint=option) from None
     warming = (
         ""
         if no_warm
-        else (f"; compiling {len(sizes) or 1} size(s) first (GET /health answers 503 until then, requests wait)")
+        else (f"; compiling {len(sizes) or 1} size(s) first (GET /health/ready answers 503 until then, requests wait)")
     )
     err.print(f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{host}:{port}/{warming}", highlight=False)
-    if sampler is not None:
-        try:
-            pipe.validate(sampler=sampler)
-        except (ValueError, KeyError) as e:
-            raise typer.BadParameter(str(e.args[0] if e.args else e), param_hint="--sampler") from None
     allowed = None
     if only_warm_sizes:
         h, w = pipe.default_size
@@ -554,16 +656,44 @@ def serve(
         batch_sizes=batch,
         batch_window_s=batch_window_ms / 1000,
         max_queue_images=max_queue,
+        max_queue_cost=_mega(max_queue_cost),
         request_timeout_s=request_timeout,
         max_body_bytes=max_body_kb * 1024,
+        body_timeout_s=body_timeout,
+        header_timeout_s=header_timeout,
+        shutdown_timeout_s=shutdown_timeout,
+        stuck_after_s=stuck_after,
+        max_connections=max_connections,
         warm_sizes=sizes,
+        warm_steps=tuple(warm_steps or ()),
+        warm_samplers=tuple(warm_sampler or ()),
         warm=not no_warm,
+        pin=pin,
         progress=not no_progress,
         default_steps=steps,
         default_sampler=sampler,
-        limits=server.Limits(max_images=max_images, max_steps=max_steps, max_size=max_size, sizes=allowed),
+        limits=server.Limits(
+            max_images=max_images,
+            max_steps=max_steps,
+            max_size=max_size,
+            sizes=allowed,
+            max_cost=_mega(max_request_cost),
+        ),
+        api_key=api_key or None,
+        api_auth=users,
+        cors_origins=_parse_list(cors_origins),
+        models_dir=models_dir,
+        file_ttl_s=file_ttl,
+        docs=not no_docs,
     )
-    server.serve(pipe, config, host=host, port=port, log_level=log_level)
+    server.serve(
+        pipe,
+        config,
+        host=host,
+        port=port,
+        log_level=log_level,
+        loader=(lambda path: load_pipeline(path, dtype)) if models_dir else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- bench

@@ -13,8 +13,16 @@ The text format is the one the AUTOMATIC1111 web UI writes and reads (`modules/i
     Negative prompt: blurry
     Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 0, Size: 512x512, Model: stable-diffusion-v1-5
 
-The last line is `key: value` pairs separated by ", "; a value holding ",", ":" or a newline is JSON-quoted.
+The last line is `key: value` pairs separated by ", "; a value holding ",", ":" or a line break is JSON-quoted.
 `Size` is width x height.
+
+Escaping (`format_parameters`): AUTOMATIC1111 writes prompts as they are, so a multi-line prompt takes several
+lines, and its reader moves every line that starts with "Negative prompt:" into the negative prompt. sdjax keeps
+the multi-line layout (as A1111 does) but lets no prompt text change the structure: every line break (`\r\n`,
+`\r`, and the separators `str.splitlines` knows, such as U+2028) is written as `\n`, and a prompt line starting
+with "Negative prompt:" is written with that marker in lower case. The CLIP tokenizer collapses whitespace and
+lower-cases, so the tokens (and the image) of what is read back are those of the prompt asked for. Quoted values
+also escape U+0085, U+2028 and U+2029 (JSON leaves them raw).
 """
 
 from __future__ import annotations
@@ -178,10 +186,27 @@ def model_label(model: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- text format
+# Every line boundary of `str.splitlines`, \r\n first so that it counts as one.
+_LINE_BREAK_RE = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+_NEGATIVE_MARK = "Negative prompt:"
+
+
+def _prompt_lines(text: str) -> str:
+    """A prompt for the infotext: line breaks as "\n", no line that reads as the negative-prompt marker."""
+    lines = []
+    for line in _LINE_BREAK_RE.split(text):
+        body = line.lstrip()
+        if body.startswith(_NEGATIVE_MARK):
+            line = line[: len(line) - len(body)] + _NEGATIVE_MARK.lower() + body[len(_NEGATIVE_MARK) :]
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _quote(value: str) -> str:
-    if "," not in value and "\n" not in value and ":" not in value:
+    if "," not in value and ":" not in value and not value.startswith('"') and not _LINE_BREAK_RE.search(value):
         return value
-    return json.dumps(value, ensure_ascii=False)
+    quoted = json.dumps(value, ensure_ascii=False)
+    return quoted.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 def _unquote(value: str) -> str:
@@ -210,8 +235,8 @@ def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -
         **(extra or {}),
     }
     params = ", ".join(f"{k}: {_quote(str(v))}" for k, v in fields.items() if v is not None and v != "")
-    negative = f"\nNegative prompt: {p.negative_prompt}" if p.negative_prompt else ""
-    return f"{p.prompt}{negative}\n{params}".strip()
+    negative = f"\nNegative prompt: {_prompt_lines(p.negative_prompt)}" if p.negative_prompt else ""
+    return f"{_prompt_lines(p.prompt)}{negative}\n{params}".strip()
 
 
 def parse_parameters(text: str) -> dict[str, str]:

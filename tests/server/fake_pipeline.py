@@ -2,7 +2,10 @@
 
 Image `i` is a pure function of (prompt, negative prompt, seeds[i], image_indices[i], guidance, steps, size,
 sampler), independent of the batch it is in, so a test recomputes what each request must get back (`expected`).
-Records every call; `delay_s` simulates pipeline time so that concurrent requests meet in one batch.
+Records every call; `delay_s` simulates pipeline time (spread over the steps) so that concurrent requests meet in
+one batch. Like the real pipeline, it tokenizes the whole batch (`prepare_inputs` refuses text that is not UTF-8,
+as the CLIP tokenizer does) and, like the generation core, polls `should_stop()` once per step and raises
+`Cancelled` when it returns True. `FakePipelineWithoutStop` lacks `should_stop` (the pipelines before the core).
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ def expected(
     return ((base + noise) % 256).astype(np.uint8)
 
 
+try:
+    from sdjax.core import Cancelled
+except ImportError:  # the generation core is not there yet
+
+    class Cancelled(Exception):
+        """A run stopped by its `should_stop` callback."""
+
+
 class FakePipeline:
     """Deterministic fake of the pipeline's high-level interface (see module docstring)."""
 
@@ -54,6 +65,7 @@ class FakePipeline:
         size: tuple[int, int] = (64, 64),
         multiple: int = 8,
         fail_prompt: str | None = None,
+        report_latents: bool = False,
     ):
         self.default_size = size
         self.name = "fake"
@@ -61,6 +73,7 @@ class FakePipeline:
         self.delay_s = delay_s
         self.multiple = multiple
         self.fail_prompt = fail_prompt
+        self.report_latents = report_latents
         self.calls: list[dict] = []
         self.warmups: list[tuple] = []
         self._lock = threading.Lock()
@@ -91,6 +104,17 @@ class FakePipeline:
         if sampler is not None and sampler_id(sampler) not in SAMPLERS:
             raise samplers.UnknownSamplerError(f"unknown sampler {sampler!r}; valid: {SAMPLERS}")
 
+    def prepare_inputs(self, prompts) -> np.ndarray:
+        """Token ids `(N, 77)`; like the CLIP tokenizer, refuses text that is not valid Unicode."""
+        for p in prompts:
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:
+                raise TypeError(
+                    "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+                ) from None
+        return np.zeros((len(prompts), 77), np.int32)
+
     def generate_arrays(
         self,
         prompts,
@@ -105,7 +129,17 @@ class FakePipeline:
         sampler=None,
         pad_to=None,
         progress=None,
+        should_stop=None,
     ) -> np.ndarray:
+        return self._run(
+            prompts, negative_prompts, seeds, image_indices, guidance_scales, steps, height, width, sampler, pad_to,
+            progress, should_stop,
+        )  # fmt: skip
+
+    def _run(
+        self, prompts, negative_prompts, seeds, image_indices, guidance_scales, steps, height, width, sampler, pad_to,
+        progress, should_stop,
+    ) -> np.ndarray:  # fmt: skip
         sampler = sampler or self.default_sampler
         self.validate(
             prompts=list(prompts),
@@ -115,30 +149,43 @@ class FakePipeline:
             guidance_scales=list(guidance_scales),
             sampler=sampler,
         )
+        record = dict(
+            n=len(prompts),
+            pad_to=pad_to,
+            steps=steps,
+            height=height,
+            width=width,
+            sampler=sampler,
+            prompts=list(prompts),
+            seeds=list(seeds),
+            progress=progress is not None,
+            should_stop=should_stop is not None,
+            steps_run=0,
+            stopped=False,
+            started=time.monotonic(),
+        )
         with self._lock:
             self._active += 1
             self.max_concurrent = max(self.max_concurrent, self._active)
-            self.calls.append(
-                dict(
-                    n=len(prompts),
-                    pad_to=pad_to,
-                    steps=steps,
-                    height=height,
-                    width=width,
-                    sampler=sampler,
-                    prompts=list(prompts),
-                    seeds=list(seeds),
-                )
-            )
+            self.calls.append(record)
         try:
+            self.prepare_inputs(list(prompts) + list(negative_prompts))
             if self.fail_prompt is not None and self.fail_prompt in prompts:
                 raise RuntimeError("the fake pipeline was told to fail")
             if progress:
                 progress("encode", 1, 1)
             for i in range(steps):
+                if should_stop is not None and should_stop():
+                    record["stopped"] = True
+                    raise Cancelled("stopped by should_stop() before the last denoising step")
                 if self.delay_s:
                     time.sleep(self.delay_s / steps)
-                if progress:
+                record["steps_run"] = i + 1
+                if progress and self.report_latents:
+                    latents = np.full((len(prompts), 4, height // 8, width // 8), i / steps, np.float32)
+                    latents[:, 0] = np.linspace(0, 1, width // 8)[None, None, :]
+                    progress("denoise", i + 1, steps, latents=latents)
+                elif progress:
                     progress("denoise", i + 1, steps)
             if progress:
                 progress("decode", 1, 1)
@@ -149,6 +196,7 @@ class FakePipeline:
                 ]
             )
         finally:
+            record["ended"] = time.monotonic()
             with self._lock:
                 self._active -= 1
 
@@ -187,3 +235,27 @@ class FakePipeline:
             progress=progress,
         )
         return [Image.fromarray(a) for a in arrays]
+
+
+class FakePipelineWithoutStop(FakePipeline):
+    """The fake as the pipelines before the generation core: `generate_arrays` takes no `should_stop`."""
+
+    def generate_arrays(
+        self,
+        prompts,
+        negative_prompts,
+        seeds,
+        image_indices,
+        guidance_scales,
+        *,
+        steps,
+        height,
+        width,
+        sampler=None,
+        pad_to=None,
+        progress=None,
+    ) -> np.ndarray:
+        return self._run(
+            prompts, negative_prompts, seeds, image_indices, guidance_scales, steps, height, width, sampler, pad_to,
+            progress, None,
+        )  # fmt: skip

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +20,10 @@ def images(prompt, n=1, seed=0, size=64, steps=4):
     ).images()
 
 
-def check(arrays, params):
+def check(outcome, params):
+    """The job's outcome holds exactly the fake's image for each of `params`, in order."""
+    assert outcome.images == list(params) and outcome.stopped is None
+    arrays = outcome.arrays
     assert arrays.shape[0] == len(params)
     for a, p in zip(arrays, params):
         np.testing.assert_array_equal(
@@ -98,12 +101,12 @@ def test_queue_bound_and_cancel():
         with pytest.raises(QueueFull) as e:
             b.submit(images("c", 2))
         assert e.value.retry_after >= 1
-        b.cancel(second)  # e.g. its request timed out
+        b.cancel(second, "timeout")  # e.g. its request timed out
         assert b.queued_images == 0
         third = b.submit(images("c", 2))
         check(await first.future, images("a", 4))
         check(await third.future, images("c", 2))
-        assert not second.future.done()
+        assert second.future.cancelled()
         await b.stop()
         with pytest.raises(ShuttingDown):
             b.submit(images("d"))
@@ -111,28 +114,25 @@ def test_queue_bound_and_cancel():
     run(main())
 
 
-def test_stop_during_warmup_is_quiet(caplog):
-    started = threading.Event()
-    release = threading.Event()
-
-    class SlowWarmup(FakePipeline):
-        def warmup(self, *args):
-            started.set()
-            release.wait(5)
+def test_stop_during_warmup_is_quiet_and_stops_the_warmup_run(caplog):
+    pipe = FakePipeline(delay_s=4.0)  # 4 steps of 1 s
 
     async def main():
-        b = make(SlowWarmup(), warm_shapes=[(4, 64, 64, "euler_a")])
+        b = make(pipe, warm_shapes=[(4, 64, 64, "euler_a")])
         await b.start()
-        await asyncio.to_thread(started.wait, 5)
+        while not pipe.calls:
+            await asyncio.sleep(0.01)
         assert not b.ready
         job = b.submit(images("queued behind the warm-up"))
-        stop = asyncio.create_task(b.stop(timeout_s=0.2))
-        release.set()
-        await stop
-        return job
+        t0 = time.monotonic()
+        await b.stop(timeout_s=0.2)
+        return job, time.monotonic() - t0
 
-    job = run(main())
-    assert job.future.done()
+    job, took = run(main())
+    assert isinstance(job.future.exception(), ShuttingDown)
+    # the warm-up run is the served call (progress and should_stop given) and stops at its next step
+    assert pipe.calls[0]["should_stop"] and pipe.calls[0]["progress"]
+    assert pipe.calls[0]["stopped"] and pipe.calls[0]["steps_run"] < 4 and took < 2.5, (pipe.calls[0], took)
     assert "Traceback" not in caplog.text and "cannot schedule" not in caplog.text
 
 

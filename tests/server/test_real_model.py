@@ -1,7 +1,9 @@
-"""The CLI and the server on a real (tiny) pipeline: the diffusers folder of tests/conftest.py's `sd1_dir`.
+"""The CLI and the server on a real (tiny) pipeline: the diffusers folder of tests/conftest.py's `sd1_dir`, and
+the embedded model.
 
-Checks what the fake cannot: the real pipeline's `validate`, `warmup` and `generate_arrays` behind both adapters;
-images from the CLI, from a batched server request and from a direct call agree; metadata is read back.
+Checks what the fake cannot: the real pipeline's `validate`, tokenizer and `generate_arrays` behind both adapters;
+images from the CLI, from a batched server request and from a direct call agree; metadata is read back; start-up
+compiles exactly the program requests run; an image's bytes do not depend on its batch-mates or position.
 """
 
 from __future__ import annotations
@@ -86,14 +88,18 @@ def test_server_batches_real_requests(pipe):
 
         async def send():
             async with httpx.AsyncClient(base_url=s.url, timeout=600) as c:
+                # issue 19, finding 1: text the real tokenizer refuses fails alone, not the batch it would join
+                bad = b'{"prompt": "a dog", "negative_prompt": "\\ud800", "steps": %d}' % STEPS
                 return await asyncio.gather(
                     c.post("/v1/images/generations", json={"prompt": "a cat", "seed": 1, "steps": STEPS, "n": 2}),
                     c.post(
                         "/sdapi/v1/txt2img", json={"prompt": "a dog", "seed": 9, "steps": STEPS, "sampler_name": "PLMS"}
                     ),
+                    c.post("/sdapi/v1/txt2img", content=bad, headers={"content-type": "application/json"}),
                 )
 
-        openai, a1111 = asyncio.run(send())
+        openai, a1111, refused = asyncio.run(send())
+        assert refused.status_code == 422 and "negative_prompt" in refused.json()["detail"], refused.text
         assert openai.status_code == 200 and a1111.status_code == 200, (openai.text, a1111.text)
         got = [base64.b64decode(d["b64_json"]) for d in openai.json()["data"]] + [
             base64.b64decode(a1111.json()["images"][0])
@@ -129,3 +135,57 @@ def test_another_sampler_than_the_models(pipe):
         png = base64.b64decode(r.json()["images"][0])
         assert metadata.parameters_from_text(metadata.read_parameters(png)).sampler == "euler_a"
         np.testing.assert_allclose(pixels(png), direct(pipe, "a dog", 9, "euler_a"), atol=2)
+
+
+def test_warm_start_compiles_what_requests_run(pipe):
+    """Issue 19, finding 3: warm-up compiled the program without progress reporting while requests ran the one
+    with it (30-53 s first requests after a warm start). Now no request of a warmed shape compiles anything."""
+    import jax.monitoring
+
+    compiles = []
+
+    def on_event(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        with live_server(pipe, max_batch=2, model_name="tiny", default_steps=STEPS, default_sampler="DDIM") as s:
+            warm_compiles = len(compiles)
+            assert warm_compiles > 0  # start-up compiled (batch 1 and 2)
+            with client(s.url, timeout=600) as c:
+                for body in ({"prompt": "a cat", "seed": 3}, {"prompt": "two", "seed": 4, "batch_size": 2}):
+                    assert c.post("/sdapi/v1/txt2img", json=body).status_code == 200
+            assert len(compiles) == warm_compiles, f"{len(compiles) - warm_compiles} compilations while serving"
+    finally:
+        jax.monitoring.clear_event_listeners()
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return cli.load_pipeline(None, "float32")
+
+
+def test_an_image_does_not_depend_on_its_batch_mates_or_position(embedded):
+    """The promise, narrowed to what holds (measured on the embedded model: another compiled batch size can move
+    a pixel by 1/255, see sdjax.server.batching): within one compiled batch size, the same request gives the same
+    bytes whatever its batch-mates and its position among them."""
+    target = {"prompt": "a red circle on a blue background", "seed": 11, "steps": STEPS}
+    mates_a = [{"prompt": p, "seed": 100 + i, "steps": STEPS} for i, p in enumerate(["a green square", "a b", "c"])]
+    mates_b = [{"prompt": p, "seed": 200 + i, "steps": STEPS} for i, p in enumerate(["x", "a yellow triangle", "z"])]
+    config = dict(max_batch=4, batch_sizes=(4,), batch_window_s=2.0, model_name="embedded", warm=False)
+    with live_server(embedded, **config) as s:
+
+        async def round_of(bodies):
+            async with httpx.AsyncClient(base_url=s.url, timeout=600) as c:
+                sends = []
+                for body in bodies:  # in this order: the batch takes requests as they arrive
+                    sends.append(asyncio.ensure_future(c.post("/sdapi/v1/txt2img", json=body)))
+                    await asyncio.sleep(0.1)
+                return [r.json()["images"][0] for r in await asyncio.gather(*sends)]
+
+        first = asyncio.run(round_of([target, *mates_a]))[0]
+        last = asyncio.run(round_of([*mates_b, target]))[-1]
+        with client(s.url) as c:
+            assert 'sdjax_batch_fill_ratio_bucket{le="1.0"} 2.0' in c.get("/metrics").text  # two full batches of 4
+    assert first == last

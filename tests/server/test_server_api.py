@@ -206,8 +206,10 @@ def test_service_endpoints(server, http):
     page = http.get("/")
     assert page.status_code == 200 and "<title>sdjax</title>" in page.text
     assert http.get("/docs").status_code == 200 and "/sdapi/v1/txt2img" in http.get("/openapi.json").text
-    # start-up compiled every batch size for each configured size, at the default steps and sampler
-    assert sorted(server.pipeline.warmups) == sorted(
+    # start-up compiled every batch size for each configured size, at the default steps and sampler, through the
+    # call that serves requests (with progress and should_stop: the same program)
+    assert all(c["progress"] and c["should_stop"] for c in server.pipeline.calls)
+    assert sorted(server.warmups) == sorted(
         (b, h, w, 4, "euler_a") for b in (1, 2, 4) for (w, h) in ((64, 64), (32, 48))
     )
 
@@ -276,7 +278,7 @@ def test_configured_defaults_are_served_and_compiled_ahead():
         live_server(pipe, default_steps=6, default_sampler="DDIM", warm_sizes=((32, 32),), max_batch=2) as s,
         client(s.url) as c,
     ):
-        assert sorted(pipe.warmups) == [(1, 32, 32, 6, "ddim"), (2, 32, 32, 6, "ddim")]
+        assert sorted(s.warmups) == [(1, 32, 32, 6, "ddim"), (2, 32, 32, 6, "ddim")]
         config = c.get("/v1/config").json()
         assert (config["default_steps"], config["default_sampler"], config["warm_sizes"]) == (6, "ddim", [[32, 32]])
         r = c.post("/v1/images/generations", json={"prompt": "x", "seed": 1})

@@ -32,10 +32,21 @@ def http(server):
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None, words: str = "") -> dict:
+    """`r` is an error in its API's shape: OpenAI's `{"error": {message, type, param, code}}` (returned as is), or
+    on /sdapi/* AUTOMATIC1111's `{error, detail, body, errors}` (returned as `{"message": detail, ...}`); the
+    message names `param` and holds `words`."""
     assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
+    assert r.headers["x-request-id"]
+    body = r.json()
+    if r.request.url.path.startswith("/sdapi/"):
+        assert set(body) == {"error", "detail", "body", "errors"}, body
+        assert isinstance(body["error"], str) and body["body"] == "" and body["errors"] == body["detail"]
+        error = {"message": body["detail"], "kind": body["error"]}
+    else:
+        assert set(body) == {"error"}, body
+        error = body["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param, error
     assert words.lower() in error["message"].lower(), error
     if param not in (None, "body"):
         assert param in error["message"]
@@ -62,7 +73,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None, words: str =
         ({"prompt": "x", "guidance_scale": -1}, "guidance_scale", "greater than"),
         ({"prompt": "x", "guidance_scale": 1000}, "guidance_scale", "at most"),
         ({"prompt": "x", "seed": 2**40}, "seed", "less than"),
-        ({"prompt": "x", "response_format": "url"}, "response_format", "b64_json"),
+        ({"prompt": "x", "response_format": "png"}, "response_format", "b64_json"),
     ],
 )
 def test_openai_bad_fields(http, body, param, words):
@@ -170,11 +181,21 @@ def test_timeout_answers_504_and_the_server_recovers():
         assert 'sdjax_rejected_total{reason="timeout"} 1.0' in c.get("/metrics").text
 
 
-def test_pipeline_failure_answers_500_and_the_server_keeps_serving():
+def test_pipeline_failure_answers_500_without_internals_and_the_server_keeps_serving(caplog):
+    """Issue 19, finding 5: a 500 showed the exception text. Now it names a request id, under which the traceback
+    is logged."""
     pipe = FakePipeline(fail_prompt="boom")
     with live_server(pipe) as s, client(s.url) as c:
-        r = c.post(OPENAI, json={"prompt": "boom"})
-        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-        assert "told to fail" in r.json()["error"]["message"]
+        for path, body in ((OPENAI, {"prompt": "boom"}), (A1111, {"prompt": "boom"})):
+            r = c.post(path, json=body)
+            error = assert_error(r, 500, None, "request id")
+            request_id = r.headers["x-request-id"]
+            assert request_id in error["message"]
+            assert "told to fail" not in r.text and "RuntimeError" not in r.text and "Traceback" not in r.text
+            assert any(request_id in rec.getMessage() and "told to fail" in rec.getMessage() for rec in caplog.records)
+        assert r.json()["error"] == "HTTPException"  # AUTOMATIC1111's shape names the exception kind
         check_image(c.post(OPENAI, json={"prompt": "fine", "seed": 1}).json()["data"][0]["b64_json"], seed=1)
-        assert "sdjax_batch_errors_total 1.0" in c.get("/metrics").text
+        assert "sdjax_batch_errors_total 2.0" in c.get("/metrics").text
+        # a client's own request id is kept when it is plain, replaced when it is not
+        assert c.get("/health", headers={"X-Request-ID": "abc-123"}).headers["x-request-id"] == "abc-123"
+        assert c.get("/health", headers={"X-Request-ID": "a b\tc"}).headers["x-request-id"] != "a b\tc"

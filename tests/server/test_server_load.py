@@ -83,7 +83,7 @@ def test_64_concurrent_requests_from_4_clients():
             if r.status_code == 429:
                 assert int(r.headers["Retry-After"]) >= 1
 
-        calls = pipe.calls[:]
+        calls = pipe.calls[len(s.warmups) :]  # after the start-up compilations
         assert sum(c["n"] for c in calls) == returned  # nothing generated that was not returned, nothing lost
         assert all(c["n"] <= 8 and c["pad_to"] in (1, 2, 4, 8) and c["pad_to"] >= c["n"] for c in calls)
         assert pipe.max_concurrent == 1  # one worker thread owns the pipeline

@@ -3,7 +3,8 @@
 Needs the `serve` extra (`pip install 'sdjax[serve]'`). `sdjax serve` on the command line runs `serve()`.
 """
 
-from sdjax.server.app import ServerConfig, build_asgi, create_app, serve
+from sdjax.server.app import ServerConfig, build_asgi, create_app, make_server, serve, uvicorn_config
+from sdjax.server.guard import Auth
 from sdjax.server.schemas import Limits
 
-__all__ = ["Limits", "ServerConfig", "build_asgi", "create_app", "serve"]
+__all__ = ["Auth", "Limits", "ServerConfig", "build_asgi", "create_app", "make_server", "serve", "uvicorn_config"]

@@ -1,16 +1,24 @@
 """The HTTP server: FastAPI routes over one pipeline and a `Batcher`; `serve()` runs it under uvicorn.
 
 Endpoints:
-- `GET /` the web page; `GET /health` (200 ready, 503 while compiling at start-up or draining);
-  `GET /metrics` Prometheus text; `GET /v1/config` what the page needs (defaults, limits, samplers);
-- `POST /v1/images/generations` (OpenAI images API), `GET /v1/models`;
-- `POST /sdapi/v1/txt2img`, `GET /sdapi/v1/samplers`, `GET /sdapi/v1/progress`, `GET /sdapi/v1/sd-models`,
-  `GET /sdapi/v1/options` (AUTOMATIC1111 API).
+- `GET /` the web page; `GET /health/live` (the process answers), `GET /health/ready` and `GET /health` (200 when
+  serving; 503 while compiling at start-up, switching models, draining, or when the running batch has shown no
+  progress for `stuck_after_s`); `GET /metrics` Prometheus text; `GET /v1/config` what the page needs;
+  `GET /docs` the API explorer from the locally installed `swagger-ui-bundle` (absent: /docs answers 404 and
+  the start-up log says so; `/openapi.json` is always there);
+- OpenAI: `POST /v1/images/generations` (`response_format` `b64_json` or `url`), `GET /v1/files/{id}` (the images
+  behind those urls, for `file_ttl_s`), `GET /v1/models`;
+- AUTOMATIC1111: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/interrupt`, `POST /sdapi/v1/skip`,
+  `GET /sdapi/v1/progress` (with a latent preview as `current_image` when the pipeline reports latents; null
+  otherwise), `GET /sdapi/v1/samplers`, `GET /sdapi/v1/schedulers`, `GET /sdapi/v1/sd-models`,
+  `GET|POST /sdapi/v1/options` (POST switches `sd_model_checkpoint` when the server has a models directory; any
+  setting it cannot honour answers 422), `POST /sdapi/v1/png-info`.
 
-Errors: invalid input 422 naming the field (`{"error": {"message", "type", "param", "code"}, "detail": [...]}`,
-OpenAI's error shape plus FastAPI's `detail`), body over the limit 413, queue full 429 with `Retry-After`, no result
-within the request timeout 504, pipeline failure 500, draining 503. A request never takes the server down, and on
-SIGTERM uvicorn stops accepting connections, lets in-flight requests finish, then the batcher stops.
+Errors have one shape per API (`sdjax.server.errors`): invalid input 422 naming the field, a body too large 413,
+truncated 400, too slow 408, bad credentials 401, queue full 429 with `Retry-After`, no result within the request
+timeout 504 (and the work is cancelled), pipeline failure or bug 500 naming only a request id, draining 503.
+Every response carries `X-Request-ID`. A request never takes the server down. On SIGTERM the server stops
+accepting connections and drains for at most `shutdown_timeout_s`, then cancels what is left (503) and exits.
 """
 
 from __future__ import annotations
@@ -20,10 +28,13 @@ import base64
 import contextlib
 import dataclasses
 import importlib.resources
+import io
 import json
 import logging
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,11 +42,24 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sdjax.metadata import GenerationRequest, ImageParameters, png_bytes, sampler_display_name, sampler_id
-from sdjax.server.batching import Batcher, QueueFull, ShuttingDown
+from sdjax.metadata import (
+    GenerationRequest,
+    ImageParameters,
+    parse_parameters,
+    png_bytes,
+    sampler_display_name,
+    sampler_id,
+)
+from sdjax.server.batching import Batcher, Outcome, QueueFull, ShuttingDown
+from sdjax.server.errors import APIError, error_body, internal_error
+from sdjax.server.files import FileStore
+from sdjax.server.guard import Auth, Guard, call_when_exiting, protocol_class, request_id_of
 from sdjax.server.metrics import Metrics
 from sdjax.server.schemas import (
+    A1111PngInfoRequest,
+    A1111PngInfoResponse,
     A1111Txt2ImgRequest,
     A1111Txt2ImgResponse,
     Defaults,
@@ -43,6 +67,9 @@ from sdjax.server.schemas import (
     Limits,
     OpenAIImageRequest,
     OpenAIImageResponse,
+    a1111_schedulers,
+    check_settings,
+    decode_image,
     resolve_a1111,
     resolve_openai,
 )
@@ -52,149 +79,106 @@ log = logging.getLogger("sdjax.server")
 ENDPOINTS = (
     "/",
     "/health",
+    "/health/live",
+    "/health/ready",
     "/metrics",
+    "/docs",
+    "/openapi.json",
     "/v1/config",
     "/v1/models",
     "/v1/images/generations",
     "/sdapi/v1/txt2img",
+    "/sdapi/v1/interrupt",
+    "/sdapi/v1/skip",
     "/sdapi/v1/samplers",
+    "/sdapi/v1/schedulers",
     "/sdapi/v1/progress",
     "/sdapi/v1/sd-models",
     "/sdapi/v1/options",
+    "/sdapi/v1/png-info",
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Batching, limits and start-up compilation of one server."""
+    """Batching, limits, time bounds, security and start-up compilation of one server."""
 
     model_name: str = ""
     max_batch: int = 8
     batch_sizes: tuple[int, ...] = ()  # compiled batch sizes; default: powers of two up to max_batch
     batch_window_s: float = 0.01
     max_queue_images: int = 64
-    request_timeout_s: float = 300.0
+    max_queue_cost: int | None = None  # pixel-steps queued at most (width x height x steps x images); None: no bound
+    request_timeout_s: float = 300.0  # no result by then: 504, and the request's work is cancelled
     max_body_bytes: int = 64 * 1024
+    body_timeout_s: float = 10.0  # the whole request body must arrive within this
+    header_timeout_s: float = 10.0  # a connection's request head must arrive within this
+    shutdown_timeout_s: float = 30.0  # SIGTERM: drain for at most this, then cancel
+    stuck_after_s: float = 600.0  # readiness fails when the running batch shows no progress for this long
+    max_connections: int = 1024  # more concurrent connections/requests get 503 from uvicorn
     warm_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) compiled at start-up; () = the model's size
+    warm_steps: tuple[int, ...] = ()  # steps compiled at start-up; () = the default steps
+    warm_samplers: tuple[str, ...] = ()  # samplers compiled at start-up; () = the default sampler
     warm: bool = True
+    pin: bool = False  # serve only the warm sizes x steps x samplers (422 otherwise): no request compiles
     limits: Limits = Limits()
     progress: bool = True  # per-step progress from the pipeline (for /sdapi/v1/progress)
     default_steps: int | None = None  # for requests without steps, and compiled at start-up; None: the pipeline's
     default_sampler: str | None = None  # likewise for the sampler
+    api_key: str | None = None  # required as `Authorization: Bearer <key>`
+    api_auth: tuple[tuple[str, str], ...] = ()  # (user, password) pairs accepted as HTTP basic auth
+    cors_origins: tuple[str, ...] = ()
+    models_dir: str | None = None  # folders of diffusers models that POST /sdapi/v1/options may switch to
+    file_ttl_s: float = 3600.0  # response_format="url" images live this long
+    max_files: int = 256
+    max_file_bytes: int = 256 * 1024 * 1024
+    docs: bool = True  # /docs from the local swagger-ui-bundle (when installed)
 
 
-# ---------------------------------------------------------------------------------------------- middleware
-class _Guard:
-    """Outermost ASGI layer: request count/latency metrics by endpoint and status, and the body size limit
-    (413 before the body reaches the app; bodies are read whole here, they are small JSON)."""
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The model being served and what follows from it (replaced as a whole by a model switch)."""
 
-    def __init__(self, app, metrics: Metrics, max_body_bytes: int):
-        self.app = app
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
-        status = {"code": 500}
-        t0 = time.perf_counter()
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status["code"], status["started"] = message["status"], True
-            await send(message)
-
-        self.metrics.in_flight.inc()
-        try:
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                body = await self._read_body(receive)
-                if body is None:
-                    await _send_json(
-                        send_status,
-                        413,
-                        _error_body(f"request body exceeds {self.max_body_bytes} bytes", "body", "request_too_large"),
-                    )
-                    return
-                replayed = False
-
-                async def replay():
-                    nonlocal replayed
-                    if not replayed:
-                        replayed = True
-                        return {"type": "http.request", "body": body, "more_body": False}
-                    return await receive()
-
-                await self.app(scope, replay, send_status)
-            else:
-                await self.app(scope, receive, send_status)
-        except Exception as e:  # the app's handlers answered already if they could; never let it reach uvicorn
-            if status["code"] == 500 and not status.get("started"):
-                log.exception("unhandled error")
-                await _send_json(
-                    send_status,
-                    500,
-                    _error_body(f"{type(e).__name__}: {e}", None, "internal_error", kind="server_error"),
-                )
-        finally:
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
-
-    async def _read_body(self, receive) -> bytes | None:
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return b"".join(chunks)
+    pipeline: Any
+    model_name: str
+    defaults: Defaults
+    limits: Limits
+    warm_shapes: tuple[tuple[int, int, int, str], ...]
+    warm_sizes: tuple[tuple[int, int], ...]
 
 
-async def _send_json(send, status: int, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
-                (b"connection", b"close"),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": data})
+def served_for(pipeline: Any, model_name: str, config: ServerConfig) -> Served:
+    """Defaults, warm shapes and (with `config.pin`) the pinned limits for `pipeline`."""
+    defaults = Defaults.of(pipeline, steps=config.default_steps, sampler=config.default_sampler)
+    sizes = config.warm_sizes or ((defaults.width, defaults.height),)
+    steps = config.warm_steps or (defaults.steps,)
+    samplers = tuple(dict.fromkeys(sampler_id(s) for s in (config.warm_samplers or (defaults.sampler,))))
+    shapes = tuple((st, h, w, s) for (w, h) in sizes for st in steps for s in samplers) if config.warm else ()
+    limits = config.limits
+    if config.pin:
+        limits = dataclasses.replace(limits, sizes=tuple(sizes), steps=tuple(steps), samplers=samplers)
+    return Served(pipeline, model_name, defaults, limits, shapes, tuple(sizes))
 
 
-def _error_body(
-    message: str, param: str | None, code: str, kind: str = "invalid_request_error", detail: Any = None
-) -> dict:
-    return {
-        "error": {"message": message, "type": kind, "param": param, "code": code},
-        "detail": detail if detail is not None else message,
-    }
-
-
-def _field_of(loc: Sequence[Any]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or None
+def list_models(models_dir: str | None) -> dict[str, Path]:
+    """Name -> folder of each diffusers model (a folder with model_index.json) directly inside `models_dir`. A
+    request names a model only by a name from this listing, so no name can reach outside the directory."""
+    if not models_dir:
+        return {}
+    root = Path(models_dir)
+    if not root.is_dir():
+        return {}
+    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and (p / "model_index.json").is_file()}
 
 
 # ---------------------------------------------------------------------------------------------- app
-def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
-    """A FastAPI app serving `pipeline`. Its batcher starts and stops with the app's lifespan."""
+def create_app(
+    pipeline: Any, config: ServerConfig = ServerConfig(), *, loader: Callable[[str], Any] | None = None
+) -> FastAPI:
+    """A FastAPI app serving `pipeline`; `loader(path) -> pipeline` lets POST /sdapi/v1/options switch to another
+    model of `config.models_dir`. The batcher starts and stops with the app's lifespan."""
     metrics = Metrics(config.max_batch)
-    defaults = Defaults.of(pipeline, steps=config.default_steps, sampler=config.default_sampler)
-    warm_sizes = config.warm_sizes or ((defaults.width, defaults.height),)
-    warm_shapes = [(defaults.steps, hh, ww, defaults.sampler) for ww, hh in warm_sizes] if config.warm else []
+    box = {"served": served_for(pipeline, config.model_name, config)}
     batcher = Batcher(
         pipeline,
         metrics=metrics,
@@ -202,33 +186,50 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
         batch_sizes=config.batch_sizes,
         window_s=config.batch_window_s,
         max_queue_images=config.max_queue_images,
-        warm_shapes=warm_shapes,
+        max_queue_cost=config.max_queue_cost,
+        warm_shapes=box["served"].warm_shapes,
+        warm_guidance=box["served"].defaults.guidance_scale,
         progress=config.progress,
     )
-    state = {"draining": False}
+    files = FileStore(ttl_s=config.file_ttl_s, max_files=config.max_files, max_bytes=config.max_file_bytes)
+    state = {"switching": False}
+    gate = asyncio.Event()  # cleared while a model switch is under way: new requests wait
+    gate.set()
+    switch_lock = asyncio.Lock()
     page = _page()
+    docs_assets = _swagger_assets() if config.docs else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if config.docs and docs_assets is None:
+            log.info("/docs is off: the swagger-ui-bundle package is not installed (GET /openapi.json still works)")
         await batcher.start()
         try:
             yield
         finally:
-            state["draining"] = True
-            await batcher.stop(timeout_s=config.request_timeout_s)
+            await batcher.stop(timeout_s=config.shutdown_timeout_s)
 
     app = FastAPI(
         title="sdjax",
         version=_version(),
         lifespan=lifespan,
         description="Stable Diffusion in JAX: OpenAI- and AUTOMATIC1111-compatible image generation",
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.batcher = batcher
     app.state.metrics = metrics
-    app.state.pipeline = pipeline
     app.state.config = config
+    app.state.files = files
+    app.state.box = box
 
-    # ------------------------------------------------------------------ errors
+    def served() -> Served:
+        return box["served"]
+
+    # ------------------------------------------------------------------ errors: one shape per API
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, error), status_code=error.status, headers=error.headers)
+
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -241,102 +242,256 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
             message, field = f"body: {msg}; send a JSON object", "body"
         else:
             message = f"{field}: {msg}"
-        return JSONResponse(
-            _error_body(
-                message, field, first.get("type", "invalid"), detail=jsonable_encoder(errors, exclude={"input", "url"})
-            ),
-            status_code=422,
+        log.info(
+            "422 %s (request id %s)", jsonable_encoder(errors, exclude={"input", "url"}), request_id_of(request.scope)
         )
+        return answer(request, APIError(422, message, field, code=str(first.get("type", "invalid"))))
 
-    @app.exception_handler(FieldError)
-    async def on_field_error(request: Request, exc: FieldError):
-        detail = [{"loc": ["body", exc.field], "msg": exc.message, "type": "value_error"}]
-        return JSONResponse(_error_body(str(exc), exc.field, "invalid_value", detail=detail), status_code=422)
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        messages = {
+            400: "the request body could not be parsed (send UTF-8 JSON)",
+            404: f"no such endpoint: {request.method} {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }
+        message = messages.get(exc.status_code, str(exc.detail))
+        code = {400: "malformed_body", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        param = "body" if exc.status_code == 400 else None
+        return answer(request, APIError(exc.status_code, message, param, code=code, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        if exc.code == "over_budget":
+            metrics.rejected.labels("over_budget").inc()
+        return answer(request, exc)
 
     @app.exception_handler(QueueFull)
     async def on_queue_full(request: Request, exc: QueueFull):
         metrics.rejected.labels("queue_full").inc()
-        return JSONResponse(
-            _error_body(str(exc), None, "queue_full", kind="rate_limit_error"),
-            status_code=429,
-            headers={"Retry-After": str(exc.retry_after)},
+        return answer(
+            request,
+            APIError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": str(exc.retry_after)}),
         )
 
     @app.exception_handler(ShuttingDown)
     async def on_shutting_down(request: Request, exc: ShuttingDown):
-        return JSONResponse(
-            _error_body(str(exc), None, "shutting_down", kind="server_error"),
-            status_code=503,
-            headers={"Retry-After": "5"},
-        )
+        return answer(request, APIError(503, str(exc), None, "shutting_down", "server_error", {"Retry-After": "5"}))
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception):
-        log.exception("request failed")
-        return JSONResponse(
-            _error_body(f"{type(exc).__name__}: {exc}", None, "internal_error", kind="server_error"), status_code=500
-        )
+        request_id = request_id_of(request.scope)
+        log.error("request failed (request id %s)", request_id, exc_info=exc)
+        return answer(request, internal_error(request_id))
 
     # ------------------------------------------------------------------ generation
-    async def run(request: GenerationRequest, task_id: str | None = None) -> tuple[list[ImageParameters], list[bytes]]:
-        images = request.images()
-        job = batcher.submit(images, task_id)
+    async def wait_for_model() -> Served:
+        if not gate.is_set():
+            try:
+                await asyncio.wait_for(gate.wait(), config.request_timeout_s)
+            except TimeoutError:
+                raise APIError(503, "the server is switching models", None, "switching", "server_error") from None
+        return served()
+
+    async def run(request: Request, gen: GenerationRequest, task_id: str | None = None) -> tuple[Outcome, list[bytes]]:
+        job = batcher.submit(gen.images(), task_id)
+        gone = asyncio.ensure_future(_disconnected(request.receive))
         try:
-            arrays = await asyncio.wait_for(asyncio.shield(job.future), config.request_timeout_s)
-        except TimeoutError:
-            batcher.cancel(job)
+            done, _ = await asyncio.wait(
+                {job.future, gone}, timeout=config.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:  # uvicorn gave up on this request (shutdown): stop its work
+            batcher.cancel(job, "shutdown")
+            raise
+        finally:
+            gone.cancel()
+        if job.future not in done:
+            if gone in done:
+                batcher.cancel(job, "disconnect")
+                raise _ClientGone
+            batcher.cancel(job, "timeout")
             metrics.rejected.labels("timeout").inc()
-            raise _Timeout(config.request_timeout_s) from None
+            raise APIError(
+                504,
+                f"no result within the request timeout of {config.request_timeout_s:g} s; its work was cancelled",
+                None,
+                "timeout",
+                "server_error",
+            )
+        try:
+            outcome = job.future.result()
         except ShuttingDown:
             raise
-        except Exception as e:  # the pipeline raised for this batch; it was logged by the batcher
-            raise _PipelineError(f"generation failed: {type(e).__name__}: {e}") from None
-        metrics.images.inc(len(images))
-        pngs = await asyncio.to_thread(_encode, arrays, images)
-        return images, pngs
+        except Exception as e:  # the pipeline raised for this batch; logged by the batcher
+            request_id = request_id_of(request.scope)
+            log.error("generation failed (request id %s): %s: %s", request_id, type(e).__name__, e)
+            raise APIError(
+                500,
+                f"generation failed; it was logged under request id {request_id} (X-Request-ID)",
+                None,
+                "generation_failed",
+                "server_error",
+            ) from None
+        metrics.images.inc(len(outcome.images))
+        pngs = await asyncio.to_thread(_encode, outcome.arrays, outcome.images)
+        return outcome, pngs
 
-    @app.exception_handler(_Timeout)
-    async def on_timeout(request: Request, exc: _Timeout):
-        return JSONResponse(_error_body(str(exc), None, "timeout", kind="server_error"), status_code=504)
+    @app.exception_handler(_ClientGone)
+    async def on_client_gone(request: Request, exc: _ClientGone):
+        return Response(status_code=499)  # nobody reads it; counted in the metrics
 
-    @app.exception_handler(_PipelineError)
-    async def on_pipeline_error(request: Request, exc: _PipelineError):
-        return JSONResponse(_error_body(str(exc), None, "generation_failed", kind="server_error"), status_code=500)
+    @app.post("/v1/images/generations", response_model=OpenAIImageResponse, response_model_exclude_none=True,
+              summary="Create images (OpenAI images API)")  # fmt: skip
+    async def openai_generations(request: Request, body: OpenAIImageRequest) -> dict:
+        now = await wait_for_model()
+        gen = resolve_openai(body, now.pipeline, now.limits, now.defaults, now.model_name)
+        _, pngs = await run(request, gen)
+        if body.response_format == "url":
+            base = str(request.base_url).rstrip("/")
+            data = [{"url": f"{base}/v1/files/{files.put(p)}"} for p in pngs]
+        else:
+            data = [{"b64_json": _b64(p)} for p in pngs]
+        return {"created": int(time.time()), "data": data}
 
-    @app.post("/v1/images/generations", response_model=OpenAIImageResponse, summary="Create images (OpenAI images API)")
-    async def openai_generations(body: OpenAIImageRequest) -> dict:
-        request = resolve_openai(body, pipeline, config.limits, defaults, config.model_name)
-        _, pngs = await run(request)
-        return {"created": int(time.time()), "data": [{"b64_json": _b64(p)} for p in pngs]}
+    @app.get("/v1/files/{file_id}", summary="An image from response_format=url (expires)", response_class=Response)
+    async def get_file(file_id: str):
+        data = files.get(file_id.removesuffix(".png"))
+        if data is None:
+            message = f"file_id: no such file {file_id!r} (files expire after {config.file_ttl_s:g} s)"
+            raise APIError(404, message, "file_id", code="not_found")
+        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=60"})
 
-    @app.post(
-        "/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse, summary="Text to image (AUTOMATIC1111 web UI API)"
-    )
-    async def a1111_txt2img(body: A1111Txt2ImgRequest) -> dict:
-        request = resolve_a1111(body, pipeline, config.limits, defaults, config.model_name)
-        images, pngs = await run(request, body.force_task_id)
-        info = _a1111_info(request, images, body)
+    def settings() -> dict[str, Any]:
+        return {
+            "sd_model_checkpoint": served().model_name,
+            "samples_format": "png",
+            "CLIP_stop_at_last_layers": 1,
+            "eta_noise_seed_delta": 0,
+            "sd_vae": "Automatic",
+        }
+
+    @app.post("/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse,
+              summary="Text to image (AUTOMATIC1111 web UI API)")  # fmt: skip
+    async def a1111_txt2img(request: Request, body: A1111Txt2ImgRequest) -> dict:
+        now = await wait_for_model()
+        if body.override_settings:
+            # per-request model switching is not done: a request's checkpoint must be the served one
+            check_settings(body.override_settings, settings(), field="override_settings")
+        gen = resolve_a1111(body, now.pipeline, now.limits, now.defaults, now.model_name)
+        outcome, pngs = await run(request, gen, body.force_task_id)
+        info = _a1111_info(gen, outcome, body)
         return {
             "images": [_b64(p) for p in pngs] if body.send_images else [],
             "parameters": body.model_dump(),
             "info": json.dumps(info),
         }
 
+    @app.post("/sdapi/v1/interrupt", summary="Stop the running requests; they answer with the images made so far")
+    async def interrupt(id_task: str | None = None):
+        return {"interrupted": batcher.interrupt(id_task)}
+
+    @app.post("/sdapi/v1/skip", summary="Drop the running batch's images; its requests go on with the rest")
+    async def skip():
+        return {"skipped": batcher.skip()}
+
+    @app.get("/sdapi/v1/options", summary="Current options (AUTOMATIC1111 API)")
+    async def get_options():
+        return settings()
+
+    @app.post("/sdapi/v1/options", summary="Set options: sd_model_checkpoint switches the model (with a models dir)")
+    async def set_options(request: Request, body: dict[str, Any]):
+        switchable = frozenset({"sd_model_checkpoint"}) if loader is not None and config.models_dir else frozenset()
+        try:
+            changes = check_settings(body, settings(), field="", switchable=switchable)
+        except FieldError as e:
+            if e.field == "sd_model_checkpoint" and not switchable:
+                raise FieldError(
+                    "sd_model_checkpoint",
+                    f"this server serves only {served().model_name!r}; start it with a models directory "
+                    "(--models-dir) to switch models",
+                    code="unsupported",
+                ) from None
+            raise
+        if "sd_model_checkpoint" in changes:
+            await switch_model(request, str(changes["sd_model_checkpoint"]))
+        return None
+
+    async def switch_model(request: Request, name: str) -> None:
+        models = list_models(config.models_dir)
+        if name not in models:
+            raise FieldError(
+                "sd_model_checkpoint", f"no model {name!r} in the models directory; known: {sorted(models)}"
+            )
+        async with switch_lock:
+            if name == served().model_name:
+                return
+            gate.clear()
+            state["switching"] = True
+            try:
+                await batcher.idle()
+                log.info("switching model to %s", name)
+                try:
+                    pipe = await batcher.run_on_worker(loader, str(models[name]))
+                except Exception as e:
+                    request_id = request_id_of(request.scope)
+                    log.error("could not load %s (request id %s)", name, request_id, exc_info=e)
+                    raise APIError(
+                        500,
+                        f"could not load the model {name!r}; the error was logged under request id {request_id}",
+                        "sd_model_checkpoint",
+                        "model_load_failed",
+                        "server_error",
+                    ) from None
+                new = served_for(pipe, name, config)
+                batcher.set_pipeline(pipe)
+                box["served"] = new
+                if config.warm:
+                    await batcher.warm(new.warm_shapes)
+            finally:
+                state["switching"] = False
+                gate.set()
+
+    @app.post("/sdapi/v1/png-info", response_model=A1111PngInfoResponse, summary="Parameters of a PNG (AUTOMATIC1111)")
+    async def png_info(body: A1111PngInfoRequest):
+        image = await asyncio.to_thread(decode_image, body.image, field="image", limits=served().limits)
+        texts = {k: v for k, v in image.info.items() if isinstance(k, str) and isinstance(v, str)}
+        text = texts.pop("parameters", "")
+        return {"info": text, "items": texts, "parameters": parse_parameters(text) if text else {}}
+
     # ------------------------------------------------------------------ the rest
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index():
         return HTMLResponse(page)
 
-    @app.get("/health", summary="Readiness: 200 when compiled and serving")
-    async def health():
-        ready = batcher.ready and not state["draining"]
+    def readiness() -> tuple[bool, str]:
+        if batcher.draining or batcher.stopping:
+            return False, "draining"
+        if state["switching"]:
+            return False, "switching model"
+        if served().pipeline is None:
+            return False, "model not loaded"
+        if not batcher.ready:
+            return False, "warming"
+        stuck = batcher.stuck_for()
+        if stuck > config.stuck_after_s:
+            return False, f"stuck: the running batch has shown no progress for {stuck:.0f} s"
+        return True, "ok"
+
+    async def ready_response():
+        ok, status = readiness()
         body = {
-            "status": "ok" if ready else ("draining" if state["draining"] else "warming"),
-            "model": config.model_name,
+            "status": status,
+            "model": served().model_name,
             "queue_depth": batcher.queued_images,
             "busy": batcher.current is not None,
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    app.add_api_route("/health/ready", ready_response, methods=["GET"], summary="Readiness: 200 when serving")
+    app.add_api_route("/health", ready_response, methods=["GET"], summary="Readiness (same as /health/ready)")
+
+    @app.get("/health/live", summary="Liveness: the process answers")
+    async def live():
+        return {"status": "alive"}
 
     @app.get("/metrics", summary="Prometheus metrics", include_in_schema=False)
     async def prometheus():
@@ -344,62 +499,83 @@ def create_app(pipeline: Any, config: ServerConfig = ServerConfig()) -> FastAPI:
 
     @app.get("/v1/config", summary="Defaults, limits and samplers (used by the web page)")
     async def server_config():
+        now = served()
         return {
-            "model": config.model_name,
-            "samplers": list(pipeline.sampler_names),
-            "sampler_labels": {name: sampler_display_name(name) for name in pipeline.sampler_names},
-            "default_sampler": sampler_id(defaults.sampler),
-            "default_steps": defaults.steps,
-            "default_guidance_scale": defaults.guidance_scale,
-            "default_width": defaults.width,
-            "default_height": defaults.height,
-            "limits": dataclasses.asdict(config.limits),
+            "model": now.model_name,
+            "samplers": list(now.pipeline.sampler_names),
+            "sampler_labels": {name: sampler_display_name(name) for name in now.pipeline.sampler_names},
+            "default_sampler": sampler_id(now.defaults.sampler),
+            "default_steps": now.defaults.steps,
+            "default_guidance_scale": now.defaults.guidance_scale,
+            "default_width": now.defaults.width,
+            "default_height": now.defaults.height,
+            "limits": dataclasses.asdict(now.limits),
             "max_batch": config.max_batch,
             "batch_sizes": list(batcher.batch_sizes),
-            "warm_sizes": [list(s) for s in warm_sizes] if config.warm else [],
+            "warm_sizes": [list(s) for s in now.warm_sizes] if config.warm else [],
+            "pinned": config.pin,
         }
 
     @app.get("/v1/models", summary="The served model (OpenAI models API)")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "sdjax"}]}
+        return {"object": "list", "data": [{"id": served().model_name, "object": "model", "owned_by": "sdjax"}]}
 
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():
         return [
-            {"name": sampler_display_name(name), "aliases": [name], "options": {}} for name in pipeline.sampler_names
+            {"name": sampler_display_name(name), "aliases": [name], "options": {}}
+            for name in served().pipeline.sampler_names
         ]
 
-    @app.get("/sdapi/v1/sd-models", summary="The served model (AUTOMATIC1111 API)")
+    @app.get("/sdapi/v1/schedulers", summary="Noise schedules (AUTOMATIC1111 API)")
+    async def schedulers():
+        return a1111_schedulers()
+
+    @app.get("/sdapi/v1/sd-models", summary="Models (AUTOMATIC1111 API): the models directory, or the served one")
     async def sd_models():
+        names = list(list_models(config.models_dir)) or [served().model_name]
         return [
-            {
-                "title": config.model_name,
-                "model_name": config.model_name,
-                "hash": None,
-                "sha256": None,
-                "filename": config.model_name,
-                "config": None,
-            }
+            {"title": n, "model_name": n, "hash": None, "sha256": None, "filename": n, "config": None} for n in names
         ]
-
-    @app.get("/sdapi/v1/options", summary="Current options (AUTOMATIC1111 API; read-only here)")
-    async def options():
-        return {"sd_model_checkpoint": config.model_name, "samples_format": "png"}
 
     @app.get("/sdapi/v1/progress", summary="Progress of the running batch or of one task (AUTOMATIC1111 API)")
-    async def progress(id_task: str | None = None):
-        return _progress(batcher, id_task)
+    async def progress(id_task: str | None = None, skip_current_image: bool = False):
+        return _progress(batcher, served().pipeline, id_task, skip_current_image)
+
+    if docs_assets is not None:
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount("/docs/assets", StaticFiles(directory=docs_assets), name="docs-assets")
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs():
+            return get_swagger_ui_html(
+                openapi_url="/openapi.json",
+                title="sdjax API",
+                swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+                swagger_css_url="/docs/assets/swagger-ui.css",
+                swagger_favicon_url="/docs/assets/favicon-32x32.png",
+            )
 
     return app
 
 
-class _PipelineError(Exception):
-    pass
+class _ClientGone(Exception):
+    """The client disconnected while its request waited."""
 
 
-class _Timeout(Exception):
-    def __init__(self, seconds: float):
-        super().__init__(f"no result within the request timeout of {seconds:g} s; the request was dropped")
+async def _disconnected(receive) -> None:
+    """Returns when the client disconnects (the body was read already: what is left to receive is the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _field_of(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
 
 
 def _b64(data: bytes) -> str:
@@ -423,15 +599,27 @@ def _page() -> str:
     return importlib.resources.files("sdjax.server").joinpath("static/index.html").read_text("utf-8")
 
 
-def _a1111_info(request: GenerationRequest, images: list[ImageParameters], body: A1111Txt2ImgRequest) -> dict:
-    """The `info` object of AUTOMATIC1111's `Processed.js()`, with the keys clients read."""
+def _swagger_assets() -> str | None:
+    """The folder of swagger-ui's JS and CSS from the `swagger-ui-bundle` package, if installed."""
+    try:
+        import swagger_ui_bundle
+    except ImportError:
+        return None
+    folder = Path(swagger_ui_bundle.swagger_ui_path)
+    return str(folder) if (folder / "swagger-ui-bundle.js").is_file() else None
+
+
+def _a1111_info(request: GenerationRequest, outcome: Outcome, body: A1111Txt2ImgRequest) -> dict:
+    """The `info` object of AUTOMATIC1111's `Processed.js()`, with the keys clients read, for the images made (an
+    interrupted or skipped request has fewer than it asked for; `stopped` says why)."""
+    images = outcome.images
     n = len(images)
     return {
         "prompt": request.prompt,
         "all_prompts": [im.prompt for im in images],
         "negative_prompt": request.negative_prompt,
         "all_negative_prompts": [im.negative_prompt for im in images],
-        "seed": request.seed,
+        "seed": images[0].seed if images else request.seed,
         "all_seeds": [im.seed for im in images],
         "subseed": -1,
         "all_subseeds": [-1] * n,
@@ -459,12 +647,27 @@ def _a1111_info(request: GenerationRequest, images: list[ImageParameters], body:
         "clip_skip": 1,
         "is_using_inpainting_conditioning": False,
         "version": f"sdjax {_version()}",
+        "stopped": outcome.stopped,
     }
 
 
-def _progress(batcher: Batcher, id_task: str | None) -> dict:
+def latent_preview(latents: Any, pipeline: Any) -> np.ndarray:
+    """A cheap RGB preview `(h, w, 3)` uint8 of one image's latents `(C, h, w)`: the pipeline's linear latent->RGB
+    map (`pipeline.latent_rgb_factors`, shape `(C, 3)`) where it has one, else its first three channels, each
+    stretched to 0..255. No VAE decode: a glimpse of the layout, not the image."""
+    x = np.asarray(latents, np.float32)
+    factors = getattr(pipeline, "latent_rgb_factors", None)
+    if factors is not None:
+        rgb = np.einsum("chw,ck->hwk", x, np.asarray(factors, np.float32))
+        return np.clip((rgb + 1.0) * 127.5, 0, 255).astype(np.uint8)
+    rgb = np.moveaxis(x[:3] if x.shape[0] >= 3 else np.repeat(x[:1], 3, axis=0), 0, -1)
+    lo, hi = rgb.min(axis=(0, 1)), rgb.max(axis=(0, 1))
+    return np.clip((rgb - lo) / np.maximum(hi - lo, 1e-6) * 255, 0, 255).astype(np.uint8)
+
+
+def _progress(batcher: Batcher, pipeline: Any, id_task: str | None, skip_current_image: bool) -> dict:
     """AUTOMATIC1111's `ProgressResponse` (`progress`, `eta_relative`, `state`, `current_image`, `textinfo`),
-    plus `stage` and `queue_position` (images ahead of the task)."""
+    plus `stage`, `queue_position` (images ahead of the task) and `queue_depth`."""
     current = batcher.current
     where, ahead = (
         ("running", 0)
@@ -472,6 +675,7 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
         else (batcher.position(id_task) if id_task is not None else ("idle", 0))
     )
     fraction, eta, stage, step, total = 0.0, 0.0, where, 0, 0
+    image = None
     if where == "running" and current is not None:
         stage, step, total = current.stage, current.step, current.total
         fraction = step / total if total else 0.0
@@ -479,6 +683,8 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
             fraction = 1.0
         elapsed = time.monotonic() - current.started
         eta = elapsed / fraction - elapsed if fraction > 0 else 0.0
+        if not skip_current_image and current.latents is not None:
+            image = _preview_png(current, pipeline, id_task)
     text = {
         "queued": f"queued: {ahead} images ahead",
         "running": f"{stage} {step}/{total}",
@@ -489,7 +695,7 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
         "progress": round(fraction, 4),
         "eta_relative": round(eta, 3),
         "state": {
-            "skipped": False,
+            "skipped": bool(current.skip) if current else False,
             "interrupted": False,
             "job": id_task or "",
             "job_count": 1 if current else 0,
@@ -498,7 +704,7 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
             "sampling_step": step,
             "sampling_steps": total,
         },
-        "current_image": None,
+        "current_image": image,
         "textinfo": text,
         "stage": stage,
         "queue_position": ahead,
@@ -506,14 +712,72 @@ def _progress(batcher: Batcher, id_task: str | None) -> dict:
     }
 
 
+def _preview_png(current, pipeline: Any, id_task: str | None) -> str | None:
+    owners = current.owners
+    index = owners.index(id_task) if id_task in owners else 0
+    latents = current.latents
+    if latents is None or index >= len(latents):
+        return None
+    buf = io.BytesIO()
+    from PIL import Image
+
+    Image.fromarray(latent_preview(latents[index], pipeline)).save(buf, format="PNG")
+    return _b64(buf.getvalue())
+
+
 # ---------------------------------------------------------------------------------------------- running
-def build_asgi(pipeline: Any, config: ServerConfig = ServerConfig()):
-    """The app wrapped in the metrics and body-limit layer: what uvicorn serves."""
-    app = create_app(pipeline, config)
-    guarded = _Guard(app, app.state.metrics, config.max_body_bytes)
-    guarded.state = app.state  # for tests and callers
-    guarded.fastapi = app
-    return guarded
+def build_asgi(pipeline: Any, config: ServerConfig = ServerConfig(), *, loader: Callable[[str], Any] | None = None):
+    """The app inside the guard layer (and CORS when `config.cors_origins` is set): what uvicorn serves."""
+    app = create_app(pipeline, config, loader=loader)
+    auth = Auth(api_key=config.api_key, users=tuple(config.api_auth))
+    outer: Any = Guard(
+        app,
+        metrics=app.state.metrics,
+        endpoints=ENDPOINTS,
+        max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout_s,
+        auth=auth,
+    )
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        outer = CORSMiddleware(
+            outer,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+            expose_headers=["X-Request-ID", "Retry-After"],
+            allow_credentials=False,
+        )
+    outer.state = app.state  # for tests and callers
+    outer.fastapi = app
+    return outer
+
+
+def uvicorn_config(asgi, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """The uvicorn configuration `serve()` uses (also for tests): guarded protocol, connection bound, timeouts."""
+    import uvicorn
+
+    return uvicorn.Config(
+        asgi,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=protocol_class(config.header_timeout_s),
+        limit_concurrency=config.max_connections,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=int(math.ceil(config.shutdown_timeout_s)) + 5,  # the batcher cancels first
+        access_log=False,
+    )
+
+
+def make_server(asgi, config: ServerConfig, **kwargs):
+    """A `uvicorn.Server` whose SIGINT/SIGTERM starts the batcher's bounded drain."""
+    import uvicorn
+
+    batcher = asgi.state.batcher
+    server_cls = call_when_exiting(uvicorn.Server, lambda: batcher.begin_drain(config.shutdown_timeout_s))
+    return server_cls(uvicorn_config(asgi, config, **kwargs))
 
 
 def serve(
@@ -523,17 +787,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
+    loader: Callable[[str], Any] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests finish first (up to the request timeout)."""
-    import uvicorn
-
-    uv_config = uvicorn.Config(
-        build_asgi(pipeline, config),
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=int(config.request_timeout_s) + 5,
-        access_log=False,
-    )
-    server = uvicorn.Server(uv_config)
-    server.run()
+    """Serve until SIGINT/SIGTERM; then drain for at most `config.shutdown_timeout_s`, cancel the rest, exit."""
+    make_server(build_asgi(pipeline, config, loader=loader), config, host=host, port=port, log_level=log_level).run()

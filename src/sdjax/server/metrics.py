@@ -33,7 +33,22 @@ class Metrics:
             "sdjax_queue_depth_requests", "Requests with images waiting for a batch", registry=r
         )
         self.rejected = Counter(
-            "sdjax_rejected", "Requests turned away, by reason (queue_full, timeout)", ["reason"], registry=r
+            "sdjax_rejected",
+            "Requests turned away, by reason (queue_full, timeout, unauthorized, request_too_large, truncated_body, "
+            "body_timeout, disconnected, over_budget)",
+            ["reason"],
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "sdjax_cancelled",
+            "Requests whose work was cancelled, by reason (timeout, disconnect, interrupt, skip, shutdown)",
+            ["reason"],
+            registry=r,
+        )
+        self.stopped_batches = Counter(
+            "sdjax_stopped_batches",
+            "Batches stopped before their last step (every request in them cancelled)",
+            registry=r,
         )
         self.batches = Counter("sdjax_batches", "Batches run by the pipeline", registry=r)
         self.batch_images = Histogram(

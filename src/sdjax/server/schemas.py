@@ -1,51 +1,76 @@
-"""Request and response bodies of the two HTTP APIs, and their translation to a `GenerationRequest`.
+"""Request and response bodies of the two HTTP APIs, their translation to a `GenerationRequest`, and the checks
+every request passes on its own before it may join a batch.
 
 - OpenAI images API (`POST /v1/images/generations`): `prompt`, `n`, `size` ("WIDTHxHEIGHT"), `response_format`
-  (only `b64_json`; it is also the default here), `model`/`quality`/`style`/`user` accepted and ignored; sdjax
-  extensions `negative_prompt`, `steps`, `guidance_scale`, `seed`, `sampler`.
+  (`b64_json`, the default here, or `url`: an expiring `/v1/files/...` link), `model`/`quality`/`style`/`user`
+  accepted and ignored; sdjax extensions `negative_prompt`, `steps`, `guidance_scale`, `seed`, `sampler`.
 - AUTOMATIC1111 web UI API (`POST /sdapi/v1/txt2img`): `prompt`, `negative_prompt`, `steps`, `cfg_scale`,
   `width`, `height`, `seed` (-1: random), `batch_size`, `n_iter`, `sampler_name` (+ `scheduler`, e.g. "Karras"),
-  `force_task_id`; other fields of that API are accepted and ignored, except those that would change the image in
-  ways sdjax does not implement (`enable_hr`, `restore_faces`, `tiling`, `subseed_strength`), which are refused.
+  `force_task_id`, `override_settings` (honoured where the value is what sdjax does, else 422 naming the setting);
+  other fields of that API are accepted and ignored, except those that would change the image in ways sdjax does
+  not implement (`enable_hr`, `restore_faces`, `tiling`, `subseed_strength`), which are refused.
 
-Static checks (types, ranges, multiples of 8) are pydantic constraints; checks that depend on the server's limits
-or the model (maximum size, known sampler, the model's size multiple) raise `FieldError` from `resolve_*`.
-Unknown fields are ignored, as both upstream APIs' clients send fields for features they do not use.
+Isolation: a request is validated and tokenized alone (`check_common`), so text the tokenizer or the PNG writer
+cannot take (a lone surrogate such as "\\ud800", valid in JSON) fails that request with 422 naming the field,
+never the batch it would have joined. Static checks (types, ranges, multiples of 8) are pydantic constraints;
+checks that depend on the server's limits or the model (maximum size, pinned shapes, the cost budget, known
+sampler, the model's size multiple) raise `FieldError` from `resolve_*`. Unknown fields are ignored, as both
+upstream APIs' clients send fields for features they do not use.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import io
 import random
 import re
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_id
+from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_display_name, sampler_id
+from sdjax.server.errors import APIError
 
 _SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
 
 
-class FieldError(ValueError):
+class FieldError(APIError):
     """An invalid request field: answered 422 naming `field`."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, code: str = "invalid_value"):
+        super().__init__(422, f"{field}: {message}", field, code=code)
         self.field = field
-        self.message = message
+        self.detail_message = message
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What one request may ask for."""
+    """What one request may ask for.
+
+    `max_cost` bounds width x height x steps x images ("pixel-steps", what the denoising loop's time grows with);
+    `sizes`, `steps` and `samplers` pin what is served (None: anything within the bounds), so that no request
+    compiles a program that start-up did not.
+    """
 
     max_images: int = 8
     max_steps: int = 150
     max_size: int = 1024
     min_size: int = 8
     max_guidance: float = 50.0
-    sizes: tuple[tuple[int, int], ...] | None = None  # (width, height) allowed; None: any within the bounds
+    max_cost: int | None = None
+    sizes: tuple[tuple[int, int], ...] | None = None  # (width, height) allowed
+    steps: tuple[int, ...] | None = None
+    samplers: tuple[str, ...] | None = None  # registry names
+    max_image_pixels: int = 4096 * 4096  # decoded input images (png-info; img2img later)
+    max_image_bytes: int = 32 * 1024 * 1024
+
+
+def request_cost(width: int, height: int, steps: int, images: int) -> int:
+    """Pixel-steps: what the budgets (`Limits.max_cost`, the queue's) count."""
+    return int(width) * int(height) * int(steps) * int(images)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +105,10 @@ class OpenAIImageRequest(BaseModel):
     size: str | None = Field(
         None, description='"WIDTHxHEIGHT", each a multiple of 8; "auto" or none: the model\'s size'
     )
-    response_format: Literal["b64_json"] = Field(
-        "b64_json", description='Only "b64_json": images come back base64-encoded in the response'
+    response_format: Literal["b64_json", "url"] = Field(
+        "b64_json",
+        description='"b64_json": images base64-encoded in the response; "url": links to GET /v1/files/{id}, '
+        "valid for a limited time",
     )
     model: str | None = Field(None, description="Accepted for compatibility; the server serves one model")
     negative_prompt: str = Field("", description="sdjax: what not to draw")
@@ -105,7 +132,8 @@ class OpenAIImageRequest(BaseModel):
 
 
 class OpenAIImage(BaseModel):
-    b64_json: str
+    b64_json: str | None = None
+    url: str | None = None
 
 
 class OpenAIImageResponse(BaseModel):
@@ -138,12 +166,72 @@ class A1111Txt2ImgRequest(BaseModel):
     restore_faces: bool | None = None
     tiling: bool | None = None
     subseed_strength: float = 0.0
+    override_settings: dict[str, Any] | None = Field(
+        None, description="Settings for this request: honoured where the value is what sdjax does, else 422"
+    )
+    override_settings_restore_afterwards: bool = True
 
 
 class A1111Txt2ImgResponse(BaseModel):
     images: list[str]
     parameters: dict[str, Any]
     info: str
+
+
+class A1111PngInfoRequest(BaseModel):
+    """`POST /sdapi/v1/png-info`."""
+
+    image: str = Field(description="A base64 PNG (or a data: URL)")
+
+
+class A1111PngInfoResponse(BaseModel):
+    info: str
+    items: dict[str, Any]
+    parameters: dict[str, Any]
+
+
+def a1111_schedulers() -> list[dict[str, Any]]:
+    """`GET /sdapi/v1/schedulers` items (AUTOMATIC1111's `SchedulerItem`: name, label, aliases, default_rho,
+    need_inner_model): "Automatic" (the sampler's own schedule) and "Karras" where a Karras variant exists. Answers
+    from `sdjax.samplers.a1111_schedulers()` once the samplers module provides it."""
+    from sdjax import samplers
+
+    native = getattr(samplers, "a1111_schedulers", None)
+    if native is not None:
+        return [dict(item) for item in native()]
+    items = [
+        {"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1.0, "need_inner_model": False}
+    ]
+    if any(name.endswith("_karras") for name in samplers.available()):
+        items.append(
+            {"name": "karras", "label": "Karras", "aliases": None, "default_rho": 7.0, "need_inner_model": False}
+        )
+    return items
+
+
+# ---------------------------------------------------------------------------------------------- isolation
+def check_text(field: str, text: str) -> None:
+    """Text must be encodable as UTF-8 (a lone surrogate is valid JSON but not text: the tokenizer and the PNG
+    writer refuse it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FieldError(
+            field, f"holds {text[e.start : e.end]!r} at position {e.start}, which is not text (a lone surrogate)"
+        ) from None
+
+
+def check_tokenizable(pipeline: Any, field: str, text: str) -> None:
+    """Tokenize `text` alone (`pipeline.prepare_inputs`, where the pipeline has it), so that text the tokenizer
+    refuses fails this request, not the batch it would join."""
+    check_text(field, text)
+    prepare = getattr(pipeline, "prepare_inputs", None)
+    if prepare is None:
+        return
+    try:
+        prepare([text])
+    except Exception as e:  # any tokenizer failure is this field's problem
+        raise FieldError(field, f"the tokenizer refused it: {type(e).__name__}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- resolution
@@ -178,8 +266,32 @@ def check_common(
     if limits.sizes is not None and (width, height) not in limits.sizes:
         served = ", ".join(f"{w}x{h}" for w, h in limits.sizes)
         raise FieldError(
-            fields["size"], f"{width}x{height} is not served here (each size is compiled ahead); choose one of {served}"
+            fields["size"],
+            f"{width}x{height} is not served here (each size is compiled ahead); choose one of {served}",
+            code="not_pinned",
         )
+    if limits.steps is not None and steps not in limits.steps:
+        served = ", ".join(str(s) for s in limits.steps)
+        raise FieldError(
+            fields["steps"], f"{steps} steps are not served here (compiled ahead: {served})", code="not_pinned"
+        )
+    if limits.samplers is not None and sampler_id(sampler) not in limits.samplers:
+        served = ", ".join(sampler_display_name(s) for s in limits.samplers)
+        raise FieldError(
+            fields["sampler"], f"{sampler!r} is not served here (compiled ahead: {served})", code="not_pinned"
+        )
+    cost = request_cost(width, height, steps, num_images)
+    if limits.max_cost is not None and cost > limits.max_cost:
+        raise APIError(
+            422,
+            f"the request costs {width}x{height} pixels x {steps} steps x {num_images} images = {cost} pixel-steps, "
+            f"over the per-request budget of {limits.max_cost} (max_request_cost); ask for fewer images or steps, "
+            "or a smaller size",
+            None,
+            code="over_budget",
+        )
+    check_text(fields.get("prompt", "prompt"), prompt)
+    check_text(fields.get("negative_prompt", "negative_prompt"), negative_prompt)
     checks = (
         ("prompt", dict(prompts=[prompt], negative_prompts=[negative_prompt])),
         ("steps", dict(steps=steps)),
@@ -193,6 +305,8 @@ def check_common(
         except (ValueError, KeyError, TypeError) as e:
             message = e.args[0] if e.args else str(e)
             raise FieldError(fields.get(name, name), str(message)) from None
+    check_tokenizable(pipeline, fields.get("prompt", "prompt"), prompt)
+    check_tokenizable(pipeline, fields.get("negative_prompt", "negative_prompt"), negative_prompt)
 
 
 def resolve_openai(
@@ -223,16 +337,32 @@ def resolve_openai(
         size="size",
         sampler="sampler",
         prompt="prompt",
+        negative_prompt="negative_prompt",
     )
     _check(request, pipeline, limits, fields)
     return request
 
 
 def a1111_sampler(body: A1111Txt2ImgRequest, defaults: Defaults) -> str:
+    """The sampler name for `sampler_name` + `scheduler` ("DPM++ 2M" + "Karras" -> "DPM++ 2M Karras")."""
     name = body.sampler_name or body.sampler_index or defaults.sampler
-    if body.scheduler and body.scheduler.lower() not in ("automatic", "auto", ""):
-        name = f"{name} {body.scheduler}"
-    return name
+    scheduler = (body.scheduler or "").strip()
+    if scheduler.lower() in ("automatic", "auto", ""):
+        return name
+    known = {s["name"].lower(): s["label"] for s in a1111_schedulers()}
+    known.update({s["label"].lower(): s["label"] for s in a1111_schedulers()})
+    if scheduler.lower() not in known:
+        labels = ", ".join(s["label"] for s in a1111_schedulers())
+        raise FieldError("scheduler", f"unknown scheduler {scheduler!r}; known: {labels}")
+    label = known[scheduler.lower()]
+    if sampler_display_name(name).lower().endswith(label.lower()):
+        return name
+    combined = f"{sampler_display_name(name)} {label}"
+    from sdjax import samplers
+
+    if sampler_id(combined) not in samplers.available():
+        raise FieldError("scheduler", f"the {label} schedule is not available for the sampler {name!r}")
+    return combined
 
 
 def resolve_a1111(
@@ -267,6 +397,7 @@ def resolve_a1111(
         size="width",
         sampler="sampler_name",
         prompt="prompt",
+        negative_prompt="negative_prompt",
     )
     _check(request, pipeline, limits, fields)
     return request
@@ -286,3 +417,85 @@ def _check(r: GenerationRequest, pipeline: Any, limits: Limits, fields: dict[str
         prompt=r.prompt,
         negative_prompt=r.negative_prompt,
     )
+
+
+# ---------------------------------------------------------------------------------------------- settings
+def check_settings(
+    settings: dict[str, Any], current: dict[str, Any], *, field: str, switchable: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Settings (AUTOMATIC1111 options) a request asks for, against what the server does (`current`).
+
+    A setting whose value equals the current one is honoured as is; a key in `switchable` may change (the caller
+    does it); anything else is refused with 422 naming `field.key`. Returns the settings that change.
+    """
+    changes = {}
+    for key, value in settings.items():
+        name = f"{field}.{key}" if field else key
+        if key not in current:
+            raise FieldError(name, f"the setting {key!r} is not supported by sdjax (supported: {sorted(current)})")
+        if _same_setting(value, current[key]):
+            continue
+        if key in switchable:
+            changes[key] = value
+            continue
+        raise FieldError(
+            name, f"{value!r} cannot be honoured here; sdjax serves {current[key]!r} for {key!r}", code="unsupported"
+        )
+    return changes
+
+
+def _same_setting(value: Any, current: Any) -> bool:
+    if isinstance(current, str) and isinstance(value, str):
+        return value.strip().lower() == current.strip().lower()
+    if isinstance(current, (int, float)) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) == float(current)
+    return value == current
+
+
+# ---------------------------------------------------------------------------------------------- images in
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+def decode_image(data: str, *, field: str, limits: Limits = Limits(), load: bool = True):
+    """A base64 image (or a `data:image/...;base64,` URL) -> PIL image, refusing with `FieldError` (422 naming
+    `field`) anything that is not base64, not PNG/JPEG/WebP, larger than `limits.max_image_bytes`, or over
+    `limits.max_image_pixels` pixels. The pixel count is read from the header, before any pixel is decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(data, str) or not data.strip():
+        raise FieldError(field, "expected a base64-encoded image")
+    text = data.strip()
+    if text.startswith("data:"):
+        header, sep, text = text.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise FieldError(field, "a data URL must be data:image/...;base64,<data>")
+    text = re.sub(r"\s+", "", text)
+    if len(text) > (limits.max_image_bytes + 2) // 3 * 4:
+        raise FieldError(field, f"the image is over {limits.max_image_bytes} bytes", code="image_too_large")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise FieldError(field, "is not valid base64") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise FieldError(
+            field, f"the image has over {limits.max_image_pixels} pixels", code="image_too_large"
+        ) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        raise FieldError(field, f"is not a {', '.join(IMAGE_FORMATS)} image") from None
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise FieldError(
+            field,
+            f"{width}x{height} = {width * height} pixels exceeds the limit of {limits.max_image_pixels}",
+            code="image_too_large",
+        )
+    if load:
+        try:
+            image.load()
+        except (OSError, SyntaxError, ValueError) as e:
+            raise FieldError(field, f"the image is truncated or corrupt ({e})") from None
+    return image

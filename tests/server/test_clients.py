@@ -1,0 +1,109 @@
+"""The real clients, unmodified, against a live server on 127.0.0.1: the `openai` package (images.generate with
+b64_json and url, errors as its exceptions, the API key) and `webuiapi` (txt2img, interrupt, skip, progress,
+schedulers, png-info, options and model switching, basic auth). img2img comes with the generation core."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from fake_pipeline import FakePipeline
+from server_helpers import check_image, live_server
+
+from sdjax import metadata
+
+openai = pytest.importorskip("openai", reason="the test extra installs openai")
+webuiapi = pytest.importorskip("webuiapi", reason="the test extra installs webuiapi")
+
+KEY = "sk-sdjax-test"
+
+
+def host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with live_server(FakePipeline(delay_s=0.5), api_key=KEY, api_auth=(("user", "pass"),), max_batch=2,
+                     warm=False) as s:  # fmt: skip
+        yield s
+
+
+def test_openai_images_generate(server):
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    result = api.images.generate(
+        model="sdjax", prompt="a lighthouse", n=2, size="64x64", response_format="b64_json", extra_body={"seed": 21}
+    )
+    for k, image in enumerate(result.data):
+        check_image(image.b64_json, prompt="a lighthouse", seed=21 + k)
+    result = api.images.generate(prompt="a lighthouse", size="64x64", response_format="url", extra_body={"seed": 21})
+    png = httpx.get(result.data[0].url).content
+    assert metadata.parameters_from_text(metadata.read_parameters(png)).seed == 21
+
+
+def test_openai_errors_are_its_exceptions(server):
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        api.images.generate(prompt="x", size="65x64")
+    assert e.value.status_code == 422 and e.value.body["param"] == "size"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0).images.generate(prompt="x")
+
+
+def webui(server) -> webuiapi.WebUIApi:
+    host, port = host_port(server.url)
+    return webuiapi.WebUIApi(host=host, port=port, username="user", password="pass", sampler="Euler a", steps=4)
+
+
+def test_webuiapi_txt2img(server):
+    api = webui(server)
+    result = api.txt2img(prompt="a fox", negative_prompt="blur", seed=7, width=64, height=64, batch_size=2, cfg_scale=6)
+    assert len(result.images) == 2 and result.info["all_seeds"] == [7, 8]
+    params = metadata.parameters_from_text(result.images[1].info["parameters"])
+    assert (params.prompt, params.negative_prompt, params.seed, params.sampler) == ("a fox", "blur", 8, "euler_a")
+    info = api.png_info(result.images[0])
+    assert info.parameters["Seed"] == "7" and "Seed: 7" in info.info
+
+
+def test_webuiapi_schedulers_samplers_options(server):
+    api = webui(server)
+    assert api.util_get_scheduler_names() == ["automatic", "karras"]
+    assert "Euler a" in api.util_get_sampler_names()
+    assert api.util_get_current_model() == "fake-model"
+    result = api.txt2img(prompt="k", seed=1, width=64, height=64, sampler_name="DPM++ 2M", scheduler="Karras")
+    assert metadata.parameters_from_text(result.images[0].info["parameters"]).sampler == "dpmpp_2m_karras"
+
+
+@pytest.mark.parametrize("action", ["interrupt", "skip"])
+def test_webuiapi_interrupt_and_skip(server, action):
+    api = webui(server)
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.update(
+            r=api.txt2img(prompt=f"to {action}", seed=30, width=64, height=64, n_iter=3, steps=10)
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 10
+    while api.get_progress()["state"]["sampling_step"] < 2:  # the first batch (of 2 images) is running
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    getattr(api, action)()
+    t.join(20)
+    result = out["r"]
+    if action == "interrupt":  # the request ends with the images made so far: none
+        assert result.images == [] and result.info["stopped"] == "interrupt"
+    else:  # the running batch (seeds 30, 31) is dropped; the last image is made
+        assert result.info["all_seeds"] == [32] and result.info["stopped"] == "skip"
+        check_image(webuiapi.raw_b64_img(result.images[0]), seed=32)
+
+
+def test_webuiapi_without_credentials_fails_cleanly(server):
+    host, port = host_port(server.url)
+    api = webuiapi.WebUIApi(host=host, port=port)
+    with pytest.raises(RuntimeError) as e:
+        api.txt2img(prompt="x", width=64, height=64)
+    assert e.value.args[0] == 401 and "Incorrect username or password" in e.value.args[1]

@@ -1,0 +1,106 @@
+"""Scale-out with Ray Serve (`sdjax.server.ray_serve`): two replicas on CPU behind one endpoint, on a local Ray
+node started on 127.0.0.1 without the dashboard. The Ray driver runs in a subprocess (Ray installs its own signal
+handlers and processes); it checks that every Ray process of the node listens on loopback addresses only.
+
+The fake-pipeline test (about 20 s, most of it Ray's start) runs in the suite whenever `ray[serve]` is installed
+(the `ray` extra). The embedded-model test loads and compiles the model in both replicas (about a minute on two
+cores) and is marked `ray_model`: deselect it with `-m "not ray_model"` on a busy machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra installs ray[serve]")
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+
+DRIVER = textwrap.dedent("""
+    import concurrent.futures, functools, ipaddress, json, sys, time
+    sys.path[:0] = [{here!r}, {src!r}]
+    import httpx, psutil, ray
+    from ray import serve
+    from fake_pipeline import FakePipeline
+    from server_helpers import check_image, free_port
+    from sdjax.server import ServerConfig
+    from sdjax.server.ray_serve import run
+
+    ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
+             runtime_env={{"env_vars": {{"PYTHONPATH": {pythonpath!r}, "JAX_PLATFORMS": "cpu"}}}})
+    port = free_port()
+    url = f"http://127.0.0.1:{{port}}"
+    out = {{}}
+    try:
+        t0 = time.monotonic()
+        factory = {factory}
+        run(None, factory=factory, config=ServerConfig(model_name="replicated", max_batch=2, {config}),
+            num_replicas=2, ray_actor_options={{"num_cpus": 0.5}}, host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 600
+        while httpx.get(url + "/health/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        out["deploy_s"] = time.monotonic() - t0
+
+        def post(i):
+            body = {{"prompt": f"request {{i}}", "seed": i, "steps": {steps}}}
+            return httpx.post(url + "/v1/images/generations", json=body, timeout=600)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(post, range(12)))
+        out["status"] = [r.status_code for r in responses]
+        out["replicas"] = sorted({{r.headers.get("x-replica") for r in responses}})
+        if {check!r}:
+            for i, r in enumerate(responses):
+                check_image(r.json()["data"][0]["b64_json"], prompt=f"request {{i}}", seed=i, model="replicated")
+        out["images_ok"] = all(r.status_code == 200 and r.json()["data"][0]["b64_json"] for r in responses)
+        bad = httpx.post(url + "/v1/images/generations", json={{"prompt": "x", "n": 0}})
+        out["bad"] = [bad.status_code, bad.json()["error"]["param"]]
+        # every listening socket of the Ray node's processes (this driver's children)
+        pids = {{p.pid for p in psutil.Process().children(recursive=True)}}
+        listening = [c for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN" and c.pid in pids]
+        out["listening"] = len(listening)
+        out["non_loopback"] = sorted({{f"{{c.laddr.ip}}:{{c.laddr.port}}" for c in listening
+                                     if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:")).is_loopback}})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def drive(factory: str, config: str, steps: int, check: bool) -> dict:
+    pythonpath = os.pathsep.join([str(HERE), str(SRC)])
+    script = DRIVER.format(
+        here=str(HERE), src=str(SRC), pythonpath=pythonpath, factory=factory, config=config, steps=steps, check=check
+    )
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def check(result: dict) -> None:
+    assert result["status"] == [200] * 12, result
+    assert result["images_ok"] and len(result["replicas"]) == 2, result  # both replicas answered
+    assert result["bad"] == [422, "n"]
+    assert result["listening"] > 5 and result["non_loopback"] == [], result
+
+
+def test_two_replicas_of_the_fake_pipeline():
+    check(drive("functools.partial(FakePipeline, delay_s=0.5)", "warm=False", steps=4, check=True))
+
+
+@pytest.mark.ray_model
+def test_two_replicas_of_the_embedded_model():
+    result = drive("None", "default_steps=4, batch_sizes=(2,)", steps=4, check=False)
+    check(result)
+    print(f"two embedded-model replicas ready in {result['deploy_s']:.0f} s")
