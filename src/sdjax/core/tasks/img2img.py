@@ -76,17 +76,31 @@ def request(
     denoising_start: float | None = None,
     denoising_end: float | None = None,
     latents: np.ndarray | None = None,
+    start_step: int | None = None,
 ) -> TaskRequest:
-    """Image-to-image for `images` (already resized to `width` x `height`, see `prepare_images`), or for UNet
-    `latents` `(N, C, h, w)` (e.g. the SDXL base's output before the refiner)."""
+    """Image-to-image for `images` (PIL, numpy, paths or bytes; resized to `width` x `height` by `resize_mode`),
+    or for UNet `latents` `(N, C, h, w)` (e.g. the SDXL base's output before the refiner). `start_step` starts at
+    that step instead of the one `strength` gives (A1111's rule, see `sdjax.metadata`)."""
     if latents is not None:
         arrays = {"image_latents": np.asarray(latents, np.float32)}
         spec = Img2Img(add_noise=denoising_start is None, latents_input=True)
     else:
         arrays = {
             "image": np.stack(
-                [image_lib.image_array(image_lib.resize(im, width, height, resize_mode)) for im in images]
+                [
+                    image_lib.image_array(
+                        image_lib.resize(image_lib.load_image(im, "image"), width, height, resize_mode)
+                    )
+                    for im in images
+                ]
             )
         }
         spec = Img2Img(add_noise=denoising_start is None)
-    return TaskRequest(spec, arrays, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end)
+    return TaskRequest(
+        spec,
+        arrays,
+        strength=strength,
+        denoising_start=denoising_start,
+        denoising_end=denoising_end,
+        start_step=start_step,
+    )

@@ -107,6 +107,7 @@ def request(
     paste_back: bool | None = None,
     denoising_start: float | None = None,
     denoising_end: float | None = None,
+    start_step: int | None = None,
 ) -> TaskRequest:
     """Inpaint `images` where `masks` are white. Images and masks are loaded, (cropped,) resized to `width` x
     `height`; `paste_back` (default: on with `padding_mask_crop`) composites the originals back."""
@@ -131,7 +132,8 @@ def request(
     }
     if not arrays["mask"].any():
         raise ValueError("mask_image: the mask is empty (no pixel >= 0.5), there is nothing to repaint")
-    spec = Inpaint(from_noise=strength == 1.0 and denoising_start is None, add_noise=denoising_start is None)
+    from_noise = strength == 1.0 and denoising_start is None and start_step is None
+    spec = Inpaint(from_noise=from_noise, add_noise=denoising_start is None)
     paste_back = padding_mask_crop is not None if paste_back is None else paste_back
     finish = None
     if paste_back:
@@ -150,5 +152,11 @@ def request(
             return np.stack(out)
 
     return TaskRequest(
-        spec, arrays, strength=strength, denoising_start=denoising_start, denoising_end=denoising_end, finish=finish
+        spec,
+        arrays,
+        strength=strength,
+        denoising_start=denoising_start,
+        denoising_end=denoising_end,
+        finish=finish,
+        start_step=start_step,
     )
