@@ -52,12 +52,23 @@ class Progress(Protocol):
     def __call__(self, stage: str, step: int, total: int) -> None: ...
 
 
+# A1111's names of the hires-fix upscalers sdjax implements (`sdjax.pipelines.recipes.UPSCALERS`).
+UPSCALER_NAMES = {"latent": "Latent", "latent-nearest": "Latent (nearest)", "lanczos": "Lanczos", "nearest": "Nearest"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageParameters:
     """Everything that fixes one image: its noise is drawn from `fold_in(PRNGKey(seed), image_index)`.
 
     `sampler` is a registry name (`sdjax.samplers.available()`) where one exists; infotext shows the
     AUTOMATIC1111 name ("Euler a"), and parsing maps it back.
+
+    Image-to-image and inpainting (`init_image`, `mask_image`: PIL images, not part of equality) follow
+    AUTOMATIC1111's step rule, as the infotext they write does: with `steps` and `denoising_strength` s, the
+    sampler runs `int(min(s, 0.999) * steps) + 1` steps at the end of a `steps`-step schedule (diffusers, and
+    sdjax's Python API, run `int(s * steps)`). Inpainting pastes the original back outside the mask (A1111's
+    overlay). `hires` (text-to-image only) adds A1111's second pass; `refiner`/`refiner_switch` hand the last part
+    of the schedule to an SDXL refiner (diffusers' `denoising_end`/`denoising_start`).
     """
 
     prompt: str
@@ -70,19 +81,72 @@ class ImageParameters:
     height: int
     model: str = ""
     image_index: int = 0
+    denoising_strength: float | None = None
+    mask_blur: float = 0.0
+    inpaint_full_res_padding: int | None = None  # A1111 "Inpaint area: Only masked" with this padding
+    resize_mode: str = "resize"
+    hires: Any = None  # sdjax.pipelines.recipes.Hires
+    refiner: str = ""
+    refiner_switch: float | None = None
+    init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
+    mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
-    def shape_key(self) -> tuple[int, int, int, str]:
-        """What fixes the compiled executable: images with equal keys can share a batch."""
-        return (self.steps, self.height, self.width, self.sampler)
+    def task(self) -> str:
+        if self.init_image is None:
+            return "txt2img"
+        return "img2img" if self.mask_image is None else "inpaint"
+
+    @property
+    def shape_key(self) -> tuple:
+        """What fixes the compiled executables (and the host work): images with equal keys can share a batch."""
+        return (
+            self.steps,
+            self.height,
+            self.width,
+            self.sampler,
+            self.guidance_scale > 1,
+            self.task,
+            self.denoising_strength,
+            self.mask_blur,
+            self.inpaint_full_res_padding,
+            self.resize_mode,
+            self.hires,
+            self.refiner,
+            self.refiner_switch,
+        )
+
+    def extra_fields(self) -> dict[str, Any]:
+        """The infotext fields beyond the text-to-image ones, in A1111's names."""
+        out: dict[str, Any] = {}
+        if self.denoising_strength is not None:
+            out["Denoising strength"] = _number(self.denoising_strength)
+        if self.task == "inpaint":
+            out["Mask blur"] = _number(self.mask_blur) if self.mask_blur else None
+            if self.inpaint_full_res_padding is not None:
+                out["Inpaint area"] = "Only masked"
+                out["Masked area padding"] = self.inpaint_full_res_padding
+        if self.hires is not None:
+            h = self.hires
+            out["Denoising strength"] = _number(h.strength)
+            out["Hires upscale"] = None if h.resize else _number(h.scale).removesuffix(".0")
+            out["Hires resize"] = f"{h.resize[0]}x{h.resize[1]}" if h.resize else None
+            out["Hires steps"] = h.steps or None
+            out["Hires upscaler"] = UPSCALER_NAMES[h.upscaler]
+            out["Hires sampler"] = sampler_display_name(h.sampler) if h.sampler else None
+        if self.refiner:
+            out["Refiner"] = self.refiner
+            out["Refiner switch at"] = _number(self.refiner_switch) if self.refiner_switch is not None else None
+        return out
 
     def infotext(self) -> str:
-        return format_parameters(self)
+        return format_parameters(self, self.extra_fields())
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
-    """A request with every default resolved; `images()` expands it to one `ImageParameters` per image."""
+    """A request with every default resolved; `images()` expands it to one `ImageParameters` per image (all with
+    the same init image, mask and settings)."""
 
     prompt: str
     negative_prompt: str = ""
@@ -94,6 +158,15 @@ class GenerationRequest:
     height: int = 512
     sampler: str = ""
     model: str = ""
+    denoising_strength: float | None = None
+    mask_blur: float = 0.0
+    inpaint_full_res_padding: int | None = None
+    resize_mode: str = "resize"
+    hires: Any = None
+    refiner: str = ""
+    refiner_switch: float | None = None
+    init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
+    mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def images(self) -> list[ImageParameters]:
         return [
@@ -107,32 +180,93 @@ class GenerationRequest:
                 width=self.width,
                 height=self.height,
                 model=self.model,
+                denoising_strength=self.denoising_strength,
+                mask_blur=self.mask_blur,
+                inpaint_full_res_padding=self.inpaint_full_res_padding,
+                resize_mode=self.resize_mode,
+                hires=self.hires,
+                refiner=self.refiner,
+                refiner_switch=self.refiner_switch,
+                init_image=self.init_image,
+                mask_image=self.mask_image,
             )
             for i in range(self.num_images)
         ]
 
 
+def a1111_start_step(steps: int, strength: float) -> int:
+    """AUTOMATIC1111's first img2img step: `t_enc = int(min(strength, 0.999) * steps)` steps run after it, plus one
+    (`sigmas[steps - t_enc - 1:]` in its k-diffusion sampler)."""
+    t_enc = int(min(strength, 0.999) * steps)
+    return steps - t_enc - 1
+
+
 def generate_images(
-    pipeline: Any, images: Sequence[ImageParameters], *, pad_to: int | None = None, progress: Progress | None = None
+    pipeline: Any,
+    images: Sequence[ImageParameters],
+    *,
+    pad_to: int | None = None,
+    progress: Progress | None = None,
+    refiner: Any = None,
+    **kwargs: Any,
 ) -> np.ndarray:
-    """Run images sharing one `shape_key` through `pipeline.generate_arrays` -> uint8 `(N, H, W, 3)`."""
+    """Run images sharing one `shape_key` -> uint8 `(N, H, W, 3)` (for inpainting with "Only masked": the
+    original's size). `kwargs` (e.g. `should_stop`) go to every `generate_arrays` call; `refiner` is the loaded
+    refiner pipeline when the images name one."""
     keys = {im.shape_key for im in images}
     if len(keys) != 1:
-        raise ValueError(f"generate_images: images must share steps, size and sampler to share a batch; got {keys}")
-    steps, height, width, sampler = keys.pop()
-    return pipeline.generate_arrays(
+        raise ValueError(
+            f"generate_images: images must share steps, size, sampler and task settings to share a "
+            f"batch; got {len(keys)} different ones"
+        )
+    p = images[0]
+    args = (
         [im.prompt for im in images],
         [im.negative_prompt for im in images],
         [im.seed for im in images],
         [im.image_index for im in images],
         [im.guidance_scale for im in images],
-        steps=steps,
-        height=height,
-        width=width,
-        sampler=sampler,
-        pad_to=pad_to,
-        progress=progress,
     )
+    common = dict(
+        steps=p.steps, height=p.height, width=p.width, sampler=p.sampler, pad_to=pad_to, progress=progress, **kwargs
+    )
+    if p.hires is not None:
+        from sdjax.pipelines.recipes import hires_arrays
+
+        return hires_arrays(pipeline, *args, hires=p.hires, **common)
+    if p.refiner_switch is not None:
+        if refiner is None:
+            raise ValueError(f"the images name the refiner {p.refiner!r} but no refiner pipeline was given")
+        from sdjax.pipelines.recipes import refine_arrays
+
+        return refine_arrays(pipeline, refiner, *args, switch=p.refiner_switch, **common)
+    task = None
+    if p.init_image is not None:
+        from sdjax.core.tasks import img2img, inpaint
+
+        strength = 0.75 if p.denoising_strength is None else p.denoising_strength
+        start = a1111_start_step(p.steps, strength)
+        inits = [im.init_image for im in images]
+        if p.mask_image is None:
+            task = img2img.request(
+                inits, width=p.width, height=p.height, strength=strength, resize_mode=p.resize_mode, start_step=start
+            )
+        else:
+            task = inpaint.request(
+                inits,
+                [im.mask_image for im in images],
+                width=p.width,
+                height=p.height,
+                strength=strength,
+                resize_mode=p.resize_mode,
+                mask_blur=p.mask_blur,
+                padding_mask_crop=p.inpaint_full_res_padding,
+                paste_back=True,
+                start_step=start,
+            )
+    if task is not None:
+        common["task"] = task
+    return pipeline.generate_arrays(*args, **common)
 
 
 # ---------------------------------------------------------------------------------------------- sampler names
@@ -282,6 +416,22 @@ def parameters_from_text(text: str) -> ImageParameters:
     if schedule and schedule.lower() not in ("automatic", "uniform") and not sampler.endswith(schedule):
         sampler = f"{sampler} {schedule}"
     try:
+        hires = None
+        if "Hires upscaler" in raw:
+            from sdjax.pipelines.recipes import Hires
+
+            upscaler = {v: k for k, v in UPSCALER_NAMES.items()}.get(raw["Hires upscaler"])
+            if upscaler is None:
+                raise ValueError(f"Hires upscaler {raw['Hires upscaler']!r} is not one sdjax implements")
+            resize = tuple(int(x) for x in raw["Hires resize"].split("x")) if "Hires resize" in raw else None
+            hires = Hires(
+                scale=float(raw.get("Hires upscale", 2)),
+                resize=resize,
+                upscaler=upscaler,
+                steps=int(raw.get("Hires steps", 0)),
+                strength=float(raw.get("Denoising strength", 0.7)),
+                sampler=sampler_id(raw["Hires sampler"]) if "Hires sampler" in raw else None,
+            )
         return ImageParameters(
             prompt=raw["Prompt"],
             negative_prompt=raw["Negative prompt"],
@@ -293,6 +443,16 @@ def parameters_from_text(text: str) -> ImageParameters:
             height=int(raw["Size-2"]),
             model=raw.get("Model", ""),
             image_index=int(raw.get("Image index", 0)),
+            denoising_strength=(
+                float(raw["Denoising strength"]) if "Denoising strength" in raw and hires is None else None
+            ),
+            mask_blur=float(raw.get("Mask blur", 0)),
+            inpaint_full_res_padding=(
+                int(raw.get("Masked area padding", 32)) if raw.get("Inpaint area") == "Only masked" else None
+            ),
+            hires=hires,
+            refiner=raw.get("Refiner", ""),
+            refiner_switch=float(raw["Refiner switch at"]) if "Refiner switch at" in raw else None,
         )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None

@@ -142,7 +142,7 @@ def test_request_gives_each_image_its_own_seed():
     images = r.images()
     assert [im.seed for im in images] == [2**32 - 2, 2**32 - 1, 0]
     assert {im.image_index for im in images} == {0}
-    assert {im.shape_key for im in images} == {(5, 32, 64, "euler")}
+    assert len({im.shape_key for im in images}) == 1 and images[0].shape_key[:4] == (5, 32, 64, "euler")
 
 
 def test_generate_images_refuses_mixed_shapes():

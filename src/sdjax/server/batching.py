@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from sdjax.metadata import ImageParameters
+from sdjax.metadata import ImageParameters, generate_images
 from sdjax.server.errors import APIError
 from sdjax.server.metrics import Metrics
 from sdjax.server.schemas import request_cost
@@ -571,21 +571,11 @@ class Batcher:
 
     # ------------------------------------------------------------------ the worker side
     def _generate(self, pipeline: Any, images: list[ImageParameters], pad_to: int, should_stop, progress):
-        """Runs on the worker thread: one `generate_arrays` call -> uint8 `(N, H, W, 3)`."""
-        steps, height, width, sampler = images[0].shape_key
-        kwargs: dict[str, Any] = dict(
-            steps=steps, height=height, width=width, sampler=sampler, pad_to=pad_to, progress=progress
-        )
+        """Runs on the worker thread: one `metadata.generate_images` call -> uint8 `(N, H, W, 3)`."""
+        kwargs: dict[str, Any] = {}
         if self.supports_stop if pipeline is self.pipeline else accepts_should_stop(pipeline):
             kwargs["should_stop"] = should_stop
-        return pipeline.generate_arrays(
-            [im.prompt for im in images],
-            [im.negative_prompt for im in images],
-            [im.seed for im in images],
-            [im.image_index for im in images],
-            [im.guidance_scale for im in images],
-            **kwargs,
-        )
+        return generate_images(pipeline, images, pad_to=pad_to, progress=progress, **kwargs)
 
     def _on_progress(self, status: BatchStatus, stage: str, step: int, total: int, latents=None, **_: Any) -> None:
         status.heartbeat = time.monotonic()
