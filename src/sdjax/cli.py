@@ -30,6 +30,23 @@ from sdjax import metadata
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+class ResizeMode(str, enum.Enum):
+    """How an init image is fitted to the output size (A1111's resize modes)."""
+
+    resize = "resize"
+    crop = "crop"
+    fill = "fill"
+
+
+class Upscaler(str, enum.Enum):
+    """Hires-fix upscalers."""
+
+    latent = "latent"
+    latent_nearest = "latent-nearest"
+    lanczos = "lanczos"
+    nearest = "nearest"
+
+
 class DType(str, enum.Enum):
     """Weights and compute dtype."""
 
@@ -289,8 +306,93 @@ def generate(
     ),
     grid: Annotated[bool, typer.Option("--grid", help="Also write all images as one grid PNG.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or timing summary.")] = False,
+    image: Annotated[
+        Path | None,
+        typer.Option(
+            "--image",
+            "-i",
+            exists=True,
+            dir_okay=False,
+            help="Init image: image-to-image (with --mask: inpainting). The size defaults to the image's.",
+            rich_help_panel="Image to image",
+        ),
+    ] = None,
+    strength: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Denoising strength of --image (A1111's: int(min(s, 0.999) * steps) + 1 steps run).",
+            rich_help_panel="Image to image",
+        ),
+    ] = 0.75,
+    mask: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="Inpainting mask for --image: white is repainted.",
+            rich_help_panel="Image to image",
+        ),
+    ] = None,
+    mask_blur: Annotated[
+        float, typer.Option(min=0.0, help="Gaussian blur of the mask, in pixels.", rich_help_panel="Image to image")
+    ] = 4.0,
+    only_masked: Annotated[
+        int | None,
+        typer.Option(
+            "--only-masked",
+            min=0,
+            help="Repaint only the masked region at full resolution, "
+            "with this padding in pixels (A1111's 'Inpaint area: Only masked').",
+            rich_help_panel="Image to image",
+        ),
+    ] = None,
+    outpaint: Annotated[
+        str | None,
+        typer.Option(
+            help="Outpaint: extend --image by L,T,R,B pixels (inpainting on a larger canvas).",
+            rich_help_panel="Image to image",
+        ),
+    ] = None,
+    resize_mode: Annotated[
+        ResizeMode, typer.Option(help="How --image is fitted to --width/--height.", rich_help_panel="Image to image")
+    ] = ResizeMode.resize,
+    hires_scale: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Hires fix: upscale factor of the second pass.", rich_help_panel="Hires fix"),
+    ] = None,
+    hires_strength: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="Hires fix: denoising strength of the second pass.", rich_help_panel="Hires fix"
+        ),
+    ] = 0.7,
+    hires_steps: Annotated[
+        int,
+        typer.Option(min=0, help="Hires fix: second-pass steps (0: the first pass's).", rich_help_panel="Hires fix"),
+    ] = 0,
+    hires_upscaler: Annotated[
+        Upscaler, typer.Option(help="Hires fix: upscaler.", rich_help_panel="Hires fix")
+    ] = Upscaler.latent,
+    refiner: Annotated[
+        str | None,
+        typer.Option(
+            help="SDXL refiner (folder, Hub id or file) for the end of the schedule.", rich_help_panel="SDXL refiner"
+        ),
+    ] = None,
+    refiner_start: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Fraction of the schedule after which the refiner takes over.",
+            rich_help_panel="SDXL refiner",
+        ),
+    ] = 0.8,
 ) -> None:
-    """Generate images from a prompt and write PNGs carrying their parameters (AUTOMATIC1111 format)."""
+    """Generate images from a prompt (or from an image: --image, --mask, --outpaint) and write PNGs carrying their
+    parameters (AUTOMATIC1111 format)."""
     err = Console(stderr=True, quiet=quiet)
     _jnp_dtype(dtype)
     timings = Timings()
@@ -313,6 +415,39 @@ def generate(
         timings.load = time.perf_counter() - t0
         if bars:
             bars.update(task, total=1, completed=1)
+        task = _task_options(
+            pipe,
+            image=image,
+            strength=strength,
+            mask=mask,
+            mask_blur=mask_blur,
+            only_masked=only_masked,
+            outpaint=outpaint,
+            resize_mode=resize_mode.value,
+            hires_scale=hires_scale,
+            hires_strength=hires_strength,
+            hires_steps=hires_steps,
+            hires_upscaler=hires_upscaler.value,
+            width=width,
+            height=height,
+        )
+        width, height = task.pop("width"), task.pop("height")
+        refiner_pipe = None
+        if refiner is not None:
+            if image is not None or hires_scale is not None:
+                raise typer.BadParameter(
+                    "the refiner hand-off is for text-to-image; leave out --image and --hires-*", param_hint="--refiner"
+                )
+            if not 0 < refiner_start < 1:
+                raise typer.BadParameter("must lie strictly between 0 and 1", param_hint="--refiner-start")
+            try:
+                refiner_pipe = load_pipeline(refiner, dtype)
+            except Exception as e:
+                err.print(
+                    f"[red]error:[/red] could not load the refiner {refiner}: {e}", highlight=False, soft_wrap=True
+                )
+                raise typer.Exit(1) from None
+            task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
         request = _request(
             pipe,
             prompt=prompt,
@@ -325,6 +460,7 @@ def generate(
             height=height,
             seed=seed,
             num_images=num_images,
+            **task,
         )
         images = request.images()
         size = batch_size or len(images)
@@ -335,7 +471,17 @@ def generate(
         t0 = time.perf_counter()
         for index, batch in enumerate(batches):
             reporter.start_batch(index)
-            arrays.extend(metadata.generate_images(pipe, batch, pad_to=size, progress=None if quiet else reporter))
+            try:
+                arrays.extend(
+                    metadata.generate_images(
+                        pipe, batch, pad_to=size, refiner=refiner_pipe, progress=None if quiet else reporter
+                    )
+                )
+            except ValueError as e:  # input only the pipeline can check (e.g. an empty mask)
+                if bars:
+                    bars.stop()
+                err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+                raise typer.Exit(2) from None
             reporter.end_batch()
         timings.generate = time.perf_counter() - t0
         timings.compile = clock.seconds - compile_before
@@ -369,8 +515,96 @@ class _Null:
         return False
 
 
+def _task_options(
+    pipe,
+    *,
+    image,
+    strength,
+    mask,
+    mask_blur,
+    only_masked,
+    outpaint,
+    resize_mode,
+    hires_scale,
+    hires_strength,
+    hires_steps,
+    hires_upscaler,
+    width,
+    height,
+) -> dict[str, Any]:
+    """The image-to-image, inpainting, outpainting and hires settings of `generate` as `GenerationRequest` fields
+    (plus the resolved width/height), checked before anything loads or compiles."""
+    from sdjax.core import images as image_lib
+
+    out: dict[str, Any] = {"width": width, "height": height}
+    if image is None:
+        for flag, given in (
+            ("--mask", mask is not None),
+            ("--outpaint", outpaint is not None),
+            ("--only-masked", only_masked is not None),
+        ):
+            if given:
+                raise typer.BadParameter("needs --image", param_hint=flag)
+        if hires_scale is not None:
+            from sdjax.pipelines.recipes import Hires
+
+            try:
+                out["hires"] = Hires(
+                    scale=hires_scale, strength=hires_strength, steps=hires_steps, upscaler=hires_upscaler
+                )
+            except ValueError as e:
+                raise typer.BadParameter(str(e), param_hint="--hires-*") from None
+        return out
+    if hires_scale is not None:
+        raise typer.BadParameter(
+            "the hires fix is a text-to-image option; leave out --image", param_hint="--hires-scale"
+        )
+    try:
+        init = image_lib.load_image(str(image), "--image").convert("RGB")
+        mask_im = image_lib.load_image(str(mask), "--mask") if mask is not None else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--image/--mask") from None
+    if outpaint is not None:
+        if mask_im is not None:
+            raise typer.BadParameter("--outpaint makes its own mask; leave out --mask", param_hint="--outpaint")
+        try:
+            sides = [int(v) for v in outpaint.split(",")]
+            if len(sides) != 4:
+                raise ValueError
+        except ValueError:
+            raise typer.BadParameter(
+                f"{outpaint!r} is not four comma-separated ints L,T,R,B", param_hint="--outpaint"
+            ) from None
+        try:
+            init, mask_im = image_lib.outpaint_canvas(init, *sides)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--outpaint") from None
+    if mask_im is not None and mask_im.size != init.size:
+        raise typer.BadParameter(
+            f"the mask is {mask_im.size[0]}x{mask_im.size[1]} but the image is {init.size[0]}x{init.size[1]}",
+            param_hint="--mask",
+        )
+    if width is None and height is None:
+        width, height = init.size
+    elif width is None or height is None:
+        raise typer.BadParameter(
+            "with --image give both --width and --height, or neither (the image's size)", param_hint="--width/--height"
+        )
+    out.update(
+        width=width,
+        height=height,
+        init_image=init,
+        mask_image=mask_im,
+        denoising_strength=strength,
+        resize_mode=resize_mode,
+    )
+    if mask_im is not None:
+        out.update(mask_blur=mask_blur, inpaint_full_res_padding=only_masked)
+    return out
+
+
 def _request(
-    pipe, *, prompt, negative_prompt, model, sampler, steps, guidance_scale, width, height, seed, num_images
+    pipe, *, prompt, negative_prompt, model, sampler, steps, guidance_scale, width, height, seed, num_images, **task
 ) -> metadata.GenerationRequest:
     """Resolve defaults from the pipeline and check everything before anything compiles."""
     import random
@@ -387,6 +621,7 @@ def _request(
         height=height or dh,
         sampler=sampler or pipe.default_sampler,
         model=metadata.model_label(model),
+        **task,
     )
     for hint, kwargs in (
         ("--sampler", dict(sampler=request.sampler)),

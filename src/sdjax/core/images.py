@@ -207,3 +207,25 @@ def check_same_size(images: Sequence[Image.Image], masks: Sequence[Image.Image])
                 f"mask_image {i} is {m.size[0]}x{m.size[1]} but image {i} is "
                 f"{im.size[0]}x{im.size[1]}: they must have the same size"
             )
+
+
+def outpaint_canvas(
+    image: Image.Image, left: int, top: int, right: int, bottom: int, overlap: int = 8
+) -> tuple[Image.Image, Image.Image]:
+    """Outpainting as inpainting on a larger canvas: the image padded by the given pixels on each side (the new
+    area filled by repeating the edge pixels, so the model starts from plausible colours) and a mask that is white
+    on the new area and `overlap` pixels into the image (so the seam is repainted too)."""
+    for name, v in (("left", left), ("top", top), ("right", right), ("bottom", bottom)):
+        if v < 0:
+            raise ValueError(f"outpaint: {name}={v} must be >= 0")
+    if left + top + right + bottom == 0:
+        raise ValueError("outpaint: give at least one side a positive number of pixels")
+    a = np.asarray(image.convert("RGB"))
+    canvas = np.pad(a, ((top, bottom), (left, right), (0, 0)), mode="edge")
+    mask = np.full(canvas.shape[:2], 255, np.uint8)
+    h, w = a.shape[:2]
+    y0, x0 = top + (overlap if top else 0), left + (overlap if left else 0)
+    y1, x1 = top + h - (overlap if bottom else 0), left + w - (overlap if right else 0)
+    if y1 > y0 and x1 > x0:
+        mask[y0:y1, x0:x1] = 0
+    return Image.fromarray(canvas), Image.fromarray(mask)
