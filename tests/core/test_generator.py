@@ -131,3 +131,32 @@ def test_should_stop_cancels_between_steps(sd):
     )
     assert out.shape == (1, 64, 64, 3)
     assert sorted({s for stage, s, _ in seen if stage == "denoise"}) == list(range(0, 8))  # PNDM: 7 model calls
+
+
+def test_progress_with_latents_gets_each_steps_latents_on_the_mesh(sd):
+    """A progress callback that takes `latents` gets the current latents every step (all 8 simulated devices: the
+    batch is split, the callback sees the whole batch)."""
+    pipe, _ = sd
+    seen = []
+
+    def progress(stage, step, total, latents=None):
+        if latents is not None:
+            seen.append((step, np.array(latents)))
+
+    final = pipe.generate_arrays(
+        [f"p{i}" for i in range(8)],
+        [""] * 8,
+        [1] * 8,
+        list(range(8)),
+        [7.5] * 8,
+        steps=3,
+        height=64,
+        width=64,
+        progress=progress,
+        output="latents",
+    )
+    assert [s for s, _ in seen] == [1, 2, 3, 4]  # PNDM: steps + 1 model calls
+    assert all(z.shape == (8, 4, 8, 8) for _, z in seen)
+    np.testing.assert_allclose(seen[-1][1], final, atol=1e-6)
+    assert np.abs(seen[0][1] - seen[1][1]).max() > 1e-3
+    assert len(pipe.latent_rgb_factors) == pipe.vae.config.latent_channels

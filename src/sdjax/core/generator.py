@@ -62,6 +62,7 @@ class ProgramSpec:
     guidance_rescale: float = 0.0
     output: str = "images"  # "images" (NHWC float32 in [0, 1]) or "latents" (NCHW float32)
     interactive: bool = False  # a host callback per model call (progress, cancellation)
+    previews: bool = False  # ... that also receives the current latents (progress(..., latents=))
     explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
 
 
@@ -140,6 +141,7 @@ def program(
         hooks=hooks,
         on_step=on_step if interactive else None,
         on_step_args=(win["run"],) if interactive else (),
+        on_step_latents=interactive and spec.previews,
     )
     if spec.output == "latents":
         return latents, stopped
@@ -323,6 +325,7 @@ class Generator:
         output: str = "images",
         interactive: bool = False,
         explicit_noise: bool = False,
+        previews: bool = False,
     ) -> ProgramSpec:
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r} must be one of {list(OUTPUTS)}")
@@ -338,6 +341,7 @@ class Generator:
             output=output,
             interactive=bool(interactive),
             explicit_noise=bool(explicit_noise),
+            previews=bool(previews) and bool(interactive),
         )
 
     def window(self, spec: ProgramSpec, task: TaskRequest) -> tuple[int, int]:
@@ -486,6 +490,7 @@ class Generator:
             output=output,
             interactive=interactive,
             explicit_noise=noise is not None,
+            previews=wants_latents(progress),
         )
         start, end = self.window(spec, task)
         params = self.check_params(self.params if params is None else params)
@@ -511,10 +516,13 @@ class Generator:
             progress("decode", 1, 1)
         return out[:n]
 
-    def _on_step(self, run_id: int, step: int, total: int) -> bool:
+    def _on_step(self, run_id: int, step: int, total: int, latents=None) -> bool:
         progress, should_stop = self._runs.get(run_id, (None, None))
         if progress is not None:
-            progress("denoise", step, total)
+            if latents is not None:
+                progress("denoise", step, total, latents=latents)
+            else:
+                progress("denoise", step, total)
         return bool(should_stop()) if should_stop is not None else False
 
     # ------------------------------------------------------------------ the guide API (pmap)
@@ -528,6 +536,19 @@ class Generator:
                 self._pmapped.pop(next(iter(self._pmapped)))
             self._pmapped[spec] = fn
         return fn
+
+
+def wants_latents(progress) -> bool:
+    """Whether a progress callback takes the current latents (a `latents` parameter or `**kwargs`)."""
+    if progress is None:
+        return False
+    import inspect
+
+    try:
+        params = inspect.signature(progress).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "latents" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _task_input_shape(name: str, n: int, height: int, width: int, f: int, latent_channels: int):

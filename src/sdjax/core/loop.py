@@ -83,8 +83,14 @@ def step_noise(sampler, keys: jax.Array, step: jax.Array, state: Any, shape: tup
     return rng.step_noise(keys, step, shape[1:])
 
 
-def _host(fn: Callable[..., bool]) -> Callable[..., np.bool_]:
-    return lambda *args: np.bool_(fn(*(int(a) for a in args)))
+def _host(fn: Callable[..., bool], with_latents: bool) -> Callable[..., np.bool_]:
+    def call(*args):
+        if with_latents:
+            *scalars, latents = args
+            return np.bool_(fn(*(int(a) for a in scalars), latents=np.asarray(latents)))
+        return np.bool_(fn(*(int(a) for a in args)))
+
+    return call
 
 
 def _merge_kwargs(hooks: Sequence[Hook], step, x_in, t) -> dict[str, Any]:
@@ -113,6 +119,7 @@ def denoise(
     hooks: Sequence[Hook] = (),
     on_step: Callable[..., bool] | None = None,
     on_step_args: tuple = (),
+    on_step_latents: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Run model calls `[start, end)` -> `(latents, stopped)`.
 
@@ -120,7 +127,8 @@ def denoise(
     state after `set_timesteps`; `keys` `(B, 2)` are the images' keys (stochastic samplers draw their noise from
     them); `guidance` `(B,)`. `on_step(*on_step_args, step, total)`, if given, is called on the host after each
     model call with the 1-based count within the window and the window's length (as Python ints) and returns
-    whether to stop; `stopped` is True when it did.
+    whether to stop; `stopped` is True when it did. With `on_step_latents` it also gets the current latents
+    (`latents=`, a host array), e.g. for previews.
     """
     start = jnp.asarray(start, jnp.int32)
     end = jnp.asarray(end, jnp.int32)
@@ -142,11 +150,12 @@ def denoise(
         stop = jnp.zeros((), bool)
         if on_step is not None:
             stop = io_callback(
-                _host(on_step),
+                _host(on_step, on_step_latents),
                 jax.ShapeDtypeStruct((), jnp.bool_),
                 *on_step_args,
                 i - start + 1,
                 end - start,
+                *((x,) if on_step_latents else ()),
                 ordered=False,
             )
         return i + 1, x, st, stop

@@ -37,6 +37,14 @@ class DiffusionPipeline:
     pipeline_config_keys: tuple[str, ...] = ()  # model_index.json settings passed to __init__
     default_steps = 50
     default_guidance_scale = 7.5
+    # Latents -> RGB by one linear map (A1111's "Approx cheap" preview): rows are latent channels. SD 1.x/2.x values;
+    # SDXL overrides them. For previews only (e.g. the server's /sdapi/v1/progress current image).
+    latent_rgb_factors = (
+        (0.298, 0.207, 0.208),
+        (0.187, 0.286, 0.173),
+        (-0.158, 0.189, 0.264),
+        (-0.184, -0.271, -0.473),
+    )
 
     def __init__(self, *, unet, vae, scheduler, dtype=jnp.float32, name: str = "", params: dict | None = None):
         self.unet = unet
@@ -565,6 +573,7 @@ class DiffusionPipeline:
         task: str = "txt2img",
         guidance: bool = True,
         interactive: bool = False,
+        previews: bool = False,
         guidance_rescale: float = 0.0,
         output: str = "images",
     ):
@@ -590,6 +599,7 @@ class DiffusionPipeline:
             sampler=self._sampler(sampler),
             cfg=guidance,
             interactive=interactive,
+            previews=previews,
             guidance_rescale=guidance_rescale,
             output=output,
         )

@@ -29,6 +29,12 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
     model_index_classes = SDXL_CLASSES
     pipeline_config_keys = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
+    latent_rgb_factors = (
+        (0.3920, 0.4054, 0.4549),
+        (-0.2634, -0.0196, 0.0653),
+        (0.0568, 0.1687, -0.0755),
+        (-0.3112, -0.2359, -0.2076),
+    )
 
     def __init__(
         self,
