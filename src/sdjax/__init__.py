@@ -11,6 +11,8 @@ from sdjax.parallel import replicate, shard, unreplicate
 from sdjax.pipelines import (
     EMBEDDED_MODEL,
     PipelineOutput,
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionInpaintPipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     load_pipeline,
@@ -21,15 +23,21 @@ from sdjax.precision import cast_params
 
 # The names of Diffusers' Flax classes, for code written against them.
 FlaxStableDiffusionPipeline = StableDiffusionPipeline
+FlaxStableDiffusionImg2ImgPipeline = StableDiffusionImg2ImgPipeline
+FlaxStableDiffusionInpaintPipeline = StableDiffusionInpaintPipeline
 FlaxStableDiffusionXLPipeline = StableDiffusionXLPipeline
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EMBEDDED_MODEL",
+    "FlaxStableDiffusionImg2ImgPipeline",
+    "FlaxStableDiffusionInpaintPipeline",
     "FlaxStableDiffusionPipeline",
     "FlaxStableDiffusionXLPipeline",
     "PipelineOutput",
+    "StableDiffusionImg2ImgPipeline",
+    "StableDiffusionInpaintPipeline",
     "StableDiffusionPipeline",
     "StableDiffusionXLPipeline",
     "cast_params",
