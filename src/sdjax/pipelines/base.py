@@ -12,6 +12,7 @@ next call of either API (a different sampler is a different compiled program).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from sdjax import samplers as sampler_lib
 from sdjax.core import Generator
 from sdjax.core.tasks import TaskRequest, img2img, inpaint, txt2img
 from sdjax.pipelines import common
-from sdjax.pipelines.common import Progress
+from sdjax.pipelines.common import PipelineOutput, Progress
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil, to_uint8
 
 
@@ -37,6 +38,7 @@ class DiffusionPipeline:
     pipeline_config_keys: tuple[str, ...] = ()  # model_index.json settings passed to __init__
     default_steps = 50
     default_guidance_scale = 7.5
+    returns_nsfw = False  # the old API's tuple output: (images, nsfw flags) for SD, (images,) for SDXL
     # Latents -> RGB by one linear map (A1111's "Approx cheap" preview): rows are latent channels. SD 1.x/2.x values;
     # SDXL overrides them. For previews only (e.g. the server's /sdapi/v1/progress current image).
     latent_rgb_factors = (
@@ -676,178 +678,154 @@ class DiffusionPipeline:
         return run
 
     # ------------------------------------------------------------------ the guide API's shared plumbing
-    def _guide_run(
-        self,
-        *,
-        prompt_ids,
-        params,
-        prng_seed,
-        steps: int,
-        height: int,
-        width: int,
-        guidance_scale,
-        neg_prompt_ids,
-        jit: bool,
-        task: TaskRequest,
-        noise=None,
-        output: str = "images",
-    ):
-        """Run the program for the old Flax call. `jit=True`: per-device inputs `(ndev, bs, ...)` under `pmap`
-        (params replicated, one key per device); else a global batch on the mesh, one key for the call."""
+    def _guide(self, call: GuideCall):
+        """One old-Flax call, whatever the class's argument order: traced inside a user's `pmap` -> the program on
+        this device's slice; else checked, run (`pmap` with `jit=True`, the mesh otherwise), safety-checked."""
+        if call.traced:
+            out = self._traced(call)
+            return PipelineOutput(out) if call.return_dict else (out,)
+        self._validate_guide_call(call)
+        out = self._guide_run(call)
+        nsfw = self._run_safety_checker(out, call.params, call.jit) if call.output == "images" else None
+        if not call.return_dict:
+            return (out, nsfw) if self.returns_nsfw else (out,)
+        return PipelineOutput(out, nsfw)
+
+    def _run_safety_checker(self, images: np.ndarray, params, jit: bool):
+        """Per-image NSFW flags (blacking flagged images in place); None without a safety checker."""
+        return None
+
+    def _static_shape(self, steps, height, width) -> tuple[int, int, int]:
+        steps = common.check_static("num_inference_steps", steps)
+        dh, dw = self.default_size
+        height = dh if height is None else common.check_static("height", height)
+        width = dw if width is None else common.check_static("width", width)
+        return steps, height, width
+
+    def _guide_run(self, call: GuideCall) -> np.ndarray:
+        """`jit=True`: per-device inputs `(ndev, bs, ...)` under `pmap` (params replicated, one key per device);
+        else a global batch on the mesh, one key for the call."""
         gen = self.generator
-        sampler = self.scheduler
-        if jit:
-            ndev, bs = prompt_ids.shape[:2]
-            flat_ids = np.asarray(prompt_ids).reshape((ndev * bs,) + self.ids_suffix)
-            neg = (
-                gen.models.conditioning.tokenize([""] * (ndev * bs))
-                if neg_prompt_ids is None
-                else np.asarray(neg_prompt_ids).reshape(flat_ids.shape)
-            )
-            seeds = np.asarray(rng.as_key_array(prng_seed))
-            keys = np.stack([np.asarray(rng.image_keys(jnp.asarray(seeds[d]), bs)) for d in range(ndev)])
-            g = np.asarray(common.per_device_guidance(guidance_scale, ndev, bs), np.float32)
-            host = {
-                "ids": flat_ids,
-                "neg_ids": neg,
-                "keys": keys.reshape(ndev * bs, 2),
-                "guidance": np.broadcast_to(g, (ndev, bs)).reshape(-1),
-                **gen.models.conditioning.host_inputs(
-                    negative_prompts=[None if neg_prompt_ids is None else "ids"] * (ndev * bs),
-                    height=height,
-                    width=width,
-                    task=task.spec.name,
-                ),
-            }
-            for name in task.spec.inputs:
-                host[name] = np.asarray(task.arrays[name], np.float32).reshape(
-                    (ndev * bs,) + task.arrays[name].shape[2:]
-                )
-            if noise is not None:
-                host["noise"] = np.asarray(noise, np.float32).reshape((ndev * bs,) + np.shape(noise)[2:])
-            spec = gen.spec(
-                task=task.spec,
-                batch=bs,
+        task, steps, height, width = call.task, call.steps, call.height, call.width
+        lead = np.shape(call.prompt_ids)[: 2 if call.jit else 1]
+        n = int(np.prod(lead))
+        keys = np.asarray(rng.as_key_array(call.prng_seed))
+        keys = np.stack([np.asarray(rng.image_keys(jnp.asarray(k), lead[-1])) for k in keys.reshape(-1, 2)])
+        negatives = [None if call.neg_prompt_ids is None else "ids"] * n
+        if not call.jit:
+            g = np.broadcast_to(np.asarray(call.guidance_scale, np.float32).reshape(-1), (n,))
+            out = gen.run(
+                prompts=[""] * n,
+                negative_prompts=negatives,
+                keys=keys.reshape(n, 2),
+                guidance_scales=g,
+                steps=steps,
                 height=height,
                 width=width,
-                steps=steps,
-                sampler=sampler,
-                explicit_noise=noise is not None,
-                output=output,
-            )
-            start, end = gen.window(spec, task)
-            inputs = {k: v.reshape((ndev, bs) + v.shape[1:]) for k, v in host.items()}
-            out, _ = gen.pmapped(spec)(
-                gen.check_params(params), inputs, {"start": np.int32(start), "end": np.int32(end)}
+                sampler=self.scheduler,
+                task=task,
+                noise=call.noise,
+                params=call.params,
+                output=call.output,
+                ids=np.asarray(call.prompt_ids),
+                cfg=True,
+                neg_ids=None if call.neg_prompt_ids is None else np.asarray(call.neg_prompt_ids),
             )
             return np.array(out)
-        n = prompt_ids.shape[0]
-        key = rng.as_key_array(prng_seed)
-        keys = np.asarray(rng.image_keys(jnp.asarray(key), n))
-        g = np.broadcast_to(np.asarray(guidance_scale, np.float32).reshape(-1), (n,))
-        out = gen.run(
-            prompts=[""] * n,
-            negative_prompts=[None if neg_prompt_ids is None else "ids"] * n,
-            keys=keys,
-            guidance_scales=g,
-            steps=steps,
-            height=height,
-            width=width,
-            sampler=sampler,
-            task=task,
-            noise=noise,
-            params=params,
-            output=output,
-            ids=np.asarray(prompt_ids),
-            neg_ids=None if neg_prompt_ids is None else np.asarray(neg_prompt_ids),
-            cfg=True,
-        )
-        return np.array(out)
-
-    def _traced_run(
-        self,
-        *,
-        prompt_ids,
-        params,
-        prng_seed,
-        steps: int,
-        height: int,
-        width: int,
-        guidance_scale,
-        neg_prompt_ids,
-        task: TaskRequest,
-        start=None,
-        noise=None,
-        output: str = "images",
-    ):
-        """The program traced inside a user's own `pmap` (the per-device `_generate`)."""
-        gen = self.generator
-        batch = prompt_ids.shape[0]
-        keys = rng.image_keys(rng.as_key_array(prng_seed), batch)
-        neg = (
-            jnp.broadcast_to(jnp.asarray(gen.models.conditioning.tokenize([""])), prompt_ids.shape)
-            if neg_prompt_ids is None
-            else neg_prompt_ids
-        )
-        inputs = {
-            "ids": prompt_ids,
-            "neg_ids": neg,
-            "keys": keys,
-            "guidance": common.guidance_per_image(guidance_scale, batch),
-            **{
-                k: jnp.asarray(v)
-                for k, v in gen.models.conditioning.host_inputs(
-                    negative_prompts=[None if neg_prompt_ids is None else "ids"] * batch,
-                    height=height,
-                    width=width,
-                    task=task.spec.name,
-                ).items()
-            },
-            **{k: jnp.asarray(v) for k, v in task.arrays.items()},
+        ndev, bs = lead
+        flat = np.asarray(call.prompt_ids).reshape((n,) + self.ids_suffix)
+        host = {
+            "ids": flat,
+            "neg_ids": (
+                gen.models.conditioning.tokenize([""] * n)
+                if call.neg_prompt_ids is None
+                else np.asarray(call.neg_prompt_ids).reshape(flat.shape)
+            ),
+            "keys": keys.reshape(n, 2),
+            "guidance": np.broadcast_to(
+                np.asarray(common.per_device_guidance(call.guidance_scale, ndev, bs)), (ndev, bs)
+            )
+            .reshape(-1)
+            .astype(np.float32),
+            **gen.models.conditioning.host_inputs(
+                negative_prompts=negatives, height=height, width=width, task=task.spec.name
+            ),
         }
-        if noise is not None:
-            inputs["noise"] = noise
+        for name in task.spec.inputs:
+            host[name] = np.asarray(task.arrays[name], np.float32).reshape((n,) + np.shape(task.arrays[name])[2:])
+        if call.noise is not None:
+            host["noise"] = np.asarray(call.noise, np.float32).reshape((n,) + np.shape(call.noise)[2:])
         spec = gen.spec(
             task=task.spec,
+            batch=bs,
+            height=height,
+            width=width,
+            steps=steps,
+            sampler=self.scheduler,
+            explicit_noise=call.noise is not None,
+            output=call.output,
+        )
+        start, end = gen.window(spec, task)
+        inputs = {k: v.reshape((ndev, bs) + v.shape[1:]) for k, v in host.items()}
+        win = {"start": np.int32(start), "end": np.int32(end)}
+        out, _ = gen.pmapped(spec)(gen.check_params(call.params), inputs, win)
+        return np.array(out)
+
+    def _traced(self, call: GuideCall):
+        """The program traced inside a user's own `pmap` (the per-device `_generate`)."""
+        from sdjax.core import program
+
+        gen = self.generator
+        steps, height, width = self._static_shape(call.steps, call.height, call.width)
+        batch = call.prompt_ids.shape[0]
+        negatives = [None if call.neg_prompt_ids is None else "ids"] * batch
+        neg = (
+            jnp.broadcast_to(jnp.asarray(gen.models.conditioning.tokenize([""])), call.prompt_ids.shape)
+            if call.neg_prompt_ids is None
+            else call.neg_prompt_ids
+        )
+        host = gen.models.conditioning.host_inputs(
+            negative_prompts=negatives, height=height, width=width, task=call.task.spec.name
+        )
+        inputs = {
+            "ids": call.prompt_ids,
+            "neg_ids": neg,
+            "keys": rng.image_keys(rng.as_key_array(call.prng_seed), batch),
+            "guidance": common.guidance_per_image(call.guidance_scale, batch),
+            **{k: jnp.asarray(v) for k, v in host.items()},
+            **{k: jnp.asarray(v) for k, v in call.task.arrays.items()},
+        }
+        if call.noise is not None:
+            inputs["noise"] = call.noise
+        spec = gen.spec(
+            task=call.task.spec,
             batch=batch,
             height=height,
             width=width,
             steps=steps,
             sampler=self.scheduler,
-            explicit_noise=noise is not None,
-            output=output,
+            explicit_noise=call.noise is not None,
+            output=call.output,
         )
-        s, e = gen.window(spec, task)
-        win = {"start": jnp.int32(s) if start is None else jnp.asarray(start, jnp.int32), "end": jnp.int32(e)}
-        from sdjax.core import program
-
-        out, _ = program(gen.models, spec, params, inputs, win)
+        start, end = gen.window(spec, call.task)
+        if call.start is not None:
+            start = call.start
+        win = {"start": jnp.asarray(start, jnp.int32), "end": jnp.int32(end)}
+        out, _ = program(gen.models, spec, call.params, inputs, win)
         return out
 
-    def _validate_guide_call(
-        self,
-        prompt_ids,
-        params,
-        prng_seed,
-        steps,
-        height,
-        width,
-        guidance,
-        latents,
-        neg_ids,
-        jit,
-        latents_name: str = "latents",
-    ):
+    def _validate_guide_call(self, call: GuideCall) -> None:
+        jit, steps, height, width = call.jit, call.steps, call.height, call.width
         for name, v in (("num_inference_steps", steps), ("height", height), ("width", width)):
             common.check_static(name, v)
         common.check_steps(steps)
         common.check_size(height, width, self._size_multiple())
-        self.generator.check_params(params)
+        self.generator.check_params(call.params)
         if jit:
-            leaf = jax.tree_util.tree_leaves(params["unet"])[0]
+            leaf = jax.tree_util.tree_leaves(call.params["unet"])[0]
             if leaf.ndim == 0 or leaf.shape[0] != jax.local_device_count():
                 raise ValueError("with jit=True params must be replicated per device: p_params = replicate(params)")
-        ids = tuple(np.shape(prompt_ids))
+        ids = tuple(np.shape(call.prompt_ids))
         suffix = self.ids_suffix
         lead = ids[: len(ids) - len(suffix)]
         if ids[len(lead) :] != suffix or len(lead) != (2 if jit else 1):
@@ -860,6 +838,7 @@ class DiffusionPipeline:
             raise ValueError(
                 f"prompt_ids has shape {ids}; with jit={jit} {type(self).__name__} expects {want}, as made by {how}"
             )
+        g = np.shape(call.guidance_scale)
         if jit:
             ndev = jax.local_device_count()
             if lead[0] != ndev:
@@ -867,38 +846,66 @@ class DiffusionPipeline:
                     f"prompt_ids has {lead[0]} device slices but there are {ndev} local devices: "
                     f"the prompt count must be divisible by {ndev} (shard() splits it per device)"
                 )
-            if np.shape(prng_seed)[:1] != (ndev,):
+            if np.shape(call.prng_seed)[:1] != (ndev,):
                 raise ValueError(
-                    f"prng_seed has shape {np.shape(prng_seed)}; with jit=True pass one key per "
+                    f"prng_seed has shape {np.shape(call.prng_seed)}; with jit=True pass one key per "
                     f"device: jax.random.split(key, {ndev})"
                 )
-            g = np.shape(guidance)
             if g not in ((), (ndev,), (ndev, 1), (ndev, lead[1])):
                 raise ValueError(
                     f"guidance_scale has shape {g}; with jit=True use a float or an array of shape "
                     f"({ndev},), ({ndev}, 1) or ({ndev}, {lead[1]})"
                 )
-        else:
-            g = np.shape(guidance)
-            if g not in ((), (1,), (lead[0],)):
-                raise ValueError(f"guidance_scale has shape {g}; use a float or one value per prompt ({lead[0]},)")
-        if neg_ids is not None and np.shape(neg_ids) != ids:
+        elif g not in ((), (1,), (lead[0],)):
+            raise ValueError(f"guidance_scale has shape {g}; use a float or one value per prompt ({lead[0]},)")
+        if call.neg_prompt_ids is not None and np.shape(call.neg_prompt_ids) != ids:
             raise ValueError(
-                f"neg_prompt_ids has shape {np.shape(neg_ids)} but prompt_ids has shape {ids}: pass "
-                f"one negative prompt per prompt"
+                f"neg_prompt_ids has shape {np.shape(call.neg_prompt_ids)} but prompt_ids has shape "
+                f"{ids}: pass one negative prompt per prompt"
             )
-        if latents is not None:
+        if call.noise is not None:
             want = lead + (
                 self.vae.config.latent_channels,
                 height // self.vae_scale_factor,
                 width // self.vae_scale_factor,
             )
-            if tuple(np.shape(latents)) != want:
-                raise ValueError(f"{latents_name} has shape {np.shape(latents)}; expected {want} for {height}x{width}")
+            if tuple(np.shape(call.noise)) != want:
+                raise ValueError(
+                    f"{call.noise_name} has shape {np.shape(call.noise)}; expected {want} for {height}x{width}"
+                )
+        for name, x in call.task.arrays.items():
+            if tuple(np.shape(x)[: len(lead)]) != tuple(lead):
+                label = {"image": call.image_name, "mask": "mask"}.get(name, name)
+                raise ValueError(
+                    f"{label} has shape {np.shape(x)}; its leading dimensions must match prompt_ids' {lead}"
+                )
 
     @property
     def ids_suffix(self) -> tuple[int, ...]:
         return tuple(self.generator.models.conditioning.ids_suffix)
+
+
+@dataclasses.dataclass
+class GuideCall:
+    """One call of the old Flax API, whatever the class's argument order."""
+
+    prompt_ids: Any
+    params: Any
+    prng_seed: Any
+    steps: int
+    height: int
+    width: int
+    guidance_scale: Any
+    neg_prompt_ids: Any
+    task: TaskRequest
+    jit: bool = False
+    return_dict: bool = True
+    noise: Any = None
+    noise_name: str = "latents"
+    image_name: str = "image"
+    output: str = "images"
+    start: Any = None  # an explicit first model call (the traced `_generate(start_timestep)`)
+    traced: bool = False
 
 
 def seed_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:

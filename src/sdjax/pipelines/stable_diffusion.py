@@ -25,8 +25,7 @@ from sdjax.core.tasks.img2img import Img2Img
 from sdjax.core.tasks.inpaint import Inpaint
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.pipelines import common
-from sdjax.pipelines.base import DiffusionPipeline
-from sdjax.pipelines.common import PipelineOutput
+from sdjax.pipelines.base import DiffusionPipeline, GuideCall
 
 SD_CLASSES = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
 
@@ -60,6 +59,8 @@ class StableDiffusionPipeline(DiffusionPipeline):
         return SDConditioning(self.tokenizer, self.text_encoder)
 
     # ------------------------------------------------------------------ the guide's API
+    returns_nsfw = True
+
     def prepare_inputs(self, prompt: str | Sequence[str]) -> np.ndarray:
         """Tokenize to CLIP ids: int32 `(N, 77)`, padded and truncated (with a warning)."""
         return self.tokenizer(_prompts(prompt))
@@ -80,18 +81,19 @@ class StableDiffusionPipeline(DiffusionPipeline):
 
         Image `j` uses `fold_in(prng_seed, j)`. Steps, height and width fix shapes and must be static.
         """
-        steps, height, width = self._static_shape(num_inference_steps, height, width)
-        return self._traced_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            task=TaskRequest(Txt2Img()),
-            noise=latents,
+        return self._traced(
+            GuideCall(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                guidance_scale,
+                neg_prompt_ids,
+                TaskRequest(Txt2Img()),
+                noise=latents,
+            )
         )
 
     def __call__(
@@ -111,60 +113,24 @@ class StableDiffusionPipeline(DiffusionPipeline):
         """The old Flax pipeline call. With `jit=True` inputs are per device (`replicate(params)`,
         `shard(prompt_ids)` -> `(ndev, bs, 77)`, one key per device) and images come back `(ndev, bs, H, W, 3)`;
         with `jit=False`, `(N, 77)` -> `(N, H, W, 3)`. Called inside a user's `pmap`, it traces `_generate`."""
-        height = self.default_size[0] if height is None else height
-        width = self.default_size[1] if width is None else width
-        if common.is_traced(prompt_ids, prng_seed, params):
-            images = self._generate(
+        dh, dw = self.default_size
+        return self._guide(
+            GuideCall(
                 prompt_ids,
                 params,
                 prng_seed,
                 num_inference_steps,
-                height,
-                width,
+                dh if height is None else height,
+                dw if width is None else width,
                 guidance_scale,
-                latents,
                 neg_prompt_ids,
+                TaskRequest(Txt2Img()),
+                jit=jit,
+                return_dict=return_dict,
+                noise=latents,
+                traced=common.is_traced(prompt_ids, prng_seed, params),
             )
-            return PipelineOutput(images) if return_dict else (images,)
-        self._validate_guide_call(
-            prompt_ids,
-            params,
-            prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            latents,
-            neg_prompt_ids,
-            jit,
         )
-        images = self._guide_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=num_inference_steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            jit=jit,
-            task=TaskRequest(Txt2Img()),
-            noise=latents,
-        )
-        return self._output(images, params, jit, return_dict)
-
-    def _static_shape(self, steps, height, width) -> tuple[int, int, int]:
-        steps = common.check_static("num_inference_steps", steps)
-        dh, dw = self.default_size
-        height = dh if height is None else common.check_static("height", height)
-        width = dw if width is None else common.check_static("width", width)
-        return steps, height, width
-
-    def _output(self, images: np.ndarray, params, jit: bool, return_dict: bool):
-        nsfw = self._run_safety_checker(images, params, jit)
-        if not return_dict:
-            return (images, nsfw)
-        return PipelineOutput(images, nsfw)
 
     def _run_safety_checker(self, images: np.ndarray, params, jit: bool):
         if self.safety_checker is None or "safety_checker" not in params:
@@ -210,20 +176,20 @@ class StableDiffusionImg2ImgPipeline(StableDiffusionPipeline):
         neg_prompt_ids=None,
     ):
         """Per-device image-to-image from step `start_timestep` (a step index, as the old API)."""
-        steps, height, width = self._static_shape(num_inference_steps, height, width)
-        start = start_timestep * getattr(self.scheduler, "order", 1)
-        return self._traced_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            task=TaskRequest(Img2Img(), {"image": image}),
-            start=start,
-            noise=noise,
+        return self._traced(
+            GuideCall(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                guidance_scale,
+                neg_prompt_ids,
+                TaskRequest(Img2Img(), {"image": image}),
+                noise=noise,
+                start=start_timestep * getattr(self.scheduler, "order", 1),
+            )
         )
 
     def __call__(
@@ -244,42 +210,28 @@ class StableDiffusionImg2ImgPipeline(StableDiffusionPipeline):
     ):
         """The old Flax img2img call; `image` from `prepare_inputs` (`shard`ed with `jit=True`). The output size
         is the image's (`height`/`width`, if given, must equal it)."""
-        if common.is_traced(prompt_ids, prng_seed, params, image):
-            steps, h, w = self._static_shape(num_inference_steps, height, width)
-            start = self.get_timestep_start(steps, strength)
-            out = self._generate(
-                prompt_ids, image, params, prng_seed, start, steps, h, w, guidance_scale, noise, neg_prompt_ids
+        traced = common.is_traced(prompt_ids, prng_seed, params, image)
+        if not traced:
+            height, width = _image_size("image", image, height, width, 4 if jit else 3)
+            image = np.asarray(image, np.float32)
+        return self._guide(
+            GuideCall(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                guidance_scale,
+                neg_prompt_ids,
+                TaskRequest(Img2Img(), {"image": image}, strength=strength),
+                jit=jit,
+                return_dict=return_dict,
+                noise=noise,
+                noise_name="noise",
+                traced=traced,
             )
-            return PipelineOutput(out) if return_dict else (out,)
-        height, width = _image_size("image", image, height, width, 4 if jit else 3)
-        self._validate_guide_call(
-            prompt_ids,
-            params,
-            prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            noise,
-            neg_prompt_ids,
-            jit,
-            latents_name="noise",
         )
-        _check_batch("image", image, np.shape(prompt_ids)[: 2 if jit else 1])
-        images = self._guide_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=num_inference_steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            jit=jit,
-            task=TaskRequest(Img2Img(), {"image": np.asarray(image, np.float32)}, strength=strength),
-            noise=noise,
-        )
-        return self._output(images, params, jit, return_dict)
 
 
 class StableDiffusionInpaintPipeline(StableDiffusionPipeline):
@@ -314,19 +266,20 @@ class StableDiffusionInpaintPipeline(StableDiffusionPipeline):
         latents=None,
         neg_prompt_ids=None,
     ):
-        steps, height, width = self._static_shape(num_inference_steps, height, width)
         task = TaskRequest(Inpaint(from_noise=True), {"image": masked_image, "mask": mask})
-        return self._traced_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            task=task,
-            noise=latents,
+        return self._traced(
+            GuideCall(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                guidance_scale,
+                neg_prompt_ids,
+                task,
+                noise=latents,
+            )
         )
 
     def __call__(
@@ -347,60 +300,34 @@ class StableDiffusionInpaintPipeline(StableDiffusionPipeline):
     ):
         """The old Flax inpainting call (note: `mask` before `masked_image`, as the old API). The output size is
         the images' (`height`/`width`, if given, must equal it)."""
-        if common.is_traced(prompt_ids, prng_seed, params, mask, masked_image):
-            out = self._generate(
+        traced = common.is_traced(prompt_ids, prng_seed, params, mask, masked_image)
+        if not traced:
+            height, width = _image_size("masked_image", masked_image, height, width, 4 if jit else 3)
+            if np.shape(mask)[-2:] != (height, width) or np.shape(mask)[-3] != 1:
+                raise ValueError(
+                    f"mask has shape {np.shape(mask)}; expected (..., 1, {height}, {width}) like "
+                    f"masked_image {np.shape(masked_image)}"
+                )
+            mask, masked_image = np.asarray(mask, np.float32), np.asarray(masked_image, np.float32)
+        task = TaskRequest(Inpaint(from_noise=True), {"image": masked_image, "mask": mask})
+        return self._guide(
+            GuideCall(
                 prompt_ids,
-                mask,
-                masked_image,
                 params,
                 prng_seed,
                 num_inference_steps,
                 height,
                 width,
                 guidance_scale,
-                latents,
                 neg_prompt_ids,
+                task,
+                jit=jit,
+                return_dict=return_dict,
+                noise=latents,
+                image_name="masked_image",
+                traced=traced,
             )
-            return PipelineOutput(out) if return_dict else (out,)
-        height, width = _image_size("masked_image", masked_image, height, width, 4 if jit else 3)
-        if np.shape(mask)[-2:] != (height, width) or np.shape(mask)[-3] != 1:
-            raise ValueError(
-                f"mask has shape {np.shape(mask)}; expected (..., 1, {height}, {width}) like "
-                f"masked_image {np.shape(masked_image)}"
-            )
-        self._validate_guide_call(
-            prompt_ids,
-            params,
-            prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            latents,
-            neg_prompt_ids,
-            jit,
         )
-        lead = np.shape(prompt_ids)[: 2 if jit else 1]
-        _check_batch("masked_image", masked_image, lead)
-        _check_batch("mask", mask, lead)
-        task = TaskRequest(
-            Inpaint(from_noise=True),
-            {"image": np.asarray(masked_image, np.float32), "mask": np.asarray(mask, np.float32)},
-        )
-        images = self._guide_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=num_inference_steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            jit=jit,
-            task=task,
-            noise=latents,
-        )
-        return self._output(images, params, jit, return_dict)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -443,8 +370,3 @@ def _image_size(name: str, image, height, width, ndim: int) -> tuple[int, int]:
             f"height/width {height}x{width} differ from the {name} size {h}x{w}; resize the image before prepare_inputs"
         )
     return h, w
-
-
-def _check_batch(name: str, x, lead: tuple) -> None:
-    if tuple(np.shape(x)[: len(lead)]) != tuple(lead):
-        raise ValueError(f"{name} has shape {np.shape(x)}; its leading dimensions must match prompt_ids' {lead}")

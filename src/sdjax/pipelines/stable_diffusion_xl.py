@@ -18,8 +18,7 @@ from sdjax.core.families import SDXLConditioning
 from sdjax.core.tasks import TaskRequest
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.pipelines import common
-from sdjax.pipelines.base import DiffusionPipeline
-from sdjax.pipelines.common import PipelineOutput
+from sdjax.pipelines.base import DiffusionPipeline, GuideCall
 
 SDXL_CLASSES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
 
@@ -100,24 +99,22 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         return_latents: bool = False,
     ):
         """Per-device SDXL generation: ids `(B, 2, 77)`, one key -> images `(B, H, W, 3)` (or latents)."""
-        num_inference_steps = common.check_static("num_inference_steps", num_inference_steps)
-        dh, dw = self.default_size
-        height = dh if height is None else common.check_static("height", height)
-        width = dw if width is None else common.check_static("width", width)
         if isinstance(return_latents, jax.core.Tracer):
             raise TypeError("return_latents must be static: with pmap add 9 to static_broadcasted_argnums")
-        return self._traced_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=num_inference_steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            task=TaskRequest(Txt2Img()),
-            noise=latents,
-            output="latents" if return_latents else "images",
+        return self._traced(
+            GuideCall(
+                prompt_ids,
+                params,
+                prng_seed,
+                num_inference_steps,
+                height,
+                width,
+                guidance_scale,
+                neg_prompt_ids,
+                TaskRequest(Txt2Img()),
+                noise=latents,
+                output="latents" if return_latents else "images",
+            )
         )
 
     def __call__(
@@ -136,47 +133,22 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         jit: bool = False,
     ):
         """The old Flax SDXL call (guidance before height/width). `output_type="latent"` returns latents."""
-        height = self.default_size[0] if height is None else height
-        width = self.default_size[1] if width is None else width
-        return_latents = output_type == "latent"
-        if common.is_traced(prompt_ids, prng_seed, params):
-            out = self._generate(
+        dh, dw = self.default_size
+        return self._guide(
+            GuideCall(
                 prompt_ids,
                 params,
                 prng_seed,
                 num_inference_steps,
-                height,
-                width,
+                dh if height is None else height,
+                dw if width is None else width,
                 guidance_scale,
-                latents,
                 neg_prompt_ids,
-                return_latents,
+                TaskRequest(Txt2Img()),
+                jit=jit,
+                return_dict=return_dict,
+                noise=latents,
+                output="latents" if output_type == "latent" else "images",
+                traced=common.is_traced(prompt_ids, prng_seed, params),
             )
-            return PipelineOutput(out) if return_dict else (out,)
-        self._validate_guide_call(
-            prompt_ids,
-            params,
-            prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            latents,
-            neg_prompt_ids,
-            jit,
         )
-        out = self._guide_run(
-            prompt_ids=prompt_ids,
-            params=params,
-            prng_seed=prng_seed,
-            steps=num_inference_steps,
-            height=height,
-            width=width,
-            guidance_scale=guidance_scale,
-            neg_prompt_ids=neg_prompt_ids,
-            jit=jit,
-            task=TaskRequest(Txt2Img()),
-            noise=latents,
-            output="latents" if return_latents else "images",
-        )
-        return PipelineOutput(out) if return_dict else (out,)
