@@ -469,7 +469,7 @@ def test_controlnet_in_a_pipeline_folder_and_as_subfolder(case, tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps(index))
     components, params, _ = load_pipeline_components(tmp_path)
     assert isinstance(components["controlnet"], C.ControlNetModel)
-    _, sub_params = C.ControlNetModel.from_pretrained(tmp_path, subfolder="controlnet")
+    _, sub_params = C.ControlNetModel.from_pretrained(tmp_path, subfolder="controlnet", from_pt=True)
     for got in (params["controlnet"], sub_params):
         for k, v in flatten_dict(c.params).items():
             np.testing.assert_array_equal(np.asarray(flatten_dict(got)[k]), np.asarray(v))

@@ -343,13 +343,17 @@ class ControlNetModel(nn.Module):
         subfolder: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         token: str | bool | None = None,
+        from_pt: bool = False,
     ) -> tuple[ControlNetModel, dict]:
         """Load a diffusers ControlNet folder or Hub repo id (`config.json` + `diffusion_pytorch_model[.V]
         .safetensors`, shards, old Flax msgpack) -> `(module, params)`, params cast to `dtype`.
 
-        The old guides' call: `controlnet, controlnet_params = FlaxControlNetModel.from_pretrained(repo, ...)`.
+        The old guides' call: `controlnet, controlnet_params = FlaxControlNetModel.from_pretrained(repo,
+        from_pt=True, dtype=jnp.float32)`. `from_pt` is accepted and has no effect: sdjax reads PyTorch weights
+        (safetensors, `.bin` through torch) and old Flax msgpack alike, by `loading.files`' order of preference.
         `subfolder` reads a component folder of a pipeline repo (e.g. "controlnet").
         """
+        del from_pt
         # The loading layer sits above the models; imported here so that importing this module does not need it.
         from sdjax.loading.components import CONTROLNET, load_model_from
 
