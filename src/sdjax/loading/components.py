@@ -9,6 +9,9 @@ memory stays near one copy of the checkpoint plus the params. The scheduler stat
 Optional components (`safety_checker`, `feature_extractor`, `image_encoder`) whose class sdjax does not implement
 are skipped with a logged warning; any other unknown `[library, class]` is an error. The `feature_extractor` is loaded
 only with the safety checker it serves.
+
+`load_model_from` loads one model that is not part of a pipeline folder (a ControlNet repo: `config.json` and
+weights only) through the same `load_model`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ CLIP_TEXT_PROJ = ModelSpec(
 )
 UNET = ModelSpec("sdjax.models.unet", "UNet2DConditionConfig", "UNet2DConditionModel", "convert_unet", "unet")
 VAE = ModelSpec("sdjax.models.vae", "AutoencoderKLConfig", "AutoencoderKL", "convert_vae", "vae")
+CONTROLNET = ModelSpec(
+    "sdjax.models.controlnet", "ControlNetConfig", "ControlNetModel", "convert_controlnet", "unet"
+)  # the old FlaxControlNetModel named its params as the Flax UNet did: the "unet" msgpack table applies
 SAFETY_CHECKER = ModelSpec(
     "sdjax.models.safety_checker",
     "SafetyCheckerConfig",
@@ -131,6 +137,126 @@ def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
     return model_from_state_dict(spec, config, files.read_weights(weights), dtype=req.dtype, component=component)
 
 
+def load_model_from(
+    spec: ModelSpec,
+    path_or_repo_id: str | os.PathLike,
+    *,
+    dtype: Any = jnp.float32,
+    revision: str | None = None,
+    variant: str | None = None,
+    local_files_only: bool = False,
+    subfolder: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> tuple[Any, dict]:
+    """One model on its own (a folder or Hub repo with `config.json` and weights, no `model_index.json`, e.g. a
+    ControlNet) -> `(module, params)`, through the same `load_model` as a pipeline's components.
+
+    `subfolder` picks a component folder inside a pipeline folder or repo. From the Hub only `config.json` and the
+    weights `files.choose_weight_name` picks for `variant` are downloaded; with `local_files_only=True` or
+    `HF_HUB_OFFLINE=1` the files come from the HF cache without network access.
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    folder = resolve_model_folder(
+        path_or_repo_id,
+        revision=revision,
+        variant=variant,
+        local_files_only=local_files_only,
+        subfolder=subfolder,
+        cache_dir=cache_dir,
+        token=token,
+    )
+    name = Path(subfolder).name if subfolder else spec.model
+    return load_model(spec, LoadRequest(name, folder, variant, dtype))
+
+
+def resolve_model_folder(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    local_files_only: bool = False,
+    subfolder: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    token: str | bool | None = None,
+) -> Path:
+    """The local folder of one model: the given folder (`/subfolder`), or the snapshot of a Hub repo holding just
+    its `config.json` and chosen weights (see `load_model_from`)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+        validate_repo_id,
+    )
+
+    sub = (subfolder or "").strip("/")
+    text = os.fspath(path_or_repo_id)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repo ids; {local} is a local folder")
+        folder = local / sub if sub else local
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"{local}: no subfolder {sub!r} (present: {sorted(p.name for p in local.iterdir() if p.is_dir())})"
+            )
+        return folder
+    if local.exists():
+        raise NotADirectoryError(f"{local} is a file; expected a model folder (config.json + weights) or a Hub repo id")
+    try:
+        validate_repo_id(text)
+        if text.count("/") > 1 or text.startswith((".", "~")):
+            raise HFValidationError("more than one '/'")
+    except HFValidationError as e:
+        raise FileNotFoundError(f"{text!r} is neither an existing folder nor a valid Hub repo id ({e})") from e
+
+    where = f"{text}@{revision or 'main'}" + (f"/{sub}" if sub else "")
+    common = dict(revision=revision, cache_dir=cache_dir, token=token)
+    try:
+        if local_files_only or files._hub_offline():
+            folder = Path(snapshot_download(text, local_files_only=True, **common))
+            folder = folder / sub if sub else folder
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"{where}: the cached snapshot {folder} has no config.json")
+            return folder
+        prefix = f"{sub}/" if sub else ""
+        names = {
+            f[len(prefix) :]
+            for f in files._list_repo_files(text, revision, token)
+            if f.startswith(prefix) and "/" not in f[len(prefix) :]
+        }
+        if "config.json" not in names:
+            raise FileNotFoundError(
+                f"{where}: no config.json, so not a diffusers model repo (files: {sorted(names)[:30]}); "
+                f"for a component of a pipeline repo pass subfolder="
+            )
+        _, chosen, is_index, used = files.choose_weight_name(names, variant=variant, where=where)
+        patterns = [prefix + "config.json", prefix + chosen]
+        if is_index:
+            patterns += [prefix + n for n in sorted(names) if files._is_shard_of(n, chosen, used)]
+        logger.info("%s: downloading %d files", where, len(patterns))
+        folder = Path(snapshot_download(text, allow_patterns=patterns, **common))
+        return folder / sub if sub else folder
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{where}: not in the Hugging Face cache ({cache_dir or 'default cache'}) and downloads are off "
+            f"(local_files_only=True or HF_HUB_OFFLINE=1): {e}"
+        ) from e
+    except GatedRepoError as e:
+        raise PermissionError(f"{where}: gated repo; accept its license on the Hub and pass token= ({e})") from e
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{text!r}: no such local folder and no such Hub repo (or it is private: pass token=) ({e})"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise FileNotFoundError(f"{where}: revision {revision!r} not found ({e})") from e
+
+
 def make_cast(dtype: Any) -> Callable[[np.ndarray], Any]:
     """Floating tensors -> jnp arrays of `dtype`; other tensors keep their dtype. Runs one tensor at a time."""
     dtype = jnp.dtype(dtype)
@@ -185,6 +311,7 @@ PIPELINE_MODELS: dict[tuple[str, str], ModelSpec] = {
 # (library, class) -> loader(LoadRequest) -> (object, params or None). Schedulers: `find_loader`.
 COMPONENT_LOADERS: dict[tuple[str, str], Callable[[LoadRequest], tuple[Any, Any]]] = {
     **{key: _model(spec) for key, spec in PIPELINE_MODELS.items()},
+    ("diffusers", "ControlNetModel"): _model(CONTROLNET),  # FlaxControlNetModel reads as this (see find_loader)
     ("transformers", "CLIPTokenizer"): load_tokenizer,
     ("transformers", "CLIPTokenizerFast"): load_tokenizer,
     ("stable_diffusion", "StableDiffusionSafetyChecker"): _model(SAFETY_CHECKER),
