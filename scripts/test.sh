@@ -14,6 +14,9 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium) \
     >/dev/null 2>&1 || echo "note: could not install chromium; the browser test will be skipped" >&2
 fi
+# Style is part of the suite: formatting and lint (ruff, from the test extra).
+.venv/bin/python -m ruff format --check src tests benchmarks scripts
+.venv/bin/python -m ruff check src tests benchmarks scripts
 set +e
 .venv/bin/python -m pytest -n "${SDJAX_TEST_WORKERS:-2}" --dist loadfile -q "$@"
 rc=$?

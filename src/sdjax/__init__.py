@@ -7,6 +7,7 @@ The guides' code runs by changing only the import:
 
 from sdjax import compilation_cache
 from sdjax.compilation_cache import enable_compilation_cache
+from sdjax.loading.controlnet import FlaxControlNetModel
 from sdjax.parallel import replicate, shard, unreplicate
 from sdjax.pipelines import (
     EMBEDDED_MODEL,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EMBEDDED_MODEL",
+    "FlaxControlNetModel",
     "FlaxStableDiffusionImg2ImgPipeline",
     "FlaxStableDiffusionInpaintPipeline",
     "FlaxStableDiffusionPipeline",

@@ -4,7 +4,7 @@ micro-conditioning, and loading ControlNet folders.
 The tiny models use diffusers' OWN test configs (tests/pipelines/controlnet/test_controlnet.py and
 test_controlnet_sdxl.py, `get_dummy_components`), plus variants for the SDXL "-small" layout (no attention in the
 down blocks) and the less common options. Each PyTorch model is saved with `save_pretrained` and loaded by
-`ControlNetModel.from_pretrained`, so config parsing and weight conversion are under test too. ControlNets start
+`FlaxControlNetModel.from_pretrained`, so config parsing and weight conversion are under test too. ControlNets start
 with zero 1x1 convs (their residuals would all be 0 and every comparison trivially pass): those layers get random
 weights, and every norm gets a non-trivial scale and bias (`reference.perturb_norms`), so a swapped scale/bias or
 a wrong zero conv fails.
@@ -33,6 +33,7 @@ from safetensors.numpy import load_file, save_file
 from sdjax.config import ConfigError, config_from_dict
 from sdjax.loading import files
 from sdjax.loading.components import load_pipeline_components
+from sdjax.loading.controlnet import FlaxControlNetModel
 from sdjax.models import controlnet as C
 from sdjax.models import unet as U
 from sdjax.models.convert import WeightLoadError
@@ -147,7 +148,7 @@ class Case:
         self.torch_model = torch_controlnet(raw, seed)
         self.folder = folder
         self.torch_model.save_pretrained(folder, safe_serialization=True)
-        self.model, self.params = C.ControlNetModel.from_pretrained(folder)
+        self.model, self.params = FlaxControlNetModel.from_pretrained(folder)
         cfg = self.config = self.model.config
         rng = np.random.default_rng(seed)
         size = 8
@@ -450,7 +451,7 @@ def test_variant_dtype_and_old_flax_names(case, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["_class_name"] = "FlaxControlNetModel"
     (folder / "config.json").write_text(json.dumps(config))
-    model, params = C.FlaxControlNetModel.from_pretrained(folder, variant="fp16", dtype=jnp.bfloat16)
+    model, params = FlaxControlNetModel.from_pretrained(folder, variant="fp16", dtype=jnp.bfloat16)
     assert model.dtype == jnp.bfloat16 and model.config == c.config
     want = {k: v.astype(np.float16).astype(ml_dtypes.bfloat16) for k, v in flatten_dict(c.params).items()}
     got = flatten_dict(params)
@@ -459,7 +460,7 @@ def test_variant_dtype_and_old_flax_names(case, tmp_path):
         assert got[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got[k]), want[k], err_msg="/".join(k))
     with pytest.raises(files.MissingWeightsError, match="no weights of variant 'fp16'"):
-        C.ControlNetModel.from_pretrained(c.folder, variant="fp16")
+        FlaxControlNetModel.from_pretrained(c.folder, variant="fp16")
 
 
 def test_controlnet_in_a_pipeline_folder_and_as_subfolder(case, tmp_path):
@@ -469,12 +470,12 @@ def test_controlnet_in_a_pipeline_folder_and_as_subfolder(case, tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps(index))
     components, params, _ = load_pipeline_components(tmp_path)
     assert isinstance(components["controlnet"], C.ControlNetModel)
-    _, sub_params = C.ControlNetModel.from_pretrained(tmp_path, subfolder="controlnet", from_pt=True)
+    _, sub_params = FlaxControlNetModel.from_pretrained(tmp_path, subfolder="controlnet", from_pt=True)
     for got in (params["controlnet"], sub_params):
         for k, v in flatten_dict(c.params).items():
             np.testing.assert_array_equal(np.asarray(flatten_dict(got)[k]), np.asarray(v))
     with pytest.raises(FileNotFoundError, match="no subfolder 'unet'"):
-        C.ControlNetModel.from_pretrained(tmp_path, subfolder="unet")
+        FlaxControlNetModel.from_pretrained(tmp_path, subfolder="unet")
 
 
 def test_old_flax_msgpack_weights(case, tmp_path):
@@ -483,7 +484,7 @@ def test_old_flax_msgpack_weights(case, tmp_path):
     (tmp_path / "config.json").write_text((c.folder / "config.json").read_text())
     tree = jax.tree_util.tree_map(np.asarray, c.params)
     (tmp_path / "diffusion_flax_model.msgpack").write_bytes(flax.serialization.msgpack_serialize(tree))
-    _, params = C.ControlNetModel.from_pretrained(tmp_path)
+    _, params = FlaxControlNetModel.from_pretrained(tmp_path)
     for k, v in flatten_dict(c.params).items():
         np.testing.assert_array_equal(np.asarray(flatten_dict(params)[k]), np.asarray(v))
 
@@ -494,11 +495,11 @@ def test_unknown_config_key_names_key_and_file(case, tmp_path):
     config = json.loads((tmp_path / "cn" / "config.json").read_text())
     # the old Flax class's extra keys are accepted...
     (tmp_path / "cn" / "config.json").write_text(json.dumps({**config, "sample_size": 32, "dropout": 0.0}))
-    C.ControlNetModel.from_pretrained(tmp_path / "cn")
+    FlaxControlNetModel.from_pretrained(tmp_path / "cn")
     # ...any other unknown key is not
     (tmp_path / "cn" / "config.json").write_text(json.dumps({**config, "controlnet_type": "union"}))
     with pytest.raises(ConfigError, match=r"cn/config\.json: unknown config key\(s\) \['controlnet_type'\]"):
-        C.ControlNetModel.from_pretrained(tmp_path / "cn")
+        FlaxControlNetModel.from_pretrained(tmp_path / "cn")
 
 
 def test_misshaped_and_missing_weights_are_named(case, tmp_path):
@@ -510,7 +511,7 @@ def test_misshaped_and_missing_weights_are_named(case, tmp_path):
     del state["controlnet_mid_block.bias"]
     save_file(state, path)
     with pytest.raises(WeightLoadError) as e:
-        C.ControlNetModel.from_pretrained(tmp_path / "cn")
+        FlaxControlNetModel.from_pretrained(tmp_path / "cn")
     msg = str(e.value)
     assert (
         "controlnet_down_blocks.3.weight: checkpoint (8, 8, 3, 3)" in msg and "controlnet_down_blocks_3/kernel" in msg
@@ -582,12 +583,12 @@ def test_offline_from_the_hf_cache(case, tmp_path, monkeypatch):
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     shutil.copytree(c.folder, repo / "snapshots" / commit)
-    _, params = C.ControlNetModel.from_pretrained(
+    _, params = FlaxControlNetModel.from_pretrained(
         "org/tiny-controlnet", local_files_only=True, cache_dir=tmp_path / "cache"
     )
     np.testing.assert_array_equal(np.asarray(params["conv_in"]["kernel"]), np.asarray(c.params["conv_in"]["kernel"]))
     with pytest.raises(FileNotFoundError, match=r"org/other@main: not in the Hugging Face cache"):
-        C.ControlNetModel.from_pretrained("org/other", local_files_only=True, cache_dir=tmp_path / "cache")
+        FlaxControlNetModel.from_pretrained("org/other", local_files_only=True, cache_dir=tmp_path / "cache")
 
 
 # ---------------------------------------------------------------------------------------------- config

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -331,44 +330,6 @@ class ControlNetModel(nn.Module):
         (`jax.eval_shape`: nothing is allocated)."""
         return jax.tree_util.tree_map(lambda x: x, _init_params_shape(config))  # a fresh tree per caller
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_repo_id: str | os.PathLike,
-        *,
-        dtype: Any = jnp.float32,
-        revision: str | None = None,
-        variant: str | None = None,
-        local_files_only: bool = False,
-        subfolder: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        token: str | bool | None = None,
-        from_pt: bool = False,
-    ) -> tuple[ControlNetModel, dict]:
-        """Load a diffusers ControlNet folder or Hub repo id (`config.json` + `diffusion_pytorch_model[.V]
-        .safetensors`, shards, old Flax msgpack) -> `(module, params)`, params cast to `dtype`.
-
-        The old guides' call: `controlnet, controlnet_params = FlaxControlNetModel.from_pretrained(repo,
-        from_pt=True, dtype=jnp.float32)`. `from_pt` is accepted and has no effect: sdjax reads PyTorch weights
-        (safetensors, `.bin` through torch) and old Flax msgpack alike, by `loading.files`' order of preference.
-        `subfolder` reads a component folder of a pipeline repo (e.g. "controlnet").
-        """
-        del from_pt
-        # The loading layer sits above the models; imported here so that importing this module does not need it.
-        from sdjax.loading.components import CONTROLNET, load_model_from
-
-        return load_model_from(
-            CONTROLNET,
-            path_or_repo_id,
-            dtype=dtype,
-            revision=revision,
-            variant=variant,
-            local_files_only=local_files_only,
-            subfolder=subfolder,
-            cache_dir=cache_dir,
-            token=token,
-        )
-
 
 @functools.lru_cache(maxsize=8)
 def _init_params_shape(config: ControlNetConfig) -> dict:
@@ -402,4 +363,3 @@ def convert_controlnet(state_dict: Mapping[str, Any], config: ControlNetConfig, 
 
 
 # The old diffusers Flax class name, as the guides import it.
-FlaxControlNetModel = ControlNetModel
