@@ -77,27 +77,11 @@ class TrainConfig:
         return dataclasses.replace(self, **kwargs)
 
 
-# The "embedded" preset below is the recipe of the shipped model (src/sdjax/assets/embedded): 43-45 min of
-# training on 2 CPU cores (6 of them the VAE). Captions: 80% name every attribute; 20% leave out a random
-# non-empty subset of size, position, colour and background (`data.random_caption`), so "a red circle on a blue
-# background" is in distribution.
-# DDPM's linear betas (Ho et al. 2020) with v-prediction (as SD 2.x 768), sampled by DPM-Solver++ (2M) in 20 steps.
-# Not SD's `scaled_linear` betas: at t=999 those leave sqrt(alpha-bar) = 0.068 of the image in the noise, and on
-# 16x16 latents that is enough to see where the shape is (summed over its ~40 latent pixels). A model trained on
-# them read the layout from the noise and ignored the position words: fed pure noise at t=999 it predicted a
-# crisp shape at the same place for "top left" and "bottom right" alike (held-out position 0.07-0.14, chance 0.2).
-# v-prediction because an epsilon model this small turned pure noise into clutter (its x0 estimate at high noise
-# divides the epsilon error by sqrt(alpha-bar)).
-# Timesteps (`sample_timesteps`): 35% of each batch from [100, 500), the rest uniform, so 61% of t lie in
-# [100, 500), 6.5% below 100 (where Min-SNR weights the loss down anyway) and 32.5% above 500. With uniform t
-# (4400 steps, four heads) the model drew rounded blobs for circles and squares alike: held-out shape 0.46 on
-# 84 prompts, position 0.61. With this (5600 steps; 38 min of diffusion against 32, the cheaper attention paying
-# for most of the extra steps): shape 0.85, but position 0.24, no better than chance. Half of each batch from
-# [0, 500) gave shape 0.80 and position 0.26: the layout is decided above t=500, and a third of the batch there
-# (not half) was not enough for the position words to be learned in this budget.
-# A third run (a quarter of the batch below t=500, and the loss on the shape's latent pixels weighted 4x) scored
-# shape 0.85 and position 0.43, but drew two or more shapes in 40% of images: a weight that depends on where the
-# target's shape is biases the optimum towards drawing a shape wherever one might be.
+# The "embedded" preset below is the recipe of the shipped model (src/sdjax/assets/embedded), about 45 min on 2
+# CPU cores. Captions: 80% name every attribute, 20% leave out a random non-empty subset of them
+# (`data.random_caption`). DDPM's linear betas with v-prediction, sampled by DPM-Solver++ (2M) in 20 steps;
+# timesteps (`sample_timesteps`): 35% of each batch from [100, 500), the rest uniform. Why each choice was made,
+# and the runs that led to it (with their held-out scores), are in docs/embedded-model.md.
 SCHEDULER = {
     "_class_name": "DPMSolverMultistepScheduler",
     "num_train_timesteps": 1000,
