@@ -219,16 +219,33 @@ class ProgramCache:
             event.set()
 
     def _evict(self) -> None:
+        evicted = False
         while len(self._entries) > self.max_entries or (
             self.max_bytes is not None and len(self._entries) > 1 and self.nbytes > self.max_bytes
         ):
             self._entries.popitem(last=False)
             self.stats.evictions += 1
+            evicted = True
+        if evicted:
+            release_memory()
 
     def clear(self) -> None:
         with self._lock:
             self.stats.evictions += len(self._entries)
             self._entries.clear()
+
+
+def release_memory() -> None:
+    """Return freed heap pages to the system (glibc's `malloc_trim`): an evicted executable's memory is freed by
+    XLA, but the allocator keeps most of it in its arenas otherwise (benchmarks/bench_compile_cache.py)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
 
 
 def _code_bytes(executable) -> int:
