@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdjax.config import BOOKKEEPING_KEYS, ConfigError
-from sdjax.samplers.common import DIFFUSERS_SCHEDULER_KEYS, SCHEDULE_DEFINING, Sampler
+from sdjax.config import ConfigError
+from sdjax.samplers.common import Sampler
 from sdjax.samplers.ddim import DDIM, DDIMState
 from sdjax.samplers.ddpm import DDPM, DDPMState
 from sdjax.samplers.dpm_solver import DPMSolverMultistep, DPMSolverState
@@ -148,20 +148,13 @@ def _base_dict(base_config: Any) -> dict[str, Any]:
     raise TypeError(f"base_config must be a Sampler, a scheduler config dict or None, got {type(base_config).__name__}")
 
 
-def _swap_config(target: type[Sampler], base: dict[str, Any]) -> dict[str, Any]:
-    """What diffusers' `target.from_config(base)` keeps of another scheduler's config: the target's keys
-    (minus those the base only holds at their defaults, `_use_default_values`). Keys that define the noise
-    schedule are kept so that a sampler without them refuses instead of sampling another process, and keys
-    no diffusers scheduler has are kept so that `from_config` reports them."""
+def _swap_config(base: dict[str, Any]) -> dict[str, Any]:
+    """What diffusers' `X.from_config(base)` starts from: the base config minus the keys it holds only at their
+    defaults (`_use_default_values`). `Sampler.from_config` then takes every key X's constructor takes (also keys
+    the base's own class ignored: SD 1.5's PNDM config's `clip_sample: false` reaches DDIM) and keeps the rest as
+    hidden config for the next swap; schedule-defining keys a sampler lacks are refused instead of dropped."""
     defaults = set(base.get("_use_default_values", ()))
-    keep = target.diffusers_keys() | frozenset(SCHEDULE_DEFINING)
-    return {
-        k: v
-        for k, v in base.items()
-        if k not in defaults
-        and not k.startswith("_")
-        and (k in keep or (k not in DIFFUSERS_SCHEDULER_KEYS and k not in BOOKKEEPING_KEYS))
-    }
+    return {k: v for k, v in base.items() if k not in defaults and k != "_class_name"}
 
 
 def get_sampler(
@@ -180,15 +173,11 @@ def get_sampler(
     `overrides` are config keys, plus runtime options such as DDIM's `eta`. Raises `UnknownSamplerError` (a
     `ConfigError`) listing the valid names for an unknown name, `ConfigError` for bad config keys.
     """
-    if isinstance(name_or_config, Sampler):
-        if base_config is not None:
-            raise TypeError("get_sampler: base_config is only used with a sampler name")
+    if isinstance(name_or_config, Sampler):  # used as given (diffusers' from_pretrained(scheduler=object))
         if not overrides:
             return name_or_config
         name_or_config = name_or_config.config | {k: v for k, v in _options(name_or_config).items()}
-    if isinstance(name_or_config, dict):
-        if base_config is not None:
-            raise TypeError("get_sampler: pass a scheduler config dict or a name with base_config, not both")
+    if isinstance(name_or_config, dict):  # a whole scheduler config: built by its own _class_name
         raw = dict(name_or_config)
         class_name = raw.get("_class_name")
         if class_name not in CLASSES:
@@ -198,7 +187,7 @@ def get_sampler(
         cls, fixed = CLASSES[class_name], {}
     elif isinstance(name_or_config, str):
         cls, fixed = _resolve(name_or_config)
-        raw = _swap_config(cls, _base_dict(base_config))
+        raw = _swap_config(_base_dict(base_config))
     else:
         raise TypeError(
             f"get_sampler: expected a name, a config dict or a Sampler, got {type(name_or_config).__name__}"

@@ -33,10 +33,12 @@ BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 ANY = object()  # "any value is harmless" in a sampler's table of keys it accepts but does not use
 
-# Every key a diffusers scheduler config of the Karras-compatible family can hold (diffusers 0.42). A config
-# swapped from another scheduler carries the other scheduler's keys (an SDXL Euler config holds
-# `skip_prk_steps`, an SD1 PNDM config `clip_sample`); diffusers ignores them and so do we. A key outside this
-# table is reported: it is a scheduler we do not know.
+# Every key a diffusers scheduler config of the Karras-compatible family can hold (diffusers 0.42). Real configs
+# carry keys of other schedulers (SD 1.5's PNDM config holds `clip_sample: false`, SD 2.1's DDIM config
+# `skip_prk_steps: true`). The class they are loaded into does not use them, but diffusers keeps them in its
+# `config`, and `X.from_config(config)` passes every key X's constructor takes: so DDIM swapped in on SD 1.5 does
+# not clip, and PNDM on SD 2.1 skips the PRK warm-up. sdjax keeps them too (`Sampler.hidden`) for the same reason.
+# A key outside this table is reported: it is a scheduler we do not know.
 DIFFUSERS_SCHEDULER_KEYS = frozenset(
     {
         "algorithm_type",
@@ -333,6 +335,9 @@ class Sampler:
     `eta`).
     """
 
+    # Keys of the config this sampler does not use (another scheduler's, or `_use_default_values`): kept so that a
+    # sampler swapped in from this one's config gets them, as diffusers' `from_config` does; not part of equality.
+    hidden: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False, repr=False)
     num_train_timesteps: int = 1000
     beta_start: float = 0.0001
     beta_end: float = 0.02
@@ -374,7 +379,7 @@ class Sampler:
     @classmethod
     def config_keys(cls) -> tuple[str, ...]:
         """The diffusers config keys this sampler honours (its fields minus runtime options)."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.options)
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.options and f.name != "hidden")
 
     @classmethod
     def diffusers_keys(cls) -> frozenset[str]:
@@ -391,10 +396,12 @@ class Sampler:
         """
         source = source or f"{cls.diffusers_class} config"
         fields = set(cls.config_keys())
-        kwargs, unknown = {}, []
+        kwargs, unknown, hidden = {}, [], {}
         for key, value in raw.items():
             if key.startswith("_") or key in BOOKKEEPING_KEYS:
                 continue
+            if key not in fields:
+                hidden[key] = tuple(value) if isinstance(value, list) else value
             if key in fields:
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
             elif key in cls.unused_keys:
@@ -420,15 +427,19 @@ class Sampler:
         bad = sorted(set(options) - set(cls.options))
         if bad:
             raise ConfigError(f"{cls.diffusers_class}: unknown option(s) {bad}; options: {list(cls.options)}")
+        # As diffusers' `register_to_config`: the keys left at their defaults, which a swap does not carry over.
+        hidden["_use_default_values"] = tuple(sorted(k for k in fields if k not in kwargs))
         try:
-            return cls(**kwargs, **options)
+            return cls(**kwargs, **options, hidden=tuple(sorted(hidden.items())))
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from e
 
     @property
     def config(self) -> dict[str, Any]:
-        """The diffusers config dict of this sampler (what `scheduler_config.json` would hold)."""
+        """The diffusers config dict of this sampler (what `scheduler_config.json` would hold): its own keys, and
+        the keys of the config it came from that it does not use (as diffusers' `scheduler.config`)."""
         out: dict[str, Any] = {"_class_name": self.diffusers_class}
+        out.update({k: list(v) if isinstance(v, tuple) else v for k, v in self.hidden})
         for key in self.config_keys():
             value = getattr(self, key)
             out[key] = list(value) if isinstance(value, tuple) else value
