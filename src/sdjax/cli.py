@@ -770,6 +770,9 @@ def serve(
     max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
     max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
     max_body_kb: Annotated[int, typer.Option(min=1, help="Largest request body in KiB (413 above).")] = 64,
+    max_image_body_mb: Annotated[
+        int, typer.Option(min=1, help="Largest body in MiB of the endpoints that carry images (img2img, edits).")
+    ] = 48,
     body_timeout: Annotated[
         float, typer.Option(min=0.001, help="Seconds for a whole request body to arrive (then 400 or 408).")
     ] = 10.0,
@@ -894,6 +897,7 @@ def serve(
         max_queue_cost=_mega(max_queue_cost),
         request_timeout_s=request_timeout,
         max_body_bytes=max_body_kb * 1024,
+        max_image_body_bytes=max_image_body_mb * 1024 * 1024,
         body_timeout_s=body_timeout,
         header_timeout_s=header_timeout,
         shutdown_timeout_s=shutdown_timeout,

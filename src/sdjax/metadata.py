@@ -84,6 +84,8 @@ class ImageParameters:
     denoising_strength: float | None = None
     mask_blur: float = 0.0
     inpaint_full_res_padding: int | None = None  # A1111 "Inpaint area: Only masked" with this padding
+    inpainting_fill: str = "original"  # A1111's masked content: fill, original, latent noise, latent nothing
+    invert_mask: bool = False
     resize_mode: str = "resize"
     hires: Any = None  # sdjax.pipelines.recipes.Hires
     refiner: str = ""
@@ -110,6 +112,8 @@ class ImageParameters:
             self.denoising_strength,
             self.mask_blur,
             self.inpaint_full_res_padding,
+            self.inpainting_fill,
+            self.invert_mask,
             self.resize_mode,
             self.hires,
             self.refiner,
@@ -161,6 +165,8 @@ class GenerationRequest:
     denoising_strength: float | None = None
     mask_blur: float = 0.0
     inpaint_full_res_padding: int | None = None
+    inpainting_fill: str = "original"
+    invert_mask: bool = False
     resize_mode: str = "resize"
     hires: Any = None
     refiner: str = ""
@@ -183,6 +189,8 @@ class GenerationRequest:
                 denoising_strength=self.denoising_strength,
                 mask_blur=self.mask_blur,
                 inpaint_full_res_padding=self.inpaint_full_res_padding,
+                inpainting_fill=self.inpainting_fill,
+                invert_mask=self.invert_mask,
                 resize_mode=self.resize_mode,
                 hires=self.hires,
                 refiner=self.refiner,
@@ -263,6 +271,8 @@ def generate_images(
                 padding_mask_crop=p.inpaint_full_res_padding,
                 paste_back=True,
                 start_step=start,
+                fill=p.inpainting_fill,
+                invert_mask=p.invert_mask,
             )
     if task is not None:
         common["task"] = task

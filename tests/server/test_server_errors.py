@@ -93,7 +93,7 @@ def test_openai_bad_fields(http, body, param, words):
         ({"prompt": "x", "sampler_name": "Nope a"}, "sampler_name", "unknown sampler"),
         ({"prompt": "x", "cfg_scale": "high"}, "cfg_scale", "number"),
         ({"prompt": "x", "seed": -5}, "seed", "greater than"),
-        ({"prompt": "x", "enable_hr": True}, "enable_hr", "not supported"),
+        ({"prompt": "x", "initial_noise_multiplier": 2}, "initial_noise_multiplier", "only 1 is supported"),
         ({"prompt": "x", "subseed_strength": 0.5}, "subseed_strength", "not supported"),
     ],
 )

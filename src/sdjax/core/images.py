@@ -229,3 +229,17 @@ def outpaint_canvas(
     if y1 > y0 and x1 > x0:
         mask[y0:y1, x0:x1] = 0
     return Image.fromarray(canvas), Image.fromarray(mask)
+
+
+def fill_masked(image: Image.Image, mask: Image.Image) -> Image.Image:
+    """The masked region replaced by the surrounding colours, spread inwards by Gaussian blurs of decreasing radius
+    (what A1111's "fill" masked content does before encoding): unmasked pixels stay as they are."""
+    width, height = image.size
+    keep = Image.new("RGBa", (width, height))
+    keep.paste(image.convert("RGBA").convert("RGBa"), mask=ImageOps.invert(mask.convert("L")))
+    out = Image.new("RGBA", (width, height))
+    for radius, repeats in ((256, 1), (64, 1), (16, 2), (4, 4), (2, 2), (0, 1)):
+        blurred = keep.filter(ImageFilter.GaussianBlur(radius)).convert("RGBA")
+        for _ in range(repeats):
+            out.alpha_composite(blurred)
+    return out.convert("RGB")

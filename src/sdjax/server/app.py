@@ -35,16 +35,17 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sdjax.metadata import (
+    SEED_MAX,
     GenerationRequest,
     ImageParameters,
     parse_parameters,
@@ -58,6 +59,8 @@ from sdjax.server.files import FileStore
 from sdjax.server.guard import Auth, Guard, call_when_exiting, protocol_class, request_id_of
 from sdjax.server.metrics import Metrics
 from sdjax.server.schemas import (
+    VARIATION_STRENGTH,
+    A1111Img2ImgRequest,
     A1111PngInfoRequest,
     A1111PngInfoResponse,
     A1111Txt2ImgRequest,
@@ -65,16 +68,22 @@ from sdjax.server.schemas import (
     Defaults,
     FieldError,
     Limits,
+    OpenAIEditForm,
     OpenAIImageRequest,
     OpenAIImageResponse,
     a1111_schedulers,
     check_settings,
     decode_image,
     resolve_a1111,
+    resolve_a1111_img2img,
     resolve_openai,
+    resolve_openai_edit,
 )
 
 log = logging.getLogger("sdjax.server")
+
+# Endpoints whose bodies carry images: they may be up to `ServerConfig.max_image_body_bytes`.
+IMAGE_ENDPOINTS = ("/sdapi/v1/img2img", "/sdapi/v1/png-info", "/v1/images/edits", "/v1/images/variations")
 
 ENDPOINTS = (
     "/",
@@ -87,7 +96,10 @@ ENDPOINTS = (
     "/v1/config",
     "/v1/models",
     "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/images/variations",
     "/sdapi/v1/txt2img",
+    "/sdapi/v1/img2img",
     "/sdapi/v1/interrupt",
     "/sdapi/v1/skip",
     "/sdapi/v1/samplers",
@@ -111,6 +123,7 @@ class ServerConfig:
     max_queue_cost: int | None = None  # pixel-steps queued at most (width x height x steps x images); None: no bound
     request_timeout_s: float = 300.0  # no result by then: 504, and the request's work is cancelled
     max_body_bytes: int = 64 * 1024
+    max_image_body_bytes: int = 48 * 1024 * 1024  # bodies of IMAGE_ENDPOINTS (base64 or multipart images)
     body_timeout_s: float = 10.0  # the whole request body must arrive within this
     header_timeout_s: float = 10.0  # a connection's request head must arrive within this
     shutdown_timeout_s: float = 30.0  # SIGTERM: drain for at most this, then cancel
@@ -384,6 +397,100 @@ def create_app(
             "parameters": body.model_dump(),
             "info": json.dumps(info),
         }
+
+    @app.post("/sdapi/v1/img2img", response_model=A1111Txt2ImgResponse,
+              summary="Image to image and inpainting (AUTOMATIC1111 web UI API)")  # fmt: skip
+    async def a1111_img2img(request: Request, body: A1111Img2ImgRequest) -> dict:
+        now = await wait_for_model()
+        if body.override_settings:
+            check_settings(body.override_settings, settings(), field="override_settings")
+        gen = await asyncio.to_thread(
+            resolve_a1111_img2img, body, now.pipeline, now.limits, now.defaults, now.model_name
+        )
+        outcome, pngs = await run(request, gen, body.force_task_id)
+        info = _a1111_info(gen, outcome, body)
+        parameters = body.model_dump()
+        if not body.include_init_images:  # as A1111: the request's images are not echoed back
+            parameters.update(init_images=None, mask=None)
+        return {
+            "images": [_b64(p) for p in pngs] if body.send_images else [],
+            "parameters": parameters,
+            "info": json.dumps(info),
+        }
+
+    async def openai_images(request: Request, gen: GenerationRequest, response_format: str) -> dict:
+        _, pngs = await run(request, gen)
+        if response_format == "url":
+            base = str(request.base_url).rstrip("/")
+            data = [{"url": f"{base}/v1/files/{files.put(p)}"} for p in pngs]
+        else:
+            data = [{"b64_json": _b64(p)} for p in pngs]
+        return {"created": int(time.time()), "data": data}
+
+    @app.post("/v1/images/edits", response_model=OpenAIImageResponse, response_model_exclude_none=True,
+              summary="Edit an image where the mask is transparent (OpenAI images API)")  # fmt: skip
+    async def openai_edits(
+        request: Request,
+        image: Annotated[UploadFile, File(description="The image to edit (PNG/JPEG/WebP)")],
+        prompt: Annotated[str, Form(min_length=1)],
+        mask: Annotated[
+            UploadFile | None, File(description="Transparent pixels are repainted (default: the image's)")
+        ] = None,
+        n: Annotated[int, Form(ge=1)] = 1,
+        size: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "b64_json",
+        negative_prompt: Annotated[str, Form()] = "",
+        steps: Annotated[int | None, Form(ge=1)] = None,
+        guidance_scale: Annotated[float | None, Form(ge=0)] = None,
+        seed: Annotated[int | None, Form(ge=-1, le=SEED_MAX)] = None,
+        sampler: Annotated[str | None, Form()] = None,
+        strength: Annotated[float, Form(ge=0, le=1)] = 1.0,
+    ) -> dict:
+        now = await wait_for_model()
+        form = OpenAIEditForm(
+            prompt=prompt,
+            n=n,
+            size=size,
+            response_format=response_format,
+            negative_prompt=negative_prompt,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            sampler=sampler,
+            strength=strength,
+        )
+        image_bytes = await image.read()
+        mask_bytes = await mask.read() if mask is not None else None
+        gen = await asyncio.to_thread(
+            resolve_openai_edit, form, image_bytes, mask_bytes, now.pipeline, now.limits, now.defaults, now.model_name
+        )
+        return await openai_images(request, gen, form.response_format)
+
+    @app.post("/v1/images/variations", response_model=OpenAIImageResponse, response_model_exclude_none=True,
+              summary="Variations of an image (OpenAI images API): image-to-image with an empty prompt")  # fmt: skip
+    async def openai_variations(
+        request: Request,
+        image: Annotated[UploadFile, File(description="The image to vary (PNG/JPEG/WebP)")],
+        n: Annotated[int, Form(ge=1)] = 1,
+        size: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "b64_json",
+        seed: Annotated[int | None, Form(ge=-1, le=SEED_MAX)] = None,
+        strength: Annotated[float, Form(ge=0, le=1)] = VARIATION_STRENGTH,
+    ) -> dict:
+        now = await wait_for_model()
+        form = OpenAIEditForm(prompt="", n=n, size=size, response_format=response_format, seed=seed, strength=strength)
+        gen = await asyncio.to_thread(
+            resolve_openai_edit,
+            form,
+            await image.read(),
+            None,
+            now.pipeline,
+            now.limits,
+            now.defaults,
+            now.model_name,
+            variation=True,
+        )
+        return await openai_images(request, gen, form.response_format)
 
     @app.post("/sdapi/v1/interrupt", summary="Stop the running requests; they answer with the images made so far")
     async def interrupt(id_task: str | None = None):
@@ -735,6 +842,7 @@ def build_asgi(pipeline: Any, config: ServerConfig = ServerConfig(), *, loader: 
         metrics=app.state.metrics,
         endpoints=ENDPOINTS,
         max_body_bytes=config.max_body_bytes,
+        image_body_bytes=(IMAGE_ENDPOINTS, config.max_image_body_bytes),
         body_timeout_s=config.body_timeout_s,
         auth=auth,
     )

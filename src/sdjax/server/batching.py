@@ -45,7 +45,7 @@ import numpy as np
 from sdjax.metadata import ImageParameters, generate_images
 from sdjax.server.errors import APIError
 from sdjax.server.metrics import Metrics
-from sdjax.server.schemas import request_cost
+from sdjax.server.schemas import image_cost
 
 log = logging.getLogger("sdjax.server")
 
@@ -98,7 +98,7 @@ class Job:
     @property
     def image_cost(self) -> int:
         im = self.images[0]
-        return request_cost(im.width, im.height, im.steps, 1)
+        return image_cost(im)
 
 
 @dataclasses.dataclass
@@ -341,7 +341,7 @@ class Batcher:
         if len({im.shape_key for im in images}) != 1:
             raise ValueError("a request's images must share steps, size and sampler")
         n = len(images)
-        cost = request_cost(images[0].width, images[0].height, images[0].steps, n)
+        cost = image_cost(images[0]) * n
         if self.max_queue_cost is not None and cost > self.max_queue_cost:
             raise APIError(
                 422,

@@ -111,11 +111,14 @@ class Guard:
         max_body_bytes: int,
         body_timeout_s: float,
         auth: Auth = Auth(),
+        image_body_bytes: tuple[Sequence[str], int] = ((), 0),
     ):
         self.app = app
         self.metrics = metrics
         self.endpoints = frozenset(endpoints)
         self.max_body_bytes = max_body_bytes
+        self.image_paths = frozenset(image_body_bytes[0])  # these may carry images: a larger limit
+        self.image_body_bytes = max(image_body_bytes[1], max_body_bytes)
         self.body_timeout_s = body_timeout_s
         self.auth = auth
 
@@ -167,6 +170,7 @@ class Guard:
     async def _read_body(self, scope, headers: dict[str, str], receive) -> bytes | APIError | None:
         """The whole body; an `APIError` (400, 408, 413) if it is malformed, late or too large; None if the client
         disconnected before it was complete."""
+        limit = self.image_body_bytes if scope.get("path", "") in self.image_paths else self.max_body_bytes
         declared: int | None = None
         if "content-length" in headers:
             try:
@@ -175,8 +179,8 @@ class Guard:
                     raise ValueError
             except ValueError:
                 return APIError(400, f"Content-Length {headers['content-length']!r} is not a byte count", "body")
-            if declared > self.max_body_bytes:
-                return _too_large(self.max_body_bytes)
+            if declared > limit:
+                return _too_large(limit)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.body_timeout_s
         chunks: list[bytes] = []
@@ -204,8 +208,8 @@ class Guard:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                return _too_large(self.max_body_bytes)
+            if size > limit:
+                return _too_large(limit)
             chunks.append(chunk)
             more = message.get("more_body", False)
         if declared is not None and size != declared:  # the server layer normally enforces this; be explicit

@@ -4,11 +4,14 @@ every request passes on its own before it may join a batch.
 - OpenAI images API (`POST /v1/images/generations`): `prompt`, `n`, `size` ("WIDTHxHEIGHT"), `response_format`
   (`b64_json`, the default here, or `url`: an expiring `/v1/files/...` link), `model`/`quality`/`style`/`user`
   accepted and ignored; sdjax extensions `negative_prompt`, `steps`, `guidance_scale`, `seed`, `sampler`.
-- AUTOMATIC1111 web UI API (`POST /sdapi/v1/txt2img`): `prompt`, `negative_prompt`, `steps`, `cfg_scale`,
-  `width`, `height`, `seed` (-1: random), `batch_size`, `n_iter`, `sampler_name` (+ `scheduler`, e.g. "Karras"),
-  `force_task_id`, `override_settings` (honoured where the value is what sdjax does, else 422 naming the setting);
-  other fields of that API are accepted and ignored, except those that would change the image in ways sdjax does
-  not implement (`enable_hr`, `restore_faces`, `tiling`, `subseed_strength`), which are refused.
+- AUTOMATIC1111 web UI API (`POST /sdapi/v1/txt2img`, `/sdapi/v1/img2img`): `prompt`, `negative_prompt`, `steps`,
+  `cfg_scale`, `width`, `height`, `seed` (-1: random), `batch_size`, `n_iter`, `sampler_name` (+ `scheduler`,
+  e.g. "Karras"), `force_task_id`, `override_settings` (honoured where the value is what sdjax does, else 422 naming
+  the setting), the hires fix (`enable_hr`, `hr_scale`, `hr_upscaler`, `hr_second_pass_steps`, `hr_resize_x/_y`,
+  `denoising_strength`, `hr_sampler_name`), and for img2img `init_images`, `mask`, `denoising_strength`,
+  `mask_blur`, `inpainting_fill`, `inpaint_full_res(_padding)`, `inpainting_mask_invert`, `resize_mode`. Other
+  fields of that API are accepted and ignored, except those that would change the image in ways sdjax does not
+  implement (`restore_faces`, `tiling`, `subseed_strength`, `initial_noise_multiplier`), which are refused.
 
 Isolation: a request is validated and tokenized alone (`check_common`), so text the tokenizer or the PNG writer
 cannot take (a lone surrogate such as "\\ud800", valid in JSON) fails that request with 422 naming the field,
@@ -29,6 +32,7 @@ import re
 import warnings
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_display_name, sampler_id
@@ -71,6 +75,16 @@ class Limits:
 def request_cost(width: int, height: int, steps: int, images: int) -> int:
     """Pixel-steps: what the budgets (`Limits.max_cost`, the queue's) count."""
     return int(width) * int(height) * int(steps) * int(images)
+
+
+def image_cost(im: Any) -> int:
+    """Pixel-steps of one `ImageParameters`, both passes of a hires fix counted."""
+    cost = request_cost(im.width, im.height, im.steps, 1)
+    if getattr(im, "hires", None) is not None:
+        th, tw = im.hires.target(im.height, im.width)
+        total, start = im.hires.window(im.steps)
+        cost += request_cost(tw, th, total - start, 1)
+    return cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +150,29 @@ class OpenAIImage(BaseModel):
     url: str | None = None
 
 
+VARIATION_STRENGTH = 0.7  # /v1/images/variations: image-to-image of the image with an empty prompt at this strength
+
+
+class OpenAIEditForm(BaseModel):
+    """The fields of `POST /v1/images/edits` and `/v1/images/variations` (multipart forms) besides the files."""
+
+    prompt: str
+    n: int = 1
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    negative_prompt: str = ""
+    steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    sampler: str | None = None
+    strength: float = 1.0
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        return OpenAIImageRequest._size(v)
+
+
 class OpenAIImageResponse(BaseModel):
     created: int
     data: list[OpenAIImage]
@@ -170,6 +207,34 @@ class A1111Txt2ImgRequest(BaseModel):
         None, description="Settings for this request: honoured where the value is what sdjax does, else 422"
     )
     override_settings_restore_afterwards: bool = True
+    # hires fix (txt2img only)
+    hr_scale: float = Field(2.0, gt=0, description="Hires fix: upscale factor of the second pass")
+    hr_upscaler: str | None = Field(None, description='Hires fix: "Latent", "Latent (nearest)", "Lanczos", "Nearest"')
+    hr_second_pass_steps: int = Field(0, ge=0, description="Hires fix: second-pass steps (0: the first pass's)")
+    hr_resize_x: int = Field(0, ge=0, description="Hires fix: target width (0: by hr_scale)")
+    hr_resize_y: int = Field(0, ge=0, description="Hires fix: target height (0: by hr_scale)")
+    hr_sampler_name: str | None = Field(None, description="Hires fix: second-pass sampler (None: the first's)")
+    denoising_strength: float | None = Field(
+        None, ge=0, le=1, description="img2img: how much to change the image; txt2img: the hires pass's strength"
+    )
+    initial_noise_multiplier: float | None = Field(None, description="Only 1 (A1111's default) is supported")
+
+
+class A1111Img2ImgRequest(A1111Txt2ImgRequest):
+    """`POST /sdapi/v1/img2img` (AUTOMATIC1111 `StableDiffusionImg2ImgProcessingAPI`), the fields sdjax uses."""
+
+    init_images: list[str] = Field(min_length=1, description="Base64 images (the first is used for every image)")
+    mask: str | None = Field(None, description="Base64 mask: white is repainted (inpainting)")
+    mask_blur: int | None = Field(None, ge=0, description="Mask blur in pixels (sets x and y)")
+    mask_blur_x: int = Field(4, ge=0)
+    mask_blur_y: int = Field(4, ge=0)
+    inpainting_fill: int = Field(0, ge=0, le=3, description="0 fill, 1 original, 2 latent noise, 3 latent nothing")
+    inpaint_full_res: bool = Field(True, description="Repaint only the masked region at full resolution")
+    inpaint_full_res_padding: int = Field(0, ge=0)
+    inpainting_mask_invert: int = Field(0, ge=0, le=1)
+    resize_mode: int = Field(0, ge=0, le=3, description="0 just resize, 1 crop and resize, 2 resize and fill")
+    image_cfg_scale: float | None = Field(None, description="instruct-pix2pix only: accepted, has no effect")
+    include_init_images: bool = False
 
 
 class A1111Txt2ImgResponse(BaseModel):
@@ -369,13 +434,14 @@ def resolve_a1111(
     body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
 ) -> GenerationRequest:
     for field, value, default in (
-        ("enable_hr", body.enable_hr, False),
         ("restore_faces", body.restore_faces, None),
         ("tiling", body.tiling, None),
         ("subseed_strength", body.subseed_strength, 0.0),
     ):
         if value and value != default:
             raise FieldError(field, f"{field}={value!r} is not supported by sdjax; leave it out")
+    if body.initial_noise_multiplier not in (None, 1, 1.0):
+        raise FieldError("initial_noise_multiplier", "only 1 is supported")
     request = GenerationRequest(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
@@ -387,6 +453,7 @@ def resolve_a1111(
         height=body.height or defaults.height,
         sampler=a1111_sampler(body, defaults),
         model=model_name,
+        hires=_hires(body) if body.enable_hr and not isinstance(body, A1111Img2ImgRequest) else None,
     )
     fields = dict(
         num_images="batch_size",
@@ -400,7 +467,166 @@ def resolve_a1111(
         negative_prompt="negative_prompt",
     )
     _check(request, pipeline, limits, fields)
+    if request.hires is not None:
+        _check_hires(request, pipeline, limits)
     return request
+
+
+def _check_hires(r: GenerationRequest, pipeline: Any, limits: Limits) -> None:
+    th, tw = r.hires.target(r.height, r.width)
+    for name, v in (("hr_resize_x", tw), ("hr_resize_y", th)):
+        if not limits.min_size <= v <= limits.max_size:
+            raise FieldError(name, f"the hires target {tw}x{th} is outside {limits.min_size}..{limits.max_size}")
+    try:
+        pipeline.validate(height=th, width=tw)
+    except (ValueError, KeyError) as e:
+        raise FieldError("hr_scale", f"the hires target {tw}x{th}: {e.args[0] if e.args else e}") from None
+    cost = image_cost(r.images()[0]) * r.num_images
+    if limits.max_cost is not None and cost > limits.max_cost:
+        raise APIError(
+            422,
+            f"the request (both hires passes) costs {cost} pixel-steps, over the per-request budget "
+            f"of {limits.max_cost} (max_request_cost)",
+            None,
+            code="over_budget",
+        )
+
+
+UPSCALERS = {
+    "latent": "latent",
+    "latent (nearest)": "latent-nearest",
+    "latent (nearest-exact)": "latent-nearest",
+    "lanczos": "lanczos",
+    "nearest": "nearest",
+}  # A1111 names -> sdjax's (`recipes.UPSCALERS`)
+FILLS = {0: "fill", 1: "original", 2: "latent noise", 3: "latent nothing"}  # A1111's `inpainting_fill`
+RESIZE_MODES = {0: "resize", 1: "crop", 2: "fill"}  # A1111's `resize_mode` (3, latent upscale: not supported)
+
+
+def _hires(body: A1111Txt2ImgRequest):
+    from sdjax.pipelines.recipes import Hires
+
+    upscaler = UPSCALERS.get((body.hr_upscaler or "Latent").strip().lower())
+    if upscaler is None:
+        raise FieldError(
+            "hr_upscaler",
+            f"unknown upscaler {body.hr_upscaler!r}; sdjax has: Latent, Latent (nearest), Lanczos, Nearest",
+        )
+    resize = None
+    if body.hr_resize_x or body.hr_resize_y:
+        width, height = body.width or 0, body.height or 0
+        rx, ry = body.hr_resize_x, body.hr_resize_y
+        if not (rx and ry):  # A1111: the missing side keeps the aspect ratio
+            if not (width and height):
+                raise FieldError("hr_resize_x", "give both hr_resize_x and hr_resize_y, or width and height")
+            rx, ry = (rx, rx * height // width) if rx else (ry * width // height, ry)
+        resize = (rx - rx % 8, ry - ry % 8)
+    strength = 0.7 if body.denoising_strength is None else body.denoising_strength
+    if strength <= 0:
+        raise FieldError("denoising_strength", "the hires pass needs a strength above 0")
+    try:
+        return Hires(
+            scale=body.hr_scale,
+            resize=resize,
+            upscaler=upscaler,
+            steps=body.hr_second_pass_steps,
+            strength=strength,
+            sampler=sampler_id(body.hr_sampler_name) if body.hr_sampler_name else None,
+        )
+    except ValueError as e:
+        raise FieldError("hr_scale", str(e)) from None
+
+
+def resolve_a1111_img2img(
+    body: A1111Img2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
+) -> GenerationRequest:
+    """`/sdapi/v1/img2img`: the init image (and mask) decoded with the pixel limit, A1111's fields mapped to the
+    image-to-image / inpainting settings of `GenerationRequest` (A1111's step rule, see `sdjax.metadata`)."""
+    if body.resize_mode == 3:
+        raise FieldError("resize_mode", "3 (just resize, latent upscale) is not supported; use 0, 1 or 2")
+    if body.enable_hr:
+        raise FieldError("enable_hr", "the hires fix is a txt2img option")
+    image = decode_image(body.init_images[0], field="init_images[0]", limits=limits).convert("RGB")
+    mask = decode_image(body.mask, field="mask", limits=limits) if body.mask else None
+    if mask is not None and mask.size != image.size:
+        raise FieldError(
+            "mask", f"the mask is {mask.size[0]}x{mask.size[1]} but init_images[0] is {image.size[0]}x{image.size[1]}"
+        )
+    base = resolve_a1111(body, pipeline, limits, defaults, model_name)
+    strength = 0.75 if body.denoising_strength is None else body.denoising_strength
+    extra: dict[str, Any] = dict(
+        init_image=image, denoising_strength=strength, resize_mode=RESIZE_MODES[body.resize_mode]
+    )
+    if mask is not None:
+        if not any(mask.convert("L").getextrema()):
+            raise FieldError("mask", "the mask is black: nothing to repaint")
+        extra.update(
+            mask_image=mask,
+            mask_blur=float(body.mask_blur if body.mask_blur is not None else max(body.mask_blur_x, body.mask_blur_y)),
+            inpaint_full_res_padding=body.inpaint_full_res_padding if body.inpaint_full_res else None,
+            inpainting_fill=FILLS[body.inpainting_fill],
+            invert_mask=bool(body.inpainting_mask_invert),
+        )
+    return dataclasses.replace(base, **extra)
+
+
+def _decode_bytes(data: bytes, field: str, limits: Limits):
+    return decode_image(base64.b64encode(data).decode("ascii"), field=field, limits=limits)
+
+
+def edit_mask(image, mask):
+    """OpenAI's convention -> sdjax's: pixels whose alpha is 0 (in `mask`, else in `image`) are repainted (white)."""
+    from PIL import Image
+
+    source, field = (mask, "mask") if mask is not None else (image, "image")
+    if "A" not in source.getbands():
+        raise FieldError(
+            field,
+            "has no alpha channel: transparent pixels mark what to edit; send an RGBA PNG"
+            + ("" if mask is not None else " or a mask"),
+        )
+    alpha = np.asarray(source.getchannel("A"))
+    if not (alpha == 0).any():
+        raise FieldError(field, "has no fully transparent pixel: there is nothing to edit")
+    return Image.fromarray(np.where(alpha == 0, 255, 0).astype(np.uint8))
+
+
+def resolve_openai_edit(
+    form: OpenAIEditForm,
+    image_bytes: bytes,
+    mask_bytes: bytes | None,
+    pipeline: Any,
+    limits: Limits,
+    defaults: Defaults,
+    model_name: str,
+    *,
+    variation: bool = False,
+) -> GenerationRequest:
+    """`/v1/images/edits` (inpainting where the mask is transparent) and `/v1/images/variations` (image-to-image
+    with an empty prompt at `VARIATION_STRENGTH`). The output has `size` (default: the model's size); the image
+    and mask are resized to it."""
+    image = _decode_bytes(image_bytes, "image", limits)
+    mask = _decode_bytes(mask_bytes, "mask", limits) if mask_bytes is not None else None
+    if mask is not None and mask.size != image.size:
+        raise FieldError(
+            "mask", f"the mask is {mask.size[0]}x{mask.size[1]} but the image is {image.size[0]}x{image.size[1]}"
+        )
+    body = OpenAIImageRequest(
+        prompt=form.prompt or " ",
+        n=form.n,
+        size=form.size,
+        response_format=form.response_format,
+        negative_prompt=form.negative_prompt,
+        steps=form.steps,
+        guidance_scale=form.guidance_scale,
+        seed=form.seed,
+        sampler=form.sampler,
+    )
+    base = resolve_openai(body, pipeline, limits, defaults, model_name)
+    extra: dict[str, Any] = dict(prompt=form.prompt, init_image=image.convert("RGB"), denoising_strength=form.strength)
+    if not variation:
+        extra.update(mask_image=edit_mask(image, mask), mask_blur=0.0, inpainting_fill="original")
+    return dataclasses.replace(base, **extra)
 
 
 def _check(r: GenerationRequest, pipeline: Any, limits: Limits, fields: dict[str, str]) -> None:

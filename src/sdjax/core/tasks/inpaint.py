@@ -34,9 +34,14 @@ class Inpaint(TaskSpec):
 
     from_noise: bool = False
     add_noise: bool = True
+    fill: str = "original"  # the masked region's starting latents: A1111's "original", "latent noise", "latent nothing"
 
     name = "inpaint"
     inputs = ("image", "mask")
+
+    def __post_init__(self):
+        if self.fill not in LATENT_FILLS:
+            raise ValueError(f"inpainting fill={self.fill!r} must be one of {list(LATENT_FILLS)}")
 
     def prepare(self, ctx: Context, inputs):
         image, mask = inputs["image"].astype(jnp.float32), inputs["mask"].astype(jnp.float32)
@@ -50,8 +55,13 @@ class Inpaint(TaskSpec):
         f = image.shape[-1] // ctx.shape[-1]
         mask_latent = mask[:, :, ::f, ::f]  # nearest, as torch.nn.functional.interpolate's default
         image_latents = None
-        if not nine or not self.from_noise or not self.add_noise:
+        if not nine or not self.from_noise or not self.add_noise or self.fill != "original":
             image_latents = ctx.encode(image, rng.ENCODE_IMAGE)
+        if self.fill == "latent noise":  # A1111: the masked region starts from fresh noise before it is noised
+            fresh = rng.per_image_normal(ctx.keys, rng.FILL_NOISE, ctx.shape[1:])
+            image_latents = image_latents * (1 - mask_latent) + fresh * mask_latent
+        elif self.fill == "latent nothing":
+            image_latents = image_latents * (1 - mask_latent)
         if not self.add_noise:
             latents = image_latents
         elif self.from_noise:
@@ -62,6 +72,9 @@ class Inpaint(TaskSpec):
             masked_latents = ctx.encode(image * (mask < 0.5), rng.ENCODE_MASKED_IMAGE)
             return latents, [MaskedImageInput(mask_latent, masked_latents, ctx.cfg)]
         return latents, [LatentBlend(ctx, image_latents, mask_latent)]
+
+
+LATENT_FILLS = ("original", "latent noise", "latent nothing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +121,26 @@ def request(
     denoising_start: float | None = None,
     denoising_end: float | None = None,
     start_step: int | None = None,
+    fill: str = "original",
+    invert_mask: bool = False,
 ) -> TaskRequest:
-    """Inpaint `images` where `masks` are white. Images and masks are loaded, (cropped,) resized to `width` x
-    `height`; `paste_back` (default: on with `padding_mask_crop`) composites the originals back."""
+    """Inpaint `images` where `masks` are white (black with `invert_mask`). `fill` is what the masked region starts
+    from: "original" (the image, noised), "fill" (the image with the masked region filled by blurred surrounding
+    colours, A1111's "fill"), "latent noise" or "latent nothing" (A1111's latent fills). Images and masks are
+    loaded, (cropped,) resized to `width` x `height`; `paste_back` (default: on with `padding_mask_crop`)
+    composites the originals back."""
     images = [image_lib.load_image(im, "image") for im in images]
     masks = [image_lib.load_image(m, "mask_image") for m in masks]
     image_lib.check_same_size(images, masks)
+    if fill not in ("fill", *LATENT_FILLS):
+        raise ValueError(f"fill={fill!r} must be one of {['fill', *LATENT_FILLS]}")
+    if invert_mask:
+        from PIL import ImageOps
+
+        masks = [ImageOps.invert(m.convert("L")) for m in masks]
     masks = [image_lib.blur_mask(m, mask_blur) for m in masks]
+    if fill == "fill":
+        images = [image_lib.fill_masked(im, m) for im, m in zip(images, masks)]
     boxes = [None] * len(images)
     if padding_mask_crop is not None:
         if padding_mask_crop < 0:
@@ -133,7 +159,9 @@ def request(
     if not arrays["mask"].any():
         raise ValueError("mask_image: the mask is empty (no pixel >= 0.5), there is nothing to repaint")
     from_noise = strength == 1.0 and denoising_start is None and start_step is None
-    spec = Inpaint(from_noise=from_noise, add_noise=denoising_start is None)
+    spec = Inpaint(
+        from_noise=from_noise, add_noise=denoising_start is None, fill=fill if fill in LATENT_FILLS else "original"
+    )
     paste_back = padding_mask_crop is not None if paste_back is None else paste_back
     finish = None
     if paste_back:
