@@ -135,3 +135,48 @@ def test_page_shows_errors_and_recovers(page):
         page.wait_for_selector("figure.result")
         img = page.get_attribute("figure.result img", "src")
         assert metadata.read_parameters(base64.b64decode(img.split(",", 1)[1])).startswith("x\nSteps: 4")
+
+
+def test_inpaint_from_the_page(page, tmp_path, sd1_dir):
+    """Upload an init image, paint a mask over it, set the strength: the page sends an A1111 img2img request with
+    that image, the painted mask and the strength, and shows the inpainted result with its parameters."""
+    from PIL import Image
+
+    from sdjax import cli
+
+    pipe = cli.load_pipeline(str(sd1_dir), "float32")
+    init = np.random.default_rng(0).integers(0, 255, (8, 8, 3), np.uint8)
+    Image.fromarray(init).resize((64, 64), Image.NEAREST).save(tmp_path / "init.png")
+    with live_server(pipe, model_name="tiny", default_steps=3, warm=False) as server:
+        page.goto(server.url + "/")
+        page.wait_for_function("!document.getElementById('generate').disabled")
+        page.fill("#prompt", "a red hat")
+        page.fill("#seed", "3")
+        page.set_input_files("#init-image", str(tmp_path / "init.png"))
+        page.wait_for_selector("#paint.loaded")
+        assert page.input_value("#width") == "64" and page.input_value("#height") == "64"
+        # paint a broad stroke across the middle of the displayed mask
+        page.eval_on_selector("#brush", "e => { e.value = '64'; }")
+        box = page.query_selector("#mask-canvas").bounding_box()
+        y = box["y"] + box["height"] / 2
+        page.mouse.move(box["x"] + box["width"] * 0.2, y)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.8, y, steps=8)
+        page.mouse.up()
+        page.eval_on_selector("#strength", "e => { e.value = '0.5'; e.dispatchEvent(new Event('input')); }")
+        assert page.text_content("#strength-value") == "0.5"
+        with page.expect_request("**/sdapi/v1/img2img") as sent:
+            page.click("#generate")
+        body = sent.value.post_data_json
+        assert body["denoising_strength"] == 0.5 and body["init_images"][0].startswith("data:image/png;base64,")
+        mask = np.asarray(Image.open(__import__("io").BytesIO(base64.b64decode(body["mask"].split(",", 1)[1]))))
+        assert mask.shape[:2] == (64, 64)
+        painted = mask[..., 0] > 128
+        assert painted[32, 20:44].all() and not painted[:8].any()  # the stroke, and untouched rows
+        page.wait_for_function(
+            "document.querySelector('figure.result') || document.getElementById('status').classList.contains('error')",
+            timeout=120_000,
+        )
+        assert page.query_selector("figure.result"), page.text_content("#status")
+        params = page.text_content("figure.result pre.params")
+        assert "Denoising strength: 0.5" in params and "Mask blur: 4" in params

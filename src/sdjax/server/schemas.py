@@ -537,6 +537,24 @@ def _hires(body: A1111Txt2ImgRequest):
         raise FieldError("hr_scale", str(e)) from None
 
 
+def check_mask(
+    mask, *, blur: float, invert: bool, width: int, height: int, resize_mode: str, field: str = "mask"
+) -> None:
+    """The mask as the model will see it (inverted, blurred, resized, binarized at 0.5) must repaint something,
+    checked here so that an empty mask fails its request (422), not the batch it would join."""
+    from PIL import ImageOps
+
+    from sdjax.core import images as image_lib
+
+    m = ImageOps.invert(mask.convert("L")) if invert else mask.convert("L")
+    m = image_lib.resize(image_lib.blur_mask(m, blur), width, height, resize_mode)
+    if not image_lib.mask_array(m).any():
+        raise FieldError(
+            field,
+            "the mask repaints nothing (no pixel >= 0.5 after the mask blur): paint more, or use a smaller mask_blur",
+        )
+
+
 def resolve_a1111_img2img(
     body: A1111Img2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
 ) -> GenerationRequest:
@@ -558,8 +576,15 @@ def resolve_a1111_img2img(
         init_image=image, denoising_strength=strength, resize_mode=RESIZE_MODES[body.resize_mode]
     )
     if mask is not None:
-        if not any(mask.convert("L").getextrema()):
-            raise FieldError("mask", "the mask is black: nothing to repaint")
+        blur = float(body.mask_blur if body.mask_blur is not None else max(body.mask_blur_x, body.mask_blur_y))
+        check_mask(
+            mask,
+            blur=blur,
+            invert=bool(body.inpainting_mask_invert),
+            width=base.width,
+            height=base.height,
+            resize_mode=RESIZE_MODES[body.resize_mode],
+        )
         extra.update(
             mask_image=mask,
             mask_blur=float(body.mask_blur if body.mask_blur is not None else max(body.mask_blur_x, body.mask_blur_y)),
