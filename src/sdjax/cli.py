@@ -770,6 +770,12 @@ def serve(
     max_steps: Annotated[int, typer.Option(min=1, help="Most steps a request may ask for.")] = 150,
     max_images: Annotated[int, typer.Option(min=1, help="Most images one request may ask for.")] = 8,
     max_body_kb: Annotated[int, typer.Option(min=1, help="Largest request body in KiB (413 above).")] = 64,
+    max_programs: Annotated[
+        int, typer.Option(min=1, help="Compiled programs kept (least recently used out, their memory freed).")
+    ] = 16,
+    max_program_mb: Annotated[
+        int | None, typer.Option(min=1, help="Bound on the programs' generated code in MiB (GPU/TPU report it).")
+    ] = None,
     max_image_body_mb: Annotated[
         int, typer.Option(min=1, help="Largest body in MiB of the endpoints that carry images (img2img, edits).")
     ] = 48,
@@ -898,6 +904,8 @@ def serve(
         request_timeout_s=request_timeout,
         max_body_bytes=max_body_kb * 1024,
         max_image_body_bytes=max_image_body_mb * 1024 * 1024,
+        max_programs=max_programs,
+        max_program_bytes=None if max_program_mb is None else max_program_mb * 1024 * 1024,
         body_timeout_s=body_timeout,
         header_timeout_s=header_timeout,
         shutdown_timeout_s=shutdown_timeout,

@@ -199,3 +199,19 @@ def test_bad_hires_and_edit_input_is_named(server):
         assert r.status_code == 422 and "alpha" in r.json()["error"]["message"], r.text
         r = c.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", b"not an image")})
         assert r.status_code == 422 and r.json()["error"]["param"] == "image", r.text
+
+
+def test_pinned_server_compiles_nothing_for_guidance_below_one(pipe):
+    """`--pin` warms both programs (guidance above 1, and at most 1 where the unconditional half is skipped), and
+    `max_programs` bounds the cache; /metrics reports it."""
+    with live_server(pipe, model_name="tiny", default_steps=STEPS, pin=True, max_batch=1, max_programs=4) as s:
+        cache = pipe.generator.cache
+        assert cache.max_entries == 4
+        before = cache.stats.compiles
+        with client(s.url, timeout=120) as c:
+            for g in (7.5, 1.0, 0.0):
+                r = c.post("/sdapi/v1/txt2img", json={"prompt": "x", "steps": STEPS, "cfg_scale": g, "seed": 1})
+                assert r.status_code == 200, r.text
+            text = c.get("/metrics").text
+        assert cache.stats.compiles == before  # no request compiled
+        assert 'sdjax_program_cache{event="compiles"}' in text and "sdjax_compiled_programs" in text

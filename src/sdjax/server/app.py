@@ -134,6 +134,8 @@ class ServerConfig:
     warm_samplers: tuple[str, ...] = ()  # samplers compiled at start-up; () = the default sampler
     warm: bool = True
     pin: bool = False  # serve only the warm sizes x steps x samplers (422 otherwise): no request compiles
+    max_programs: int | None = None  # compiled programs kept (least recently used out, memory freed); None: 16
+    max_program_bytes: int | None = None  # ... and their generated code in bytes (GPU/TPU report it; CPU does not)
     limits: Limits = Limits()
     progress: bool = True  # per-step progress from the pipeline (for /sdapi/v1/progress)
     default_steps: int | None = None  # for requests without steps, and compiled at start-up; None: the pipeline's
@@ -170,6 +172,12 @@ def served_for(pipeline: Any, model_name: str, config: ServerConfig) -> Served:
     limits = config.limits
     if config.pin:
         limits = dataclasses.replace(limits, sizes=tuple(sizes), steps=tuple(steps), samplers=samplers)
+    cache = getattr(getattr(pipeline, "generator", None), "cache", None)
+    if cache is not None:  # the core's bounded cache of compiled programs
+        if config.max_programs is not None:
+            cache.max_entries = config.max_programs
+        if config.max_program_bytes is not None:
+            cache.max_bytes = config.max_program_bytes
     return Served(pipeline, model_name, defaults, limits, shapes, tuple(sizes))
 
 
@@ -191,6 +199,8 @@ def create_app(
     """A FastAPI app serving `pipeline`; `loader(path) -> pipeline` lets POST /sdapi/v1/options switch to another
     model of `config.models_dir`. The batcher starts and stops with the app's lifespan."""
     metrics = Metrics(config.max_batch)
+    if getattr(getattr(pipeline, "generator", None), "cache", None) is not None:
+        metrics.watch_cache(pipeline.generator.cache)
     box = {"served": served_for(pipeline, config.model_name, config)}
     batcher = Batcher(
         pipeline,
@@ -202,6 +212,7 @@ def create_app(
         max_queue_cost=config.max_queue_cost,
         warm_shapes=box["served"].warm_shapes,
         warm_guidance=box["served"].defaults.guidance_scale,
+        warm_no_guidance=config.pin,
         progress=config.progress,
     )
     files = FileStore(ttl_s=config.file_ttl_s, max_files=config.max_files, max_bytes=config.max_file_bytes)
@@ -549,6 +560,8 @@ def create_app(
                         "server_error",
                     ) from None
                 new = served_for(pipe, name, config)
+                if getattr(getattr(pipe, "generator", None), "cache", None) is not None:
+                    metrics.watch_cache(pipe.generator.cache)
                 batcher.set_pipeline(pipe)
                 box["served"] = new
                 if config.warm:

@@ -200,6 +200,7 @@ class Batcher:
         max_queue_cost: int | None = None,
         warm_shapes: Sequence[tuple[int, int, int, str]] = (),
         warm_guidance: float = 7.5,
+        warm_no_guidance: bool = False,
         progress: bool = True,
     ):
         if max_batch < 1:
@@ -214,6 +215,7 @@ class Batcher:
         self.max_queue_cost = max_queue_cost
         self.warm_shapes = tuple(warm_shapes)
         self.warm_guidance = warm_guidance
+        self.warm_no_guidance = warm_no_guidance
         self.use_progress = progress
         self.set_pipeline(pipeline)
         self.ready = False
@@ -277,13 +279,27 @@ class Batcher:
         """Compile each warm shape at each batch size by running it through the same call that serves requests
         (same progress and should_stop arguments, so the same program), on blank prompts."""
         t0 = time.perf_counter()
-        for steps, height, width, sampler in self.warm_shapes:
+        # Guidance above 1 and at most 1 are two programs (the unconditional half is skipped at <= 1): a pinned
+        # server warms both, so that no request compiles.
+        guidances = (
+            (self.warm_guidance, 1.0) if self.warm_guidance > 1 and self.warm_no_guidance else (self.warm_guidance,)
+        )
+        shapes = [(shape, g) for shape in self.warm_shapes for g in guidances]
+        for (steps, height, width, sampler), guidance in shapes:
             for size in self.batch_sizes:
                 if self.stopping:
                     return
-                log.info("compiling batch %d, %dx%d, %d steps, sampler %s", size, width, height, steps, sampler)
+                log.info(
+                    "compiling batch %d, %dx%d, %d steps, sampler %s, guidance %s",
+                    size,
+                    width,
+                    height,
+                    steps,
+                    sampler,
+                    guidance,
+                )
                 images = [
-                    ImageParameters("", "", steps, sampler, self.warm_guidance, 0, width, height, image_index=i)
+                    ImageParameters("", "", steps, sampler, guidance, 0, width, height, image_index=i)
                     for i in range(size)
                 ]
                 try:

@@ -64,6 +64,22 @@ class Metrics:
         self.errors = Counter("sdjax_batch_errors", "Batches that raised in the pipeline", registry=r)
         self.ready = Gauge("sdjax_ready", "1 once start-up compilation is done and the server takes work", registry=r)
         self.warmup_seconds = Gauge("sdjax_warmup_seconds", "Time spent compiling at start-up", registry=r)
+        self.programs = Gauge("sdjax_compiled_programs", "Compiled programs held by the generator's cache", registry=r)
+        self.program_events = Gauge(
+            "sdjax_program_cache",
+            "The generator's compile cache since start: compiles, hits, evictions",
+            ["event"],
+            registry=r,
+        )
+        self._cache = None
+
+    def watch_cache(self, cache) -> None:
+        """Report this compile cache (`sdjax.core.ProgramCache`) in /metrics."""
+        self._cache = cache
 
     def render(self) -> bytes:
+        if self._cache is not None:
+            self.programs.set(len(self._cache))
+            for event in ("compiles", "hits", "evictions"):
+                self.program_events.labels(event).set(getattr(self._cache.stats, event))
         return generate_latest(self.registry)
