@@ -22,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -407,7 +408,7 @@ def generate(
             if bars:
                 bars.stop()
             err.print(
-                f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}",
+                f"[red]error:[/red] could not load {model or 'the embedded model'}: {escape(str(e))}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -444,7 +445,9 @@ def generate(
                 refiner_pipe = load_pipeline(refiner, dtype)
             except Exception as e:
                 err.print(
-                    f"[red]error:[/red] could not load the refiner {refiner}: {e}", highlight=False, soft_wrap=True
+                    f"[red]error:[/red] could not load the refiner {refiner}: {escape(str(e))}",
+                    highlight=False,
+                    soft_wrap=True,
                 )
                 raise typer.Exit(1) from None
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
@@ -480,7 +483,7 @@ def generate(
             except ValueError as e:  # input only the pipeline can check (e.g. an empty mask)
                 if bars:
                     bars.stop()
-                err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+                err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
                 raise typer.Exit(2) from None
             reporter.end_batch()
         timings.generate = time.perf_counter() - t0
@@ -873,7 +876,7 @@ def serve(
             pipe = load_pipeline(model, dtype)
         except Exception as e:
             err.print(
-                f"[red]error:[/red] could not load {model or 'the embedded model'}: {e}",
+                f"[red]error:[/red] could not load {model or 'the embedded model'}: {escape(str(e))}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -1019,7 +1022,7 @@ def bench(
         with err.status("benchmarking") as status:
             result = bench_lib.run(cfg, log=lambda s: status.update(s))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     out = Console(width=None if sys.stdout.isatty() else 160)
     cols, rows = bench_lib.table_rows(result)
@@ -1035,6 +1038,67 @@ def bench(
 
 
 # ---------------------------------------------------------------------------------------------- pnginfo
+class Prediction(str, enum.Enum):
+    """What the UNet predicts (diffusers' `prediction_type`)."""
+
+    epsilon = "epsilon"
+    v_prediction = "v_prediction"
+
+
+@app.command(no_args_is_help=True)
+def convert(
+    checkpoint: Annotated[
+        Path, typer.Argument(exists=True, dir_okay=False, help="Single-file checkpoint (.safetensors).")
+    ],
+    out_dir: Annotated[Path, typer.Argument(file_okay=False, help="Diffusers folder to write.")],
+    dtype: Annotated[DType, typer.Option(help="Dtype of the written weights.")] = DType.float32,
+    prediction_type: Annotated[
+        Prediction | None,
+        typer.Option(help="Override what the UNet predicts, for SD 2.x files that cannot tell (768 models: v)."),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="Diffusers folder or Hub id whose configs and tokenizers to use instead of the embedded set."
+        ),
+    ] = None,
+    extract_ema: Annotated[bool, typer.Option(help="Write the EMA weights of files that hold both.")] = False,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(help="Read a pickled .ckpt/.pt with a restricted unpickler that cannot run code."),
+    ] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace the files of a non-empty OUT_DIR.")] = False,
+) -> None:
+    """Write a single-file checkpoint (original Stability/LDM layout) as a diffusers folder.
+
+    The folder loads in sdjax and in diffusers; it is written next to OUT_DIR and moved in only when complete.
+    """
+    from sdjax.loading.files import CheckpointError
+    from sdjax.loading.single_file import UnknownArchitectureError, convert_to_diffusers
+    from sdjax.models.convert import WeightLoadError
+
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    try:
+        out = convert_to_diffusers(
+            checkpoint,
+            out_dir,
+            overwrite=overwrite,
+            dtype=_jnp_dtype(dtype),
+            prediction_type=prediction_type.value if prediction_type else None,
+            config=config,
+            extract_ema=extract_ema,
+            allow_pickle=allow_pickle,
+        )
+    except (CheckpointError, UnknownArchitectureError, WeightLoadError, FileExistsError, ValueError) as e:
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    index = json.loads((out / "model_index.json").read_text())
+    console.print(
+        f"{index.get('_class_name', '?')} written to {out} in {time.perf_counter() - start:.1f} s", highlight=False
+    )
+
+
 @app.command(no_args_is_help=True)
 def pnginfo(
     files: Annotated[list[Path], typer.Argument(exists=True, dir_okay=False, help="PNG files.")],

@@ -827,3 +827,42 @@ def test_pipeline_from_single_file_generates_the_folders_images(single_file, sd1
         StableDiffusionXLPipeline.from_single_file(str(path), config=str(sd1_dir))
     xl = load_pipeline(str(single_file("sdxl")), config=str(sdxl_dir))[0]
     assert type(xl) is StableDiffusionXLPipeline
+
+
+def test_convert_command(single_file, sd1_dir, folder_load, tmp_path, monkeypatch):
+    """`sdjax convert FILE OUT_DIR` writes the folder (fp16 on request); a pickle, an existing folder and a failure
+    half-way are each an error with exit code 1 that names the cause and leaves no partial folder behind."""
+    from typer.testing import CliRunner
+
+    from sdjax import cli
+
+    runner = CliRunner()
+    out = tmp_path / "converted"
+    args = ["convert", str(single_file("sd1")), str(out), "--config", str(sd1_dir), "--dtype", "float16"]
+    res = runner.invoke(cli.app, args)
+    assert res.exit_code == 0, res.output
+    assert "StableDiffusionPipeline written to" in res.output
+    _, params, _ = load_pipeline_components(out)
+    _, want, _ = folder_load("sd1")
+    assert max_diff(params["unet"], want["unet"], round_to=np.float16) == 0.0
+    from safetensors import safe_open
+
+    with safe_open(out / "unet" / "diffusion_pytorch_model.safetensors", "np") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}  # noqa: SIM118 (safe_open is not iterable)
+
+    res = runner.invoke(cli.app, args)
+    assert res.exit_code == 1 and "not empty" in res.output
+
+    res = runner.invoke(cli.app, ["convert", str(single_file("sd1", pickle=True)), str(tmp_path / "p")])
+    assert res.exit_code == 1 and "pickle" in res.output.lower() and not (tmp_path / "p").exists()
+
+    def broken(loaded, folder):
+        (folder / "unet").mkdir()
+        (folder / "unet" / "config.json").write_text("{}")
+        raise ValueError("disk full while writing unet")
+
+    monkeypatch.setattr(sf, "_write_diffusers_folder", broken)
+    target = tmp_path / "half"
+    res = runner.invoke(cli.app, ["convert", str(single_file("sd1")), str(target), "--config", str(sd1_dir)])
+    assert res.exit_code == 1 and "disk full while writing unet" in res.output
+    assert not target.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]

@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -817,10 +818,6 @@ def convert_to_diffusers(
     (`vocab.json`, `merges.txt`, their special-token files) and `scheduler/scheduler_config.json`. An existing
     non-empty `out_dir` is an error unless `overwrite=True`.
     """
-    from safetensors.numpy import save_file
-
-    from sdjax.models.convert import params_to_state_dict
-
     out = Path(os.fspath(out_dir)).expanduser()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to write into it")
@@ -837,7 +834,30 @@ def convert_to_diffusers(
         overrides=None,
         **load_kwargs,
     )
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:  # written next to `out` and moved in only when complete: a failure leaves nothing half-written
+        _write_diffusers_folder(loaded, partial)
+        if not out.exists():
+            partial.rename(out)
+        else:
+            for entry in partial.iterdir():
+                target = out / entry.name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                elif target.exists() or target.is_symlink():
+                    target.unlink()
+                entry.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def _write_diffusers_folder(loaded: SingleFileLoad, out: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from sdjax.models.convert import params_to_state_dict
+
     index = {k: v for k, v in loaded.model_index.items() if k != "_single_file"}
     for name, (library, _) in files.component_entries(index).items():
         if library is None:
@@ -859,7 +879,6 @@ def convert_to_diffusers(
                 for f in ("vocab.json", "merges.txt"):
                     shutil.copyfile(CLIP_VOCAB_DIR / f, folder / f)
     _write_json(out / files.MODEL_INDEX, index)
-    return out
 
 
 def _leaves(tree: Any) -> Iterator[Any]:
