@@ -21,14 +21,16 @@ download. `memory_only` compiles the end-to-end executable against abstract para
 allocates no weights and reports XLA's memory analysis: how much a workload needs before buying the memory.
 
 With `torch=True` the same workload runs in PyTorch diffusers (same architecture, same dtype, random weights of
-its own, in a subprocess after the JAX part so both never hold weights at once) and the table gets the ratios
-`sdjax / torch` (< 1: sdjax faster). torch and diffusers are needed only for that.
+its own) in a worker process, timed side by side: for each piece both sides get a warm call, then the timed calls
+alternate between them (sdjax, torch, torch, sdjax, ...), so a machine shared with other work slows both alike and
+the ratios `sdjax / torch` (< 1: sdjax faster) hold even where absolute times do not. Both processes hold their
+weights meanwhile (SD 1.5 float32: about 4.5 GB each). torch and diffusers are needed only for that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -36,6 +38,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +108,25 @@ def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
         _block(fn())
         times.append(time.perf_counter() - t0)
     return {"median_s": statistics.median(times), "best_s": min(times)}
+
+
+def _time_side_by_side(fn: Callable[[], Any], worker: TorchWorker | None, piece: str, reps: int):
+    """`_time` of `fn` and, with a worker, the same number of torch calls of `piece` interleaved with it."""
+    if worker is None:
+        return _time(fn, reps), None
+    _block(fn())
+    first = worker.call(piece)
+    ours, theirs = [], []
+    for r in range(reps):
+        for side in ("jax", "torch") if r % 2 == 0 else ("torch", "jax"):
+            if side == "torch":
+                theirs.append(worker.call(piece))
+            else:
+                t0 = time.perf_counter()
+                _block(fn())
+                ours.append(time.perf_counter() - t0)
+    summary = {"median_s": statistics.median(ours), "best_s": min(ours)}
+    return summary, {"first_call_s": first, "median_s": statistics.median(theirs), "best_s": min(theirs)}
 
 
 def _flops(compiled) -> float | None:
@@ -196,7 +218,6 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
     dh, dw = pipe.default_size
     height, width = cfg.height or dh, cfg.width or dw
     pipe.validate(steps=cfg.steps, height=height, width=width, sampler=cfg.sampler)
-    b = cfg.batch
     result: dict[str, Any] = {
         "model": cfg.model or (f"random {cfg.arch}" if cfg.arch else "embedded"),
         "pipeline": type(pipe).__name__,
@@ -207,16 +228,35 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         "height": height,
         "width": width,
         "steps": cfg.steps,
-        "batch": b,
+        "batch": cfg.batch,
         "sampler": cfg.sampler or type(pipe.scheduler).__name__,
         "attention": cfg.attention,
         "reps": cfg.reps,
         "load_s": load_s,
     }
     # One device: the pieces and the end-to-end executable all run on the first device (no batch splitting).
+    pipe.devices = jax.devices()[:1]
+    if cfg.memory_only:
+        return _memory_only(pipe, params, cfg, result, height, width, log)
+    worker = None
+    if cfg.torch:
+        log("starting the PyTorch diffusers worker")
+        worker = TorchWorker(cfg, height, width)
+    try:
+        return _run_pieces(cfg, pipe, params, result, height, width, worker, log)
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _run_pieces(cfg, pipe, params, result, height, width, worker, log) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
     from sdjax.core import autoencoder
 
-    pipe.devices = jax.devices()[:1]
+    dtype = jnp.dtype(cfg.dtype)
+    b = cfg.batch
     gen = pipe.generator
     cond = gen.models.conditioning
     prompts = ["a photograph of an astronaut riding a horse"] * b
@@ -228,18 +268,17 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
     f = pipe.vae_scale_factor
     lat_shape = (b, pipe.vae.config.latent_channels, height // f, width // f)
 
-    if cfg.memory_only:
-        return _memory_only(pipe, params, cfg, result, height, width, log)
-
     def conditioning(p, inputs):
         return cond.encode(p, inputs, cfg=True)
 
     inputs = {k: jnp.asarray(v) for k, v in host.items()}
     pieces: dict[str, dict[str, Any]] = {}
+    torch_side: dict[str, Any] = {}
     log("compiling and timing the text encoder")
     text_c, s = _compile(conditioning, params, inputs)
     context, added = text_c(params, inputs)
-    pieces["text"] = {"compile_s": s, **_time(lambda: text_c(params, inputs), cfg.reps), "flops": _flops(text_c)}
+    timed, torch_side["text"] = _time_side_by_side(lambda: text_c(params, inputs), worker, "text", cfg.reps)
+    pieces["text"] = {"compile_s": s, **timed, "flops": _flops(text_c)}
 
     log("compiling and timing one UNet step")
     x = jnp.asarray(
@@ -252,11 +291,10 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         return pipe.unet.apply({"params": p["unet"]}, x, t, c, **a)
 
     unet_c, s = _compile(unet_step, params, x, t, context, added)
-    pieces["unet"] = {
-        "compile_s": s,
-        **_time(lambda: unet_c(params, x, t, context, added), cfg.reps),
-        "flops": _flops(unet_c),
-    }
+    timed, torch_side["unet"] = _time_side_by_side(
+        lambda: unet_c(params, x, t, context, added), worker, "unet", cfg.reps
+    )
+    pieces["unet"] = {"compile_s": s, **timed, "flops": _flops(unet_c)}
 
     log("compiling and timing the VAE decoder")
     z = jnp.asarray(np.random.default_rng(1).standard_normal(lat_shape, np.float32))
@@ -265,7 +303,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         return autoencoder.decode(pipe.vae, p["vae"], z, pipe.dtype)
 
     decode_c, s = _compile(decode, params, z)
-    pieces["decode"] = {"compile_s": s, **_time(lambda: decode_c(params, z), cfg.reps), "flops": _flops(decode_c)}
+    timed, torch_side["decode"] = _time_side_by_side(lambda: decode_c(params, z), worker, "decode", cfg.reps)
+    pieces["decode"] = {"compile_s": s, **timed, "flops": _flops(decode_c)}
 
     log(f"compiling and timing end-to-end generation ({cfg.steps} steps)")
     t0 = time.perf_counter()
@@ -278,7 +317,9 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
     )
     guidance = np.full((b,), 7.5, np.float32)
     extra = {k: v for k, v in host.items() if k not in ("ids", "neg_ids")}
-    e2e = _time(lambda: run_e2e(host["ids"], host["neg_ids"], keys, guidance, extra), cfg.reps)
+    e2e, torch_side["e2e"] = _time_side_by_side(
+        lambda: run_e2e(host["ids"], host["neg_ids"], keys, guidance, extra), worker, "e2e", cfg.reps
+    )
     flop_parts = [pieces[k]["flops"] for k in ("text", "unet", "decode")]
     e2e_flops = (
         None
@@ -300,11 +341,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         device_peak_bytes=_device_peak_bytes(),
         process_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
-    if cfg.torch:
-        del run_e2e, text_c, unet_c, decode_c, pipe, params
-        gc.collect()
-        log("running the same workload in PyTorch diffusers (subprocess)")
-        result["torch"] = run_torch(cfg, height, width)
+    if worker is not None:
+        result["torch"] = {**worker.info(), **torch_side}
         result["ratios"] = {
             k: result["pieces"][k]["median_s"] / result["torch"][k]["median_s"]
             for k in ("text", "unet", "decode", "e2e")
@@ -333,17 +371,58 @@ def _memory_only(pipe, params, cfg, result, height, width, log) -> dict[str, Any
 
 
 # ---------------------------------------------------------------------------------------------- PyTorch side
-def run_torch(cfg: BenchConfig, height: int, width: int) -> dict[str, Any]:
-    """The same workload in PyTorch diffusers, in a fresh Python process; returns its timings."""
-    spec = {"config": dataclasses.asdict(cfg), "height": height, "width": width}
-    code = (
-        "import json, sys; from sdjax.bench import _torch_worker; "
-        "print(json.dumps(_torch_worker(json.loads(sys.argv[1]))))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the PyTorch benchmark failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class TorchWorker:
+    """The same workload in PyTorch diffusers, in a worker process that times one piece per request.
+
+    Requests and replies are JSON lines on the worker's stdin and stdout (the worker sends whatever torch or
+    diffusers print to stderr, which goes to a temporary file shown if the worker fails).
+    """
+
+    def __init__(self, cfg: BenchConfig, height: int, width: int):
+        spec = {"config": dataclasses.asdict(cfg), "height": height, "width": width}
+        code = "import json, sys; from sdjax.bench import _torch_serve; _torch_serve(json.loads(sys.argv[1]))"
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+        self._info = self._request({"cmd": "ready"})
+
+    def _request(self, message: dict[str, Any]) -> Any:
+        try:
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self._proc.wait()
+            self._stderr.seek(0)
+            raise RuntimeError(
+                f"the PyTorch benchmark worker failed (exit {self._proc.returncode}):\n{self._stderr.read()[-3000:]}"
+            )
+        return json.loads(line)
+
+    def call(self, piece: str) -> float:
+        """Seconds one call of `piece` (text, unet, decode, e2e) took in torch."""
+        return float(self._request({"cmd": "run", "piece": piece})["s"])
+
+    def info(self) -> dict[str, Any]:
+        return {**self._info, **self._request({"cmd": "info"})}
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
 
 
 def _torch_pipeline(cfg: BenchConfig, torch_dtype):
@@ -397,9 +476,12 @@ def _torch_pipeline(cfg: BenchConfig, torch_dtype):
     )
 
 
-def _torch_worker(spec: dict) -> dict[str, Any]:
+def _torch_serve(spec: dict) -> None:
+    """The worker's loop (see `TorchWorker`)."""
     import torch
 
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # library prints go to stderr, the replies alone to the original stdout
     cfg = BenchConfig(**spec["config"])
     height, width, b = spec["height"], spec["width"], cfg.batch
     torch.set_num_threads(os.cpu_count() or 1)
@@ -416,54 +498,31 @@ def _torch_worker(spec: dict) -> dict[str, Any]:
         keys = {k: getattr(chosen, k) for k in chosen.config_keys()}
         pipe.scheduler = getattr(diffusers, chosen.diffusers_class).from_config({**pipe.scheduler.config, **keys})
 
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
-    def timed(fn):
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            first = time.perf_counter() - t0
-            times = []
-            for _ in range(cfg.reps):
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times.append(time.perf_counter() - t0)
-        return {"first_call_s": first, "median_s": statistics.median(times), "best_s": min(times)}
-
     prompts = ["a photograph of an astronaut riding a horse"] * b
     xl = hasattr(pipe, "text_encoder_2")
-    out: dict[str, Any] = {"device": dev, "threads": torch.get_num_threads(), "torch": torch.__version__}
     with torch.inference_mode():
         enc = pipe.encode_prompt(
             prompts, device=dev, num_images_per_prompt=1, do_classifier_free_guidance=True, negative_prompt=[""] * b
         )
-    out["text"] = timed(
-        lambda: pipe.encode_prompt(
-            prompts, device=dev, num_images_per_prompt=1, do_classifier_free_guidance=True, negative_prompt=[""] * b
-        )
-    )
+    context = torch.cat([enc[1], enc[0]])
+    added = {}
     if xl:
-        context = torch.cat([enc[1], enc[0]])
         pooled = torch.cat([enc[3], enc[2]])
         time_ids = torch.tensor([[height, width, 0, 0, height, width]] * (2 * b), dtype=torch_dtype, device=dev)
         added = {"added_cond_kwargs": {"text_embeds": pooled, "time_ids": time_ids}}
-    else:
-        context = torch.cat([enc[1], enc[0]])
-        added = {}
     f = pipe.vae_scale_factor
     c = pipe.unet.config.in_channels
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((2 * b, c, height // f, width // f), generator=gen).to(dev, torch_dtype)
     t = torch.full((2 * b,), 500.0, device=dev)
-    out["unet"] = timed(lambda: pipe.unet(x, t, encoder_hidden_states=context, **added))
     z = torch.randn((b, c, height // f, width // f), generator=gen).to(dev, torch_dtype)
-    out["decode"] = timed(lambda: pipe.vae.decode(z / pipe.vae.config.scaling_factor))
-    out["e2e"] = timed(
-        lambda: pipe(
+    pieces = {
+        "text": lambda: pipe.encode_prompt(
+            prompts, device=dev, num_images_per_prompt=1, do_classifier_free_guidance=True, negative_prompt=[""] * b
+        ),
+        "unet": lambda: pipe.unet(x, t, encoder_hidden_states=context, **added),
+        "decode": lambda: pipe.vae.decode(z / pipe.vae.config.scaling_factor),
+        "e2e": lambda: pipe(
             prompts,
             negative_prompt=[""] * b,
             num_inference_steps=cfg.steps,
@@ -471,12 +530,29 @@ def _torch_worker(spec: dict) -> dict[str, Any]:
             width=width,
             guidance_scale=7.5,
             output_type="np",
-        )
-    )
-    if dev == "cuda":
-        out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
-    out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return out
+        ),
+    }
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["cmd"] == "ready":
+            out: dict[str, Any] = {"device": dev, "threads": torch.get_num_threads(), "torch": torch.__version__}
+        elif request["cmd"] == "run":
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                pieces[request["piece"]]()
+                sync()
+                out = {"s": time.perf_counter() - t0}
+        else:  # info
+            out = {"process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            if dev == "cuda":
+                out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        reply.write(json.dumps(out) + "\n")
+        reply.flush()
 
 
 # ---------------------------------------------------------------------------------------------- report
