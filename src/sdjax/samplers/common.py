@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax import rng
 from sdjax.config import BOOKKEEPING_KEYS, ConfigError
 
 F32 = np.float32
@@ -348,6 +349,9 @@ class Sampler:
     steps_offset: int = 0
 
     diffusers_class: ClassVar[str] = ""
+    # diffusers' `scheduler.order`: model calls per step of the method (2 for Heun and DPM2, whose timesteps
+    # interleave the two stages). img2img starts at model call `t_start * order`, as diffusers' pipelines do.
+    order: ClassVar[int] = 1
     unused_keys: ClassVar[dict[str, Any]] = {}
     choices: ClassVar[dict[str, tuple]] = {}
     options: ClassVar[tuple[str, ...]] = ()
@@ -480,6 +484,41 @@ class Sampler:
     def stochastic(self) -> bool:
         """Whether `step` needs `noise` (the pipeline draws it from one key per image)."""
         return False
+
+    # ------------------------------------------------------------------------------- what the loop calls
+    def timesteps_for(self, num_inference_steps: int) -> np.ndarray:
+        """The values fed to the model, one per model call (length `num_model_calls(n)`), float32: diffusers'
+        `scheduler.timesteps` after `set_timesteps(n)`."""
+        return np.array(self._tables(num_inference_steps)["timesteps"], dtype=F32)
+
+    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """`original` noised to the level of model call `index` (absolute, may be traced): what diffusers'
+        `add_noise(original, noise, timesteps[index:index + 1])` returns after `set_begin_index(index)`.
+
+        This default is the variance-preserving forward process at alpha_bar(timesteps[index]) (DDIM, DDPM,
+        PNDM, LCM, TCD: diffusers looks alpha_bar up by timestep value). `index == num_model_calls` (no step
+        left: diffusers' pipelines refuse that strength) returns `original` unchanged. Sigma-space samplers
+        override it with the sigma at `index`."""
+        state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
+        n = state.timesteps.shape[0]
+        index = jnp.asarray(index, jnp.int32)
+        a = state.alphas_cumprod[to_index(state.timesteps[jnp.minimum(index, n - 1)])]
+        x0 = original.astype(jnp.float32)
+        noisy = a**0.5 * x0 + (1 - a) ** 0.5 * noise.astype(jnp.float32)
+        return jnp.where(index < n, noisy, x0).astype(original.dtype)
+
+    def draw_noise(self, keys: jax.Array, step_index, state, sample_shape) -> jax.Array:
+        """The noise `step` gets at model call `step_index` of a stochastic sampler, `(B, ...)` float32: a
+        standard normal drawn from each image's key (`sdjax.rng.step_noise`; `keys` are `(B, 2)` raw uint32
+        keys, or typed keys). The DPM++ SDE sampler overrides it with increments of a Brownian tree."""
+        shape = shape_tuple(sample_shape)
+        keys = rng.as_key_array(keys)
+        if keys.shape[0] != shape[0]:
+            raise ValueError(f"draw_noise: {keys.shape[0]} keys for a batch of {shape[0]} (sample_shape {shape})")
+        return rng.step_noise(keys, step_index, shape[1:])
+
+    _state_class: ClassVar[type] = object  # the sampler's state class (checked by `_checked`)
+    _ready_field: ClassVar[str | None] = None  # a state field that `set_timesteps` fills
 
     def _checked(self, state, cls, method: str, *, ready: str | None = None):
         """`state` cast to float32, after checking it is this sampler's (and, with `ready`, that

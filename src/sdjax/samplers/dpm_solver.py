@@ -245,6 +245,14 @@ class DPMSolverMultistep(Sampler):
         new_state = dataclasses.replace(state, model_outputs=outputs, lower_order_nums=lower)
         return prev.astype(sample.dtype), new_state
 
+    def add_noise_at(self, state: DPMSolverState, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
+        `set_begin_index`). `index == num_model_calls` is the final sigma (0: `original` itself)."""
+        state = self._checked(state, DPMSolverState, "add_noise_at", ready="model_outputs")
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
+        x0 = original.astype(jnp.float32)
+        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
+
     def add_noise(self, state: DPMSolverState, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
         """alpha_t x0 + sigma_t eps at the step whose timestep equals `timesteps` (diffusers' lookup: the second
         match if a value repeats, the last step if none matches)."""

@@ -108,6 +108,15 @@ class _SigmaSampler(Sampler):
         x0 = original.astype(jnp.float32)
         return (x0 + noise.astype(jnp.float32) * per_sample(sigma, x0.ndim)).astype(original.dtype)
 
+    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """x0 + sigma eps with the sigma of model call `index` (diffusers' `add_noise` after `set_begin_index`:
+        the sigma at the begin index, not a lookup by timestep value). `index == num_model_calls` is the final
+        sigma (0: `original` itself)."""
+        state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
+        sigma = state.sigmas[jnp.asarray(index, jnp.int32)]
+        x0 = original.astype(jnp.float32)
+        return (x0 + noise.astype(jnp.float32) * sigma).astype(original.dtype)
+
     _state_class = SigmaState
 
 

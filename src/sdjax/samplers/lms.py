@@ -70,6 +70,7 @@ class LMS(_SigmaSampler):
     unused_keys = {"use_beta_sigmas": (False, None)}
     choices = {"use_karras_sigmas": (False, True, None), "use_exponential_sigmas": (False, True, None)}
     _state_class = LMSState
+    _ready_field = "derivatives"
 
     def __post_init__(self):
         super().__post_init__()

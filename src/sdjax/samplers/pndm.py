@@ -54,6 +54,9 @@ class PNDM(Sampler):
     def _final_alpha_cumprod(self) -> np.float32:
         return F32(1.0) if self.set_alpha_to_one else self.alphas_cumprod[0]
 
+    _state_class = PNDMState
+    _ready_field = "ets"
+
     def create_state(self) -> PNDMState:
         T = self.num_train_timesteps
         return PNDMState(
