@@ -52,11 +52,19 @@ def prescribed_noise(scheduler):
         assert tuple(shape) == tuple(current[0].shape), (shape, current[0].shape)
         return torch.from_numpy(current[0].copy()).to(dtype or torch.float32)
 
+    def fake_tree(*args, **kwargs):  # DPMSolverSDE's Brownian-tree noise sampler: the same prescribed noise
+        return lambda sigma, sigma_next: torch.from_numpy(current[0].copy())
+
+    tree = getattr(module, "BrownianTreeNoiseSampler", None)
     module.randn_tensor = fake_randn
+    if tree is not None:
+        module.BrownianTreeNoiseSampler = fake_tree
     try:
         yield current
     finally:
         module.randn_tensor = original
+        if tree is not None:
+            module.BrownianTreeNoiseSampler = tree
 
 
 def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, init_sigma=None, **step_kwargs):

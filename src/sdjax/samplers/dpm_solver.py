@@ -22,8 +22,7 @@ from sdjax.samplers.common import (
     F32,
     Sampler,
     alpha_sigma_x0,
-    exponential_sigmas,
-    karras_sigmas,
+    convert_sigmas,
     match_step_index,
     per_sample,
     push,
@@ -56,6 +55,14 @@ def _lambda(alpha_t, sigma_t):
     return jnp.log(alpha_t) - jnp.log(sigma_t)
 
 
+def lambda_clipped_end(alphas_cumprod: np.ndarray, lambda_min_clipped: float) -> int:
+    """One past the last training timestep whose half-log-SNR lambda is at least `lambda_min_clipped` (diffusers
+    cuts the timesteps below it from the top of the grid; it matters for the cosine schedule)."""
+    ac = alphas_cumprod
+    lambdas = np.log(np.sqrt(ac)) - np.log(np.sqrt(F32(1) - ac))
+    return len(ac) - int(np.searchsorted(lambdas[::-1], lambda_min_clipped, side="left"))
+
+
 @dataclasses.dataclass(frozen=True)
 class DPMSolverMultistep(Sampler):
     """diffusers `DPMSolverMultistepScheduler` (data-prediction algorithms only)."""
@@ -68,16 +75,20 @@ class DPMSolverMultistep(Sampler):
     euler_at_final: bool = False
     use_karras_sigmas: bool = False
     use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     final_sigmas_type: str = "zero"
     lambda_min_clipped: float = -float("inf")
     rescale_betas_zero_snr: bool = False
 
     diffusers_class = "DPMSolverMultistepScheduler"
+    value_aliases = {
+        "algorithm_type": {"deis": "dpmsolver++"},
+        "solver_type": {"logrho": "midpoint", "bh1": "midpoint", "bh2": "midpoint"},
+    }
     unused_keys = {
         "thresholding": (False,),
         "dynamic_thresholding_ratio": ANY,
         "sample_max_value": ANY,
-        "use_beta_sigmas": (False, None),
         "use_lu_lambdas": (False, None),
         "use_flow_sigmas": (False, None),
         "flow_shift": ANY,
@@ -92,12 +103,8 @@ class DPMSolverMultistep(Sampler):
         "final_sigmas_type": ("zero", "sigma_min"),
         "use_karras_sigmas": (False, True, None),
         "use_exponential_sigmas": (False, True, None),
+        "use_beta_sigmas": (False, True, None),
     }
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.use_karras_sigmas and self.use_exponential_sigmas:
-            raise ValueError("DPMSolverMultistep: use_karras_sigmas and use_exponential_sigmas are exclusive")
 
     @property
     def stochastic(self) -> bool:
@@ -118,9 +125,7 @@ class DPMSolverMultistep(Sampler):
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
         T = self.num_train_timesteps
         ac = self._sigma_alphas_cumprod()
-        # Timesteps whose lambda is below lambda_min_clipped are cut from the top of the grid.
-        lambdas = np.log(np.sqrt(ac)) - np.log(np.sqrt(F32(1) - ac))
-        last = T - int(np.searchsorted(lambdas[::-1], self.lambda_min_clipped, side="left"))
+        last = lambda_clipped_end(ac, self.lambda_min_clipped)
         if self.timestep_spacing == "linspace":
             timesteps = np.linspace(0, last - 1, n + 1).round()[::-1][:-1].astype(np.int64)
         elif self.timestep_spacing == "leading":
@@ -130,9 +135,9 @@ class DPMSolverMultistep(Sampler):
             timesteps = np.arange(last, 0, -T / n).round().astype(np.int64) - 1
         sigmas = train_sigmas(ac)
         log_sigmas = np.log(sigmas)
-        if self.use_karras_sigmas or self.use_exponential_sigmas:
-            lo, hi = sigmas[0].item(), sigmas[-1].item()
-            sigmas = (karras_sigmas if self.use_karras_sigmas else exponential_sigmas)(lo, hi, n)
+        converted = convert_sigmas(self, sigmas[::-1], n)
+        if converted is not None:
+            sigmas = converted
             t = sigma_to_t(sigmas, log_sigmas)
             if self.use_karras_sigmas and self.beta_schedule != "squaredcos_cap_v2":
                 t = t.round()
