@@ -179,8 +179,10 @@ class DPMSolverSDE(_SigmaSampler):
         for the first stage, [sigma, sigma_next] for the second (equal ends, hence no noise, on the last step)."""
         state = self._checked(state, DPMSolverSDEState, "noise_interval", ready="second")
         first, sigma, sigma_next, sigma_mid = self._stage(state, step_index)
-        sigma_to = jnp.where(sigma_next == 0, sigma, jnp.where(first, sigma_mid, sigma_next))
-        return sigma, sigma_to
+        # As diffusers asks its noise sampler: both ends through t = -log sigma and back.
+        sigma_from = _sigma(_t(sigma))
+        sigma_to = jnp.where(sigma_next == 0, sigma_from, jnp.where(first, sigma_mid, _sigma(_t(sigma_next))))
+        return sigma_from, sigma_to
 
     def draw_noise(self, keys: jax.Array, step_index, state: DPMSolverSDEState, sample_shape) -> jax.Array:
         """The normalised Brownian-tree increment over this call's sigma interval, one tree per image key on
