@@ -386,7 +386,7 @@ def test_dpm2_ancestral_split_is_exact():
         bound = 16 * 2.0**-23 * sig**2
         ok = nxt > 0  # the last step targets sigma 0 (no split)
         np.testing.assert_allclose((up**2 + down**2)[ok], (nxt**2)[ok], rtol=1e-6)
-        assert (np.abs(down**2 - nxt**4 / sig**2)[ok] <= bound[ok]).all()
+        assert (np.abs(down[ok] ** 2 - nxt[ok] ** 4 / sig[ok] ** 2) <= bound[ok]).all()
 
 
 def test_num_model_calls():
@@ -428,6 +428,15 @@ def test_train_schedule_matches_diffusers():
         ("dpmpp_2m", {}),
         ("dpmpp_2m_karras", {}),
         ("euler", ZERO_SNR),
+        ("heun", {}),
+        ("dpm2_karras", {}),
+        ("dpm2_a", {}),
+        ("dpmpp_sde", {}),
+        ("dpmpp_2s_a_karras", {}),
+        ("unipc", ZERO_SNR),
+        ("deis", {}),
+        ("lcm", {}),
+        ("tcd", {}),
     ],
 )
 def test_add_noise_matches_diffusers(name, extra):

@@ -1,10 +1,17 @@
 """Samplers: pure functions over a float32 state pytree, one file per family, each matching the diffusers
 scheduler of the same name and config (see docs/DEVELOPING.md for the contract).
 
-`get_sampler(name_or_config, base_config=None, **overrides)` builds one by registry name (`"euler_a"`), by
-diffusers class name (`"EulerAncestralDiscreteScheduler"`) or by AUTOMATIC1111 name (`"Euler a"`), starting from
-a pipeline's existing scheduler config the way diffusers' `Scheduler.from_config(pipe.scheduler.config)` swaps
-schedulers; or from a `scheduler_config.json` dict (dispatching on `_class_name`).
+`get_sampler(name_or_config, base_config=None, *, schedule=None, **overrides)` builds one by registry name
+(`"euler_a"`), by diffusers class name (`"EulerAncestralDiscreteScheduler"`) or by AUTOMATIC1111 name (`"Euler a"`),
+starting from a pipeline's existing scheduler config the way diffusers' `Scheduler.from_config(pipe.scheduler.config)`
+swaps schedulers; or from a `scheduler_config.json` dict (dispatching on `_class_name`). `schedule` applies an A1111
+schedule name (`sdjax.samplers.schedules`). `from_a1111(sampler_name, scheduler_name, base_config)` applies A1111's
+own semantics (its "Automatic" schedule per sampler, legacy names such as "DPM++ 2M Karras"); `a1111_samplers()` and
+`a1111_schedulers()` are A1111's `/sdapi/v1/samplers` and `/sdapi/v1/schedulers` responses (`sdjax.samplers.a1111`).
+
+Families: PNDM/PLMS (pndm.py), DDIM, DDPM, Euler and Euler a (euler.py), LMS, DPM-Solver++ multistep incl. the SDE
+variants (dpm_solver.py), singlestep (dpm_singlestep.py), DPM++ SDE with its Brownian tree (dpm_sde.py), Heun,
+DPM2 and DPM2 a (kdpm2.py), UniPC, DEIS, LCM and TCD (lcm.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import numpy as np
 from sdjax.samplers.common import (
     ANY,
     F32,
-    Sampler,
     alpha_sigma_x0,
     convert_sigmas,
     push,
@@ -29,7 +28,7 @@ from sdjax.samplers.common import (
     state_class,
     train_sigmas,
 )
-from sdjax.samplers.dpm_solver import _alpha_sigma, _lambda
+from sdjax.samplers.dpm_solver import VPSigmaSampler, _alpha_sigma, _lambda
 from sdjax.samplers.unipc import multistep_spaced
 
 
@@ -55,7 +54,7 @@ def _ind3(t, b, c, d):
 
 
 @dataclasses.dataclass(frozen=True)
-class DEIS(Sampler):
+class DEIS(VPSigmaSampler):
     """diffusers `DEISMultistepScheduler` (algorithm "deis", solver "logrho")."""
 
     timestep_spacing: str = "linspace"
@@ -124,20 +123,6 @@ class DEIS(Sampler):
             lower_order_nums=jnp.zeros((), jnp.float32),
             **tables,
         )
-
-    def init_noise_sigma(self, state) -> jax.Array:
-        return jnp.float32(1.0)
-
-    def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
-        return sample
-
-    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
-        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
-        `set_begin_index`); `index == num_model_calls` is the final sigma."""
-        state = self._checked(state, DEISState, "add_noise_at", ready="model_outputs")
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
-        x0 = original.astype(jnp.float32)
-        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
 
     def step(self, state: DEISState, model_output: jax.Array, step_index, sample: jax.Array, noise=None):
         state = self._checked(state, DEISState, "step", ready="model_outputs")

@@ -24,7 +24,6 @@ import numpy as np
 from sdjax.samplers.common import (
     ANY,
     F32,
-    Sampler,
     alpha_sigma_x0,
     convert_sigmas,
     push,
@@ -35,7 +34,7 @@ from sdjax.samplers.common import (
     state_class,
     train_sigmas,
 )
-from sdjax.samplers.dpm_solver import _alpha_sigma, _lambda, lambda_clipped_end
+from sdjax.samplers.dpm_solver import VPSigmaSampler, _alpha_sigma, _lambda, lambda_clipped_end
 
 
 @state_class
@@ -71,7 +70,7 @@ def order_list(n: int, order: int, lower_order_final: bool, final_sigmas_type: s
 
 
 @dataclasses.dataclass(frozen=True)
-class DPMSolverSinglestep(Sampler):
+class DPMSolverSinglestep(VPSigmaSampler):
     """diffusers `DPMSolverSinglestepScheduler` (data-prediction algorithms; no timestep spacing: its grid is
     always linspace up to the lambda-clipped end)."""
 
@@ -163,20 +162,6 @@ class DPMSolverSinglestep(Sampler):
             sample=jnp.zeros(shape, jnp.float32),
             **tables,
         )
-
-    def init_noise_sigma(self, state) -> jax.Array:
-        return jnp.float32(1.0)
-
-    def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
-        return sample
-
-    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
-        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
-        `set_begin_index`); `index == num_model_calls` is the final sigma."""
-        state = self._checked(state, DPMSolverSinglestepState, "add_noise_at", ready="model_outputs")
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
-        x0 = original.astype(jnp.float32)
-        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
 
     def step(self, state: DPMSolverSinglestepState, model_output: jax.Array, step_index, sample: jax.Array, noise=None):
         state = self._checked(state, DPMSolverSinglestepState, "step", ready="model_outputs")

@@ -63,8 +63,38 @@ def lambda_clipped_end(alphas_cumprod: np.ndarray, lambda_min_clipped: float) ->
     return len(ac) - int(np.searchsorted(lambdas[::-1], lambda_min_clipped, side="left"))
 
 
+class VPSigmaSampler(Sampler):
+    """What the DPM-Solver family shares (multistep, singlestep, UniPC, DEIS): the sample is in the variance-
+    preserving parameterisation (unscaled model input, unit initial noise), the schedule is kept as k-diffusion
+    sigmas, and noise is added as alpha_t x0 + sigma_t eps with alpha_t = 1 / sqrt(sigma^2 + 1)."""
+
+    def init_noise_sigma(self, state) -> jax.Array:
+        return jnp.float32(1.0)
+
+    def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
+        return sample
+
+    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
+        `set_begin_index`). `index == num_model_calls` is the final sigma (0: `original` itself)."""
+        state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
+        x0 = original.astype(jnp.float32)
+        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
+
+    def add_noise(self, state, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
+        """alpha_t x0 + sigma_t eps at the step whose timestep equals `timesteps` (diffusers' lookup: the second
+        match if a value repeats, the last step if none matches)."""
+        state = self._checked(state, self._state_class, "add_noise")
+        index, _ = match_step_index(state.timesteps, timesteps, missing=state.timesteps.shape[0] - 1)
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[index])
+        x0 = original.astype(jnp.float32)
+        out = per_sample(alpha_t, x0.ndim) * x0 + per_sample(sigma_t, x0.ndim) * noise.astype(jnp.float32)
+        return out.astype(original.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class DPMSolverMultistep(Sampler):
+class DPMSolverMultistep(VPSigmaSampler):
     """diffusers `DPMSolverMultistepScheduler` (data-prediction algorithms only)."""
 
     timestep_spacing: str = "linspace"
@@ -81,6 +111,8 @@ class DPMSolverMultistep(Sampler):
     rescale_betas_zero_snr: bool = False
 
     diffusers_class = "DPMSolverMultistepScheduler"
+    _state_class = DPMSolverState
+    _ready_field = "model_outputs"
     value_aliases = {
         "algorithm_type": {"deis": "dpmsolver++"},
         "solver_type": {"logrho": "midpoint", "bh1": "midpoint", "bh2": "midpoint"},
@@ -157,12 +189,6 @@ class DPMSolverMultistep(Sampler):
             model_outputs=jnp.zeros((self.solver_order,) + shape_tuple(shape), jnp.float32),
             lower_order_nums=jnp.zeros((), jnp.float32),
         )
-
-    def init_noise_sigma(self, state: DPMSolverState) -> jax.Array:
-        return jnp.float32(1.0)
-
-    def scale_model_input(self, state: DPMSolverState, sample: jax.Array, step_index) -> jax.Array:
-        return sample
 
     def _order(self, step_index, num_steps: int, lower_order_nums) -> jax.Array:
         """The solver order diffusers uses at this step (1, 2 or 3)."""
@@ -249,21 +275,3 @@ class DPMSolverMultistep(Sampler):
         lower = jnp.minimum(state.lower_order_nums + 1, self.solver_order)
         new_state = dataclasses.replace(state, model_outputs=outputs, lower_order_nums=lower)
         return prev.astype(sample.dtype), new_state
-
-    def add_noise_at(self, state: DPMSolverState, original: jax.Array, noise: jax.Array, index) -> jax.Array:
-        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
-        `set_begin_index`). `index == num_model_calls` is the final sigma (0: `original` itself)."""
-        state = self._checked(state, DPMSolverState, "add_noise_at", ready="model_outputs")
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
-        x0 = original.astype(jnp.float32)
-        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
-
-    def add_noise(self, state: DPMSolverState, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
-        """alpha_t x0 + sigma_t eps at the step whose timestep equals `timesteps` (diffusers' lookup: the second
-        match if a value repeats, the last step if none matches)."""
-        state = self._checked(state, DPMSolverState, "add_noise")
-        index, _ = match_step_index(state.timesteps, timesteps, missing=state.timesteps.shape[0] - 1)
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[index])
-        x0 = original.astype(jnp.float32)
-        out = per_sample(alpha_t, x0.ndim) * x0 + per_sample(sigma_t, x0.ndim) * noise.astype(jnp.float32)
-        return out.astype(original.dtype)

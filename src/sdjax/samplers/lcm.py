@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.samplers.common import ANY, F32, Sampler, alpha_space_x0_eps, require_noise, state_class
+from sdjax.samplers.ddim import add_noise_vp
 
 
 @state_class
@@ -85,6 +86,11 @@ class _Consistency(Sampler):
 
     def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
         return sample
+
+    def add_noise(self, state, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
+        """The forward process at integer timesteps (diffusers' `add_noise`: alpha_bar looked up by value)."""
+        state = self._checked(state, ConsistencyState, "add_noise")
+        return add_noise_vp(state.alphas_cumprod, original, noise, timesteps)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,6 @@ import numpy as np
 from sdjax.samplers.common import (
     ANY,
     F32,
-    Sampler,
     alpha_sigma_x0,
     convert_sigmas,
     push,
@@ -36,7 +35,7 @@ from sdjax.samplers.common import (
     state_class,
     train_sigmas,
 )
-from sdjax.samplers.dpm_solver import _alpha_sigma, _lambda
+from sdjax.samplers.dpm_solver import VPSigmaSampler, _alpha_sigma, _lambda
 from sdjax.samplers.euler import _zero_snr_alphas_cumprod
 
 
@@ -77,7 +76,7 @@ def _b_coefficients(hh, b_h, order: int) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
-class UniPC(Sampler):
+class UniPC(VPSigmaSampler):
     """diffusers `UniPCMultistepScheduler` (no `solver_p`, no thresholding, no flow sigmas)."""
 
     timestep_spacing: str = "linspace"
@@ -173,20 +172,6 @@ class UniPC(Sampler):
             this_order=zero,
             **tables,
         )
-
-    def init_noise_sigma(self, state) -> jax.Array:
-        return jnp.float32(1.0)
-
-    def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
-        return sample
-
-    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
-        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
-        `set_begin_index`); `index == num_model_calls` is the final sigma."""
-        state = self._checked(state, UniPCState, "add_noise_at", ready="model_outputs")
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
-        x0 = original.astype(jnp.float32)
-        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
 
     # ------------------------------------------------------------------------------------------- update
     def _convert(self, model_output, sample, sigma):
