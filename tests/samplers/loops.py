@@ -52,11 +52,19 @@ def prescribed_noise(scheduler):
         assert tuple(shape) == tuple(current[0].shape), (shape, current[0].shape)
         return torch.from_numpy(current[0].copy()).to(dtype or torch.float32)
 
+    def fake_tree(*args, **kwargs):  # DPMSolverSDE's Brownian-tree noise sampler: the same prescribed noise
+        return lambda sigma, sigma_next: torch.from_numpy(current[0].copy())
+
+    tree = getattr(module, "BrownianTreeNoiseSampler", None)
     module.randn_tensor = fake_randn
+    if tree is not None:
+        module.BrownianTreeNoiseSampler = fake_tree
     try:
         yield current
     finally:
         module.randn_tensor = original
+        if tree is not None:
+            module.BrownianTreeNoiseSampler = tree
 
 
 def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, init_sigma=None, **step_kwargs):
@@ -105,3 +113,25 @@ def run_jax(sampler, num_inference_steps: int, x0, noises, state=None):
     traj = jnp.zeros((calls,) + x0.shape, jnp.float32)
     _, _, traj = jax.lax.fori_loop(0, calls, body, (x, state, traj))
     return state.timesteps, sampler.init_noise_sigma(state), traj
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def run_jax_drawn(sampler, num_inference_steps: int, x0, keys):
+    """sdjax's loop as the generation core runs it: a stochastic sampler's noise comes from its own
+    `draw_noise(keys, i, state, shape)` (one key per image). -> (timesteps, init_noise_sigma, trajectory, the
+    noise drawn at each call)."""
+    state = sampler.set_timesteps(sampler.create_state(), num_inference_steps, x0.shape)
+    x = x0 * sampler.init_noise_sigma(state)
+    calls = sampler.num_model_calls(num_inference_steps)
+
+    def body(i, carry):
+        x, st, traj, drawn = carry
+        x_in = sampler.scale_model_input(st, x, i)
+        eps = fake_model_jax(x_in, st.timesteps[i])
+        noise = sampler.draw_noise(keys, i, st, x.shape) if sampler.stochastic else jnp.zeros_like(x)
+        x, st = sampler.step(st, eps, i, x, noise=noise if sampler.stochastic else None)
+        return x, st, traj.at[i].set(x), drawn.at[i].set(noise)
+
+    traj = jnp.zeros((calls,) + x0.shape, jnp.float32)
+    _, _, traj, drawn = jax.lax.fori_loop(0, calls, body, (x, state, traj, traj))
+    return state.timesteps, sampler.init_noise_sigma(state), traj, drawn

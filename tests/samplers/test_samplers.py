@@ -27,7 +27,10 @@ import pytest
 from sdjax import samplers
 from sdjax.config import ConfigError
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy 2 `__array__` notes from diffusers
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # numpy 2 `__array__` notes from diffusers
+    pytest.mark.filterwarnings("ignore:.*expects a model distilled for it:UserWarning"),  # LCM/TCD on SD configs
+]
 
 diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
@@ -85,7 +88,7 @@ ZERO_SNR = {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing", "pre
 
 
 def case(name, base, n=10, **extra):
-    options = {k: extra.pop(k) for k in list(extra) if k == "eta"}
+    options = {k: extra.pop(k) for k in list(extra) if k in ("eta", "s_noise")}
     label = "-".join([name, base["_class_name"][:4], str(n)] + [f"{k}={v}" for k, v in {**extra, **options}.items()])
     return pytest.param(name, base, n, extra, options, id=label)
 
@@ -141,6 +144,68 @@ PARITY = [
     case("dpmpp_2m_sde", SD1),
     case("dpmpp_2m_sde_karras", SD2, 25),
     case("dpmpp_2m_sde", SD1, solver_type="heun", solver_order=3, use_exponential_sigmas=True),
+    case("dpmpp_2m", SD1, use_beta_sigmas=True),
+    case("dpmpp_2m_sde_heun", SD1),
+    case("dpmpp_2m_sde_heun_karras", SD2, 15),
+    case("dpmpp_3m_sde", SD1),
+    case("dpmpp_3m_sde_karras", SD2, 25),
+    case("dpmpp_3m_sde", SD1, **ZERO_SNR),
+    # Euler / LMS with beta sigmas
+    case("euler", SDXL, use_beta_sigmas=True),
+    case("lms", SD1, use_beta_sigmas=True),
+    # Heun (two model calls per step, interleaved)
+    case("heun", SD1),
+    case("heun", SD2, timestep_spacing="trailing"),
+    case("heun_karras", SDXL),
+    case("heun", SD1, use_exponential_sigmas=True),
+    case("heun", SD1, use_beta_sigmas=True),
+    case("heun", SD1, prediction_type="sample", clip_sample=True),
+    # DPM2 and DPM2 a
+    case("dpm2", SD1),
+    case("dpm2_karras", SD2),
+    case("dpm2", SDXL, use_beta_sigmas=True),
+    case("dpm2_a", SD1),
+    case("dpm2_a_karras", SD2, 15),
+    case("dpm2_a", SD1, timestep_spacing="trailing", use_exponential_sigmas=True),
+    # DPM++ SDE (injected noise: the Brownian tree is tested in test_dpm_sde.py)
+    case("dpmpp_sde", SD1),
+    case("dpmpp_sde_karras", SD2),
+    case("dpmpp_sde", SDXL, 15),
+    case("dpmpp_sde", SD1, use_beta_sigmas=True, s_noise=0.5),
+    # DPM-Solver++ singlestep ("DPM++ 2S a" is its SDE form)
+    case("dpmpp_2s_a", SD1),
+    case("dpmpp_2s_a_karras", SD2),
+    case("dpmpp_2s", SD1, 12, solver_order=3),
+    case("dpmpp_2s", SD1, 12, solver_order=3, solver_type="heun", final_sigmas_type="sigma_min"),
+    case("dpmpp_2s_a", SD1, 8, solver_type="heun", lower_order_final=False, final_sigmas_type="sigma_min"),
+    case("dpmpp_2s", SD1, beta_schedule="squaredcos_cap_v2", lambda_min_clipped=-5.1, use_exponential_sigmas=True),
+    # UniPC
+    case("unipc", SD1),
+    case("unipc", SD2, 25),
+    case("unipc", SD1, solver_order=3),
+    case("unipc_bh1", SD1, solver_order=3, final_sigmas_type="sigma_min"),
+    case("unipc", SD1, **ZERO_SNR),
+    case("unipc", SD1, use_karras_sigmas=True, final_sigmas_type="sigma_min"),
+    case("unipc", SD1, use_beta_sigmas=True),
+    case("unipc", SD1, predict_x0=False, solver_order=3, final_sigmas_type="sigma_min"),
+    case("unipc", SD1, disable_corrector=[0, 3], timestep_spacing="leading"),
+    case("unipc", SD1, 7, lower_order_final=False, solver_order=3, final_sigmas_type="sigma_min"),
+    case("unipc_bh1", SD1, solver_order=3),  # diffusers: NaN on the last step (compared before it)
+    case("unipc", SD2, predict_x0=False),  # likewise
+    # DEIS
+    case("deis", SD1),
+    case("deis", SD2, 20),
+    case("deis", SD1, solver_order=3),
+    case("deis", SD1, use_karras_sigmas=True),
+    case("deis", SD1, 16, solver_order=3, timestep_spacing="trailing"),
+    # LCM and TCD (few steps)
+    case("lcm", SD1, 4),
+    case("lcm", SD2, 8),
+    case("lcm", SD1, 4, clip_sample=True, original_inference_steps=25),
+    case("lcm", SD1, 6, **ZERO_SNR),
+    case("tcd", SD1, 4),
+    case("tcd", SD2, 8, eta=0.0),
+    case("tcd", SD1, 4, eta=1.0, set_alpha_to_one=False),
 ]
 
 
@@ -157,10 +222,24 @@ def step_scales(ref, initial):
     return np.maximum(1.0, scale).reshape((-1,) + (1,) * (ref.ndim - 1))
 
 
-def assert_trajectory_close(ours, ref, initial, what=""):
+def diffusers_nan_last(sampler) -> bool:
+    """Whether diffusers' last step is NaN for this config (UniPC bh1 or noise prediction down to sigma 0: an
+    infinite factor times zero), where sdjax returns the finite limit (see `sdjax.samplers.unipc`)."""
+    return (
+        sampler.diffusers_class == "UniPCMultistepScheduler"
+        and (sampler.solver_type == "bh1" or not sampler.predict_x0)
+        and sampler.final_sigmas_type == "zero"
+    )
+
+
+def assert_trajectory_close(ours, ref, initial, what="", *, nan_last=False):
     """|ours - ref| <= 1e-5 * |ref| + 1e-5 * (the step's scale) + 1e-7 * (largest scale so far), elementwise,
     every step. The last term is about one float32 ulp of the largest value the loop has handled: rounding
-    noise made there persists (zero-SNR sigma-space samplers start at 4096 * latents)."""
+    noise made there persists (zero-SNR sigma-space samplers start at 4096 * latents). With `nan_last` (see
+    `diffusers_nan_last`) diffusers' last step must be NaN and ours finite; the steps before are compared."""
+    if nan_last:
+        assert np.isnan(ref[-1]).any() and np.isfinite(ours).all(), what
+        ours, ref = ours[:-1], ref[:-1]
     scales = step_scales(ref, initial)
     seen = np.maximum.accumulate(scales, axis=0)
     err = np.abs(ours - ref) - 1e-5 * np.abs(ref) - 1e-5 * scales - 1e-7 * seen
@@ -185,7 +264,9 @@ def test_full_loop_matches_diffusers(name, base, n, extra, options):
         np.testing.assert_array_equal(t_ours, t_ref.astype(np.float32))
     np.testing.assert_allclose(sigma_ours, sigma_ref, rtol=1e-6)
     assert np.isfinite(traj_ours).all()
-    assert_trajectory_close(traj_ours, traj_ref, x0 * sigma_ours, f"{name} {extra}")
+    assert_trajectory_close(
+        traj_ours, traj_ref, x0 * sigma_ours, f"{name} {extra}", nan_last=diffusers_nan_last(sampler)
+    )
 
 
 @pytest.mark.parametrize(
@@ -203,32 +284,120 @@ def test_full_loop_matches_diffusers(name, base, n, extra, options):
         "dpmpp_2m",
         "dpmpp_2m_karras",
         "dpmpp_2m_sde",
+        "heun",
+        "heun_karras",
+        "dpm2",
+        "dpm2_karras",
+        "dpm2_a",
+        "dpm2_a_karras",
+        "dpmpp_sde",
+        "dpmpp_sde_karras",
+        "dpmpp_2s_a",
+        "dpmpp_2s_a_karras",
+        "unipc",
+        "deis",
+        "lcm",
+        "tcd",
     ],
 )
 @pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
 def test_timesteps_and_sigmas_match_diffusers(name, spacing):
     """Schedules only (numpy, no loop) over many step counts, including ones where trailing spacing yields an
-    extra timestep in diffusers."""
+    extra timestep in diffusers; step counts a sampler cannot run raise a ValueError naming the limit."""
     sampler = samplers.get_sampler(name, SD1, timestep_spacing=spacing)
     ref = torch_scheduler(sampler)
     for n in (1, 2, 3, 4, 5, 7, 10, 15, 20, 30, 50, 61, 100):
-        if name == "pndm_prk" and n < 4:
-            continue  # diffusers' PRK warm-up needs at least 4 grid points
+        if (name == "pndm_prk" and n < 4) or (name in ("lcm", "tcd") and n > 50):
+            with pytest.raises(ValueError, match="4|original_inference_steps"):
+                sampler.num_model_calls(n)
+            continue
         ref.set_timesteps(n)
         tables = sampler._tables(n)
         assert sampler.num_model_calls(n) == len(ref.timesteps), n
+        # DPM2 a's midpoint timesteps come through sigma_down = sqrt(sigma_next^2 - sigma_up^2), a float32
+        # cancellation where torch's and numpy's last-ulp differences move the fractional timestep by up to 1e-2
+        # (near t = 0, where the log-sigma grid is finest); the sigmas themselves agree to 1e-6 below.
+        atol = 2e-2 if name.startswith("dpm2_a") else 1e-5
         np.testing.assert_allclose(
-            tables["timesteps"], ref.timesteps.numpy().astype(np.float32), rtol=1e-6, err_msg=str(n)
+            tables["timesteps"], ref.timesteps.numpy().astype(np.float32), rtol=1e-6, atol=atol, err_msg=str(n)
         )
-        if "sigmas" in tables:
-            np.testing.assert_allclose(tables["sigmas"], ref.sigmas.numpy(), rtol=3e-7, err_msg=str(n))
+        for key in ("sigmas", "sigmas_interpol", "sigmas_up", "sigmas_down"):
+            if key not in tables:
+                continue
+            expect = getattr(ref, key).numpy()
+            if name.startswith("dpm2_a") and key != "sigmas":
+                _check_ancestral_split(tables, key, expect, n)
+            else:
+                np.testing.assert_allclose(tables[key], expect, rtol=1e-6, atol=0, equal_nan=True, err_msg=f"{key} {n}")
+        if "orders" in tables:
+            assert tables["orders"].tolist() == ref.order_list, n
+
+
+def _split_bound(tables):
+    """|error| bound of sigma_down^2 = sigma_next^2 - sigma_up^2 in float32: 16 ulps of sigma^2 (the
+    subtraction cancels: sigma_down ~ sigma_next^2 / sigma)."""
+    sig = tables["sigmas"].astype(np.float64)
+    nxt = np.append(sig[1:], 0.0)  # per interleaved entry: the sigma after it (its step's target on step starts)
+    return 16 * 2.0**-23 * np.maximum(sig, nxt) ** 2
+
+
+def _check_ancestral_split(tables, key, expect, n):
+    """DPM2 a's split against diffusers: sigma_up to 1e-5 (sigma^2 - sigma_next^2 cancels on fine grids),
+    sigma_down^2 within the cancellation bound (torch's CPU float32 sqrt is off by an ulp at times, amplified:
+    1.7% apart on a 2-step Karras schedule), the midpoint sigma as sqrt(sigma sigma_down) of our own split."""
+    ours = tables[key].astype(np.float64)
+    if key == "sigmas_up":
+        np.testing.assert_allclose(ours, expect, rtol=1e-5, atol=0, equal_nan=True, err_msg=f"{key} {n}")
+    elif key == "sigmas_down":
+        err = np.abs(ours**2 - expect.astype(np.float64) ** 2)
+        assert (err <= _split_bound(tables)).all(), (n, err.max())
+    else:  # interpol = exp(lerp(log sigma, log sigma_down)), zero on the last entries
+        assert np.isfinite(ours).all() and np.isfinite(expect).all()
+        np.testing.assert_allclose(ours[:-4] ** 2, (tables["sigmas"] * tables["sigmas_down"])[:-4], rtol=2e-6)
+
+
+@pytest.mark.parametrize("base", [SD1, SD2], ids=["eps", "v"])
+def test_unipc_bh1_last_step_is_the_x0_limit(base):
+    """Where diffusers' UniPC bh1 returns NaN on its last step (B(h) infinite at sigma = 0, times a zero
+    residual), sdjax returns the limit of the update: the x0 prediction of the last model call."""
+    sampler = samplers.get_sampler("unipc_bh1", base, solver_order=3)
+    n = 6
+    x0, noises = loops.inputs(sampler.num_model_calls(n))
+    timesteps, _, traj = jax.device_get(loops.run_jax(sampler, n, x0, noises))
+    x = traj[-2].astype(np.float64)  # the sample the last model call sees (UniPC does not scale its input)
+    eps = np.asarray(loops.fake_model_jax(jnp.asarray(traj[-2]), timesteps[-1]), np.float64)
+    sigma = float(sampler._tables(n)["sigmas"][-2])
+    alpha_t, sigma_t = 1 / np.sqrt(sigma**2 + 1), sigma / np.sqrt(sigma**2 + 1)
+    if sampler.prediction_type == "epsilon":
+        expect = (x - sigma_t * eps) / alpha_t
+    else:
+        expect = alpha_t * x - sigma_t * eps
+    np.testing.assert_allclose(traj[-1], expect, rtol=1e-5, atol=1e-5 * np.abs(expect).max())
+
+
+def test_dpm2_ancestral_split_is_exact():
+    """sigma_up^2 + sigma_down^2 = sigma_next^2 and sigma_down^2 = sigma_next^4 / sigma^2 (eta = 1), within the
+    float32 cancellation bound, on schedules where the float32 formula cancels hard (2-step Karras)."""
+    for n, extra in [(2, {"use_karras_sigmas": True}), (5, {}), (30, {"timestep_spacing": "trailing"})]:
+        tables = samplers.get_sampler("dpm2_a", SD1, **extra)._tables(n)
+        sig = tables["sigmas"][1::2].astype(np.float64)  # s_1 .. s_n: the interleaved layout's step starts
+        up, down = (tables[k][1::2].astype(np.float64) for k in ("sigmas_up", "sigmas_down"))
+        nxt = np.append(sig[1:], 0.0)
+        bound = 16 * 2.0**-23 * sig**2
+        ok = nxt > 0  # the last step targets sigma 0 (no split)
+        np.testing.assert_allclose((up**2 + down**2)[ok], (nxt**2)[ok], rtol=1e-6)
+        assert (np.abs(down[ok] ** 2 - nxt[ok] ** 4 / sig[ok] ** 2) <= bound[ok]).all()
 
 
 def test_num_model_calls():
     assert samplers.get_sampler("pndm", SD1).num_model_calls(50) == 51  # PLMS: one more call than steps
     assert samplers.get_sampler("pndm_prk", SD1).num_model_calls(50) == 59  # 12 RK calls replace 3 steps
-    for name in ("ddim", "ddpm", "euler", "euler_a", "lms", "dpmpp_2m", "dpmpp_2m_sde"):
+    for name in ("ddim", "ddpm", "euler", "euler_a", "lms", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2s_a", "unipc", "deis"):
         assert samplers.get_sampler(name, SD1).num_model_calls(30) == 30
+    for name in ("heun", "dpm2", "dpm2_a", "dpmpp_sde"):  # two calls per step, the last step one
+        sampler = samplers.get_sampler(name, SD1)
+        assert sampler.num_model_calls(30) == 59 and sampler.order == 2
+    assert samplers.get_sampler("lcm", SD1).num_model_calls(4) == 4
 
 
 def test_train_schedule_matches_diffusers():
@@ -259,6 +428,15 @@ def test_train_schedule_matches_diffusers():
         ("dpmpp_2m", {}),
         ("dpmpp_2m_karras", {}),
         ("euler", ZERO_SNR),
+        ("heun", {}),
+        ("dpm2_karras", {}),
+        ("dpm2_a", {}),
+        ("dpmpp_sde", {}),
+        ("dpmpp_2s_a_karras", {}),
+        ("unipc", ZERO_SNR),
+        ("deis", {}),
+        ("lcm", {}),
+        ("tcd", {}),
     ],
 )
 def test_add_noise_matches_diffusers(name, extra):
@@ -345,6 +523,16 @@ def test_stochastic_samplers_require_noise():
         ("ddim", False),
         ("pndm", False),
         ("lms", False),
+        ("heun", False),
+        ("dpm2", False),
+        ("dpm2_a", True),
+        ("dpmpp_sde", True),
+        ("dpmpp_2s", False),
+        ("dpmpp_2s_a", True),
+        ("unipc", False),
+        ("deis", False),
+        ("lcm", True),
+        ("tcd", True),
     ]:
         sampler = samplers.get_sampler(name, SD1)
         assert sampler.stochastic is stochastic, name
@@ -357,6 +545,7 @@ def test_stochastic_samplers_require_noise():
         else:
             sampler.step(state, x, 0, x)
     assert samplers.get_sampler("ddim", SD1, eta=0.5).stochastic
+    assert not samplers.get_sampler("tcd", SD1, eta=0.0).stochastic
 
 
 def test_step_before_set_timesteps_raises():
@@ -449,8 +638,8 @@ def test_get_sampler_from_config_dict_and_sampler():
     assert samplers.get_sampler(euler, use_karras_sigmas=True).use_karras_sigmas
     assert samplers.get_sampler("euler_a", euler).beta_schedule == "scaled_linear"
     assert samplers.get_sampler(samplers.get_sampler("ddim", SD1, eta=0.3), clip_sample=True).eta == 0.3
-    with pytest.raises(samplers.UnknownSamplerError, match="HeunDiscreteScheduler"):
-        samplers.get_sampler(dict(SDXL, _class_name="HeunDiscreteScheduler"))
+    with pytest.raises(samplers.UnknownSamplerError, match="FlowMatchEulerDiscreteScheduler"):
+        samplers.get_sampler(dict(SDXL, _class_name="FlowMatchEulerDiscreteScheduler"))
 
 
 def test_unknown_config_key_raises():
@@ -468,7 +657,17 @@ def test_unknown_config_key_raises():
     "cls, raw, key",
     [
         (samplers.DDIM, {"thresholding": True}, "thresholding"),
-        (samplers.Euler, {"use_beta_sigmas": True}, "use_beta_sigmas"),
+        (samplers.Euler, {"use_beta_sigmas": True, "use_karras_sigmas": True}, "use_karras_sigmas"),
+        (samplers.KDPM2, {"prediction_type": "sample"}, "prediction_type"),
+        (samplers.DPMSolverSDE, {"prediction_type": "sample"}, "prediction_type"),
+        (samplers.Heun, {"prediction_type": "flow_prediction"}, "prediction_type"),
+        (samplers.Heun, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+        (samplers.UniPC, {"solver_p": "DDIMScheduler"}, "solver_p"),
+        (samplers.UniPC, {"thresholding": True}, "thresholding"),
+        (samplers.DPMSolverSinglestep, {"algorithm_type": "dpmsolver"}, "algorithm_type"),
+        (samplers.DPMSolverSinglestep, {"rescale_betas_zero_snr": True}, "rescale_betas_zero_snr"),
+        (samplers.DEIS, {"use_flow_sigmas": True}, "use_flow_sigmas"),
+        (samplers.LCM, {"thresholding": True}, "thresholding"),
         (samplers.DPMSolverMultistep, {"algorithm_type": "dpmsolver"}, "algorithm_type"),
         (samplers.DPMSolverMultistep, {"use_lu_lambdas": True}, "use_lu_lambdas"),
         (samplers.DPMSolverMultistep, {"variance_type": "learned_range"}, "variance_type"),
@@ -506,7 +705,24 @@ def test_trained_betas_and_config_round_trip():
 
 
 def test_runtime_never_imports_torch_or_diffusers():
-    for module in ("common", "pndm", "ddim", "ddpm", "euler", "lms", "dpm_solver"):
+    for module in (
+        "common",
+        "pndm",
+        "ddim",
+        "ddpm",
+        "euler",
+        "lms",
+        "dpm_solver",
+        "heun",
+        "kdpm2",
+        "dpm_sde",
+        "dpm_singlestep",
+        "unipc",
+        "deis",
+        "lcm",
+        "schedules",
+        "a1111",
+    ):
         source = importlib.util.find_spec(f"sdjax.samplers.{module}").origin
         with open(source, encoding="utf-8") as f:
             text = f.read()

@@ -1,26 +1,62 @@
 """Samplers: pure functions over a float32 state pytree, one file per family, each matching the diffusers
 scheduler of the same name and config (see docs/DEVELOPING.md for the contract).
 
-`get_sampler(name_or_config, base_config=None, **overrides)` builds one by registry name (`"euler_a"`), by
-diffusers class name (`"EulerAncestralDiscreteScheduler"`) or by AUTOMATIC1111 name (`"Euler a"`), starting from
-a pipeline's existing scheduler config the way diffusers' `Scheduler.from_config(pipe.scheduler.config)` swaps
-schedulers; or from a `scheduler_config.json` dict (dispatching on `_class_name`).
+`get_sampler(name_or_config, base_config=None, *, schedule=None, **overrides)` builds one by registry name
+(`"euler_a"`), by diffusers class name (`"EulerAncestralDiscreteScheduler"`) or by AUTOMATIC1111 name (`"Euler a"`),
+starting from a pipeline's existing scheduler config the way diffusers' `Scheduler.from_config(pipe.scheduler.config)`
+swaps schedulers; or from a `scheduler_config.json` dict (dispatching on `_class_name`). `schedule` applies an A1111
+schedule name (`sdjax.samplers.schedules`). `from_a1111(sampler_name, scheduler_name, base_config)` applies A1111's
+own semantics (its "Automatic" schedule per sampler, legacy names such as "DPM++ 2M Karras"); `a1111_samplers()` and
+`a1111_schedulers()` are A1111's `/sdapi/v1/samplers` and `/sdapi/v1/schedulers` responses (`sdjax.samplers.a1111`).
+
+Families: PNDM/PLMS (pndm.py), DDIM, DDPM, Euler and Euler a (euler.py), LMS, DPM-Solver++ multistep incl. the SDE
+variants (dpm_solver.py), singlestep (dpm_singlestep.py), DPM++ SDE with its Brownian tree (dpm_sde.py), Heun,
+DPM2 and DPM2 a (kdpm2.py), UniPC, DEIS, LCM and TCD (lcm.py).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from sdjax.config import ConfigError
+from sdjax.samplers import schedules
 from sdjax.samplers.common import Sampler
 from sdjax.samplers.ddim import DDIM, DDIMState
 from sdjax.samplers.ddpm import DDPM, DDPMState
+from sdjax.samplers.deis import DEIS, DEISState
+from sdjax.samplers.dpm_sde import DPMSolverSDE, DPMSolverSDEState
+from sdjax.samplers.dpm_singlestep import DPMSolverSinglestep, DPMSolverSinglestepState
 from sdjax.samplers.dpm_solver import DPMSolverMultistep, DPMSolverState
 from sdjax.samplers.euler import Euler, EulerAncestral, SigmaState
+from sdjax.samplers.heun import Heun, HeunState
+from sdjax.samplers.kdpm2 import KDPM2, KDPM2Ancestral, KDPM2State
+from sdjax.samplers.lcm import LCM, TCD, ConsistencyState
 from sdjax.samplers.lms import LMS, LMSState
 from sdjax.samplers.pndm import PNDM, PNDMState
+from sdjax.samplers.unipc import UniPC, UniPCState
 
 __all__ = [
+    "DEIS",
+    "DEISState",
+    "DPMSolverSDE",
+    "DPMSolverSDEState",
+    "DPMSolverSinglestep",
+    "DPMSolverSinglestepState",
+    "Heun",
+    "HeunState",
+    "KDPM2",
+    "KDPM2Ancestral",
+    "KDPM2State",
+    "LCM",
+    "TCD",
+    "ConsistencyState",
+    "UniPC",
+    "UniPCState",
+    "a1111_samplers",
+    "a1111_schedulers",
+    "from_a1111",
+    "schedules",
     "DDIM",
     "DDIMState",
     "DDPM",
@@ -47,8 +83,30 @@ __all__ = [
 
 # diffusers class name -> sampler class.
 CLASSES: dict[str, type[Sampler]] = {
-    cls.diffusers_class: cls for cls in (PNDM, DDIM, DDPM, Euler, EulerAncestral, LMS, DPMSolverMultistep)
+    cls.diffusers_class: cls
+    for cls in (
+        PNDM,
+        DDIM,
+        DDPM,
+        Euler,
+        EulerAncestral,
+        LMS,
+        DPMSolverMultistep,
+        Heun,
+        KDPM2,
+        KDPM2Ancestral,
+        DPMSolverSDE,
+        DPMSolverSinglestep,
+        UniPC,
+        DEIS,
+        LCM,
+        TCD,
+    )
 }
+
+_SDE2 = {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}
+_SDE3 = {"algorithm_type": "sde-dpmsolver++", "solver_order": 3}
+_SINGLE_SDE = {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}
 
 # Registry name -> (sampler class, the config keys the name fixes). Order matters for `name_of`.
 SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
@@ -66,17 +124,32 @@ SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
         DPMSolverMultistep,
         {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
     ),
-    "dpmpp_2m_sde": (
-        DPMSolverMultistep,
-        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": False},
-    ),
-    "dpmpp_2m_sde_karras": (
-        DPMSolverMultistep,
-        {"algorithm_type": "sde-dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
-    ),
+    "dpmpp_2m_sde": (DPMSolverMultistep, {**_SDE2, "solver_type": "midpoint", "use_karras_sigmas": False}),
+    "dpmpp_2m_sde_karras": (DPMSolverMultistep, {**_SDE2, "solver_type": "midpoint", "use_karras_sigmas": True}),
+    "dpmpp_2m_sde_heun": (DPMSolverMultistep, {**_SDE2, "solver_type": "heun", "use_karras_sigmas": False}),
+    "dpmpp_2m_sde_heun_karras": (DPMSolverMultistep, {**_SDE2, "solver_type": "heun", "use_karras_sigmas": True}),
+    "dpmpp_3m_sde": (DPMSolverMultistep, {**_SDE3, "use_karras_sigmas": False}),
+    "dpmpp_3m_sde_karras": (DPMSolverMultistep, {**_SDE3, "use_karras_sigmas": True}),
+    "heun": (Heun, {"use_karras_sigmas": False}),
+    "heun_karras": (Heun, {"use_karras_sigmas": True}),
+    "dpm2": (KDPM2, {"use_karras_sigmas": False}),
+    "dpm2_karras": (KDPM2, {"use_karras_sigmas": True}),
+    "dpm2_a": (KDPM2Ancestral, {"use_karras_sigmas": False}),
+    "dpm2_a_karras": (KDPM2Ancestral, {"use_karras_sigmas": True}),
+    "dpmpp_sde": (DPMSolverSDE, {"use_karras_sigmas": False}),
+    "dpmpp_sde_karras": (DPMSolverSDE, {"use_karras_sigmas": True}),
+    "dpmpp_2s_a": (DPMSolverSinglestep, {**_SINGLE_SDE, "use_karras_sigmas": False}),
+    "dpmpp_2s_a_karras": (DPMSolverSinglestep, {**_SINGLE_SDE, "use_karras_sigmas": True}),
+    "dpmpp_2s": (DPMSolverSinglestep, {"solver_order": 2, "algorithm_type": "dpmsolver++", "use_karras_sigmas": False}),
+    "unipc": (UniPC, {"solver_type": "bh2"}),
+    "unipc_bh1": (UniPC, {"solver_type": "bh1"}),
+    "deis": (DEIS, {}),
+    "lcm": (LCM, {}),
+    "tcd": (TCD, {}),
 }
 
-# AUTOMATIC1111's sampler names -> registry name.
+# AUTOMATIC1111's sampler names (current and the pre-1.9 ones with a schedule suffix) -> registry name: the
+# diffusers class the name describes. `from_a1111` adds A1111's schedule semantics.
 A1111_NAMES: dict[str, str] = {
     "PLMS": "pndm",
     "DDIM": "ddim",
@@ -84,10 +157,25 @@ A1111_NAMES: dict[str, str] = {
     "Euler a": "euler_a",
     "LMS": "lms",
     "LMS Karras": "lms_karras",
+    "Heun": "heun",
+    "DPM2": "dpm2",
+    "DPM2 Karras": "dpm2_karras",
+    "DPM2 a": "dpm2_a",
+    "DPM2 a Karras": "dpm2_a_karras",
+    "DPM++ 2S a": "dpmpp_2s_a",
+    "DPM++ 2S a Karras": "dpmpp_2s_a_karras",
     "DPM++ 2M": "dpmpp_2m",
     "DPM++ 2M Karras": "dpmpp_2m_karras",
+    "DPM++ SDE": "dpmpp_sde",
+    "DPM++ SDE Karras": "dpmpp_sde_karras",
     "DPM++ 2M SDE": "dpmpp_2m_sde",
     "DPM++ 2M SDE Karras": "dpmpp_2m_sde_karras",
+    "DPM++ 2M SDE Heun": "dpmpp_2m_sde_heun",
+    "DPM++ 2M SDE Heun Karras": "dpmpp_2m_sde_heun_karras",
+    "DPM++ 3M SDE": "dpmpp_3m_sde",
+    "DPM++ 3M SDE Karras": "dpmpp_3m_sde_karras",
+    "UniPC": "unipc",
+    "LCM": "lcm",
 }
 # Every other spelling -> registry name (names also match case-insensitively, with spaces or hyphens for "_").
 ALIASES: dict[str, str] = {
@@ -96,6 +184,8 @@ ALIASES: dict[str, str] = {
     "DDPM": "ddpm",
     "Euler Karras": "euler_karras",
     "euler_ancestral": "euler_a",
+    "DEIS": "deis",
+    "TCD": "tcd",
 }
 
 
@@ -117,25 +207,31 @@ def _valid_names() -> str:
     )
 
 
-def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:
+def _resolve_named(name: str) -> tuple[str | None, type[Sampler], dict[str, Any]]:
+    """(registry name or None for a class name, class, fixed keys) of a sampler name."""
     if name in SAMPLERS:
-        return SAMPLERS[name]
+        return (name, *SAMPLERS[name])
     if name in ALIASES:
-        return SAMPLERS[ALIASES[name]]
+        return (ALIASES[name], *SAMPLERS[ALIASES[name]])
     if name in CLASSES:
-        return CLASSES[name], {}
+        return None, CLASSES[name], {}
     folded = {
         k.lower().replace("-", "_").replace(" ", "_"): v
         for k, v in [
-            *((k, SAMPLERS[k]) for k in SAMPLERS),
-            *((k, SAMPLERS[v]) for k, v in ALIASES.items()),
-            *((k, (c, {})) for k, c in CLASSES.items()),
+            *((k, (k, *SAMPLERS[k])) for k in SAMPLERS),
+            *((k, (v, *SAMPLERS[v])) for k, v in ALIASES.items()),
+            *((k, (None, c, {})) for k, c in CLASSES.items()),
         ]
     }
     key = name.strip().lower().replace("-", "_").replace(" ", "_")
     if key in folded:
         return folded[key]
     raise UnknownSamplerError(f"unknown sampler {name!r}; valid: {_valid_names()}")
+
+
+def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:
+    _, cls, fixed = _resolve_named(name)
+    return cls, fixed
 
 
 def _base_dict(base_config: Any) -> dict[str, Any]:
@@ -158,7 +254,11 @@ def _swap_config(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def get_sampler(
-    name_or_config: str | dict[str, Any] | Sampler, base_config: dict[str, Any] | Sampler | None = None, **overrides
+    name_or_config: str | dict[str, Any] | Sampler,
+    base_config: dict[str, Any] | Sampler | None = None,
+    *,
+    schedule: str | None = None,
+    **overrides,
 ) -> Sampler:
     """Build a sampler.
 
@@ -166,16 +266,24 @@ def get_sampler(
       a diffusers class name ("EulerDiscreteScheduler"); the config starts from `base_config` (a pipeline's
       sampler or its scheduler config dict: the beta schedule, prediction type, timestep spacing, ... carry
       over as in diffusers' `from_config(pipe.scheduler.config)`), then the keys the name fixes (Karras sigmas,
-      algorithm) and `overrides` apply. Without `base_config`, diffusers' defaults of that class.
-    - a `scheduler_config.json` dict: built by its `_class_name` (`base_config` must be None).
-    - a Sampler: returned as is, or rebuilt with `overrides`.
+      algorithm), the schedule's keys and `overrides` apply. Without `base_config`, diffusers' defaults of that
+      class. An A1111 name here is the diffusers class the name describes; `from_a1111` applies A1111's own
+      semantics (its "Automatic" schedule per sampler, its UniPC defaults).
+    - a `scheduler_config.json` dict: built by its `_class_name` (`base_config` is then not used: the config
+      is the whole scheduler, as diffusers' `from_pretrained(..., scheduler=obj)`).
+    - a Sampler: used as given (`base_config` likewise unused), or rebuilt with a schedule or `overrides`.
 
-    `overrides` are config keys, plus runtime options such as DDIM's `eta`. Raises `UnknownSamplerError` (a
-    `ConfigError`) listing the valid names for an unknown name, `ConfigError` for bad config keys.
+    `schedule` is an A1111 schedule name ("Karras", "Exponential", "SGM Uniform", ...; see
+    `sdjax.samplers.schedules`), "Automatic" being A1111's choice for the named sampler. `overrides` are config
+    keys, plus runtime options such as DDIM's `eta`. Raises `UnknownSamplerError` (a `ConfigError`) listing the
+    valid names for an unknown name, `ConfigError` for bad config keys or a schedule the sampler cannot express.
+    Warns when LCM or TCD is swapped onto a model whose own scheduler is neither (a model not distilled for them).
     """
+    registry = None
     if isinstance(name_or_config, Sampler):  # used as given (diffusers' from_pretrained(scheduler=object))
-        if not overrides:
+        if not overrides and schedule is None:
             return name_or_config
+        registry = name_of(name_or_config)
         name_or_config = name_or_config.config | {k: v for k, v in _options(name_or_config).items()}
     if isinstance(name_or_config, dict):  # a whole scheduler config: built by its own _class_name
         raw = dict(name_or_config)
@@ -186,15 +294,45 @@ def get_sampler(
             )
         cls, fixed = CLASSES[class_name], {}
     elif isinstance(name_or_config, str):
-        cls, fixed = _resolve(name_or_config)
+        registry, cls, fixed = _resolve_named(name_or_config)
         raw = _swap_config(_base_dict(base_config))
+        _warn_if_not_distilled(cls, base_config)
     else:
         raise TypeError(
             f"get_sampler: expected a name, a config dict or a Sampler, got {type(name_or_config).__name__}"
         )
+    scheduled = _schedule_keys(cls, registry, schedule) if schedule is not None else {}
     options = {k: overrides.pop(k) for k in list(overrides) if k in cls.options}
-    options.update({k: raw.pop(k) for k in list(raw) if k in cls.options})
-    return cls.from_config({**raw, **fixed, **overrides}, **options)
+    options.update({k: raw.pop(k) for k in list(raw) if k in cls.options and k not in options})
+    return cls.from_config({**raw, **fixed, **scheduled, **overrides}, **options)
+
+
+def _schedule_keys(cls: type[Sampler], registry: str | None, schedule: str) -> dict[str, Any]:
+    found = schedules.find_schedule(schedule)
+    if found.name != "automatic":
+        return schedules.schedule_keys(cls, found.name)
+    if registry is None:
+        return {}
+    for suffix in ("", "_karras"):  # "dpmpp_2m_karras" is A1111's DPM++ 2M (Automatic: Karras)
+        if registry.endswith(suffix) and registry[: len(registry) - len(suffix)] in schedules.AUTOMATIC:
+            return schedules.schedule_keys(cls, schedules.AUTOMATIC[registry[: len(registry) - len(suffix)]])
+    return {}
+
+
+_DISTILLED = {"LCMScheduler", "TCDScheduler"}
+
+
+def _warn_if_not_distilled(cls: type[Sampler], base_config: Any) -> None:
+    if cls.diffusers_class not in _DISTILLED or base_config is None:
+        return
+    base = base_config.diffusers_class if isinstance(base_config, Sampler) else dict(base_config).get("_class_name")
+    if base not in _DISTILLED:
+        warnings.warn(
+            f"{cls.diffusers_class} expects a model distilled for it (an LCM/TCD checkpoint or LoRA); this model's "
+            f"scheduler is {base}: images will be poor unless such a LoRA is loaded",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _options(sampler: Sampler) -> dict[str, Any]:
@@ -208,3 +346,7 @@ def name_of(sampler: Sampler) -> str:
         if type(sampler) is cls and all(getattr(sampler, k) == v for k, v in fixed.items()):
             return name
     return sampler.diffusers_class
+
+
+# The A1111 layer sits on the registry above (it imports `SAMPLERS` and `get_sampler` lazily).
+from sdjax.samplers.a1111 import a1111_samplers, a1111_schedulers, from_a1111  # noqa: E402

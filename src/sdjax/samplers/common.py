@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax import rng
 from sdjax.config import BOOKKEEPING_KEYS, ConfigError
 
 F32 = np.float32
@@ -183,17 +184,18 @@ def spaced_timesteps(spacing: str, n: int, num_train_timesteps: int, steps_offse
     """Descending inference timesteps for `timestep_spacing` (Lin et al. 2023, Table 2), as diffusers makes them.
 
     `kind="int"` (DDIM, DDPM, PNDM): int64, rounded. `kind="float"` (Euler, LMS): float32, where `linspace`
-    keeps fractions. `steps_offset` shifts the `leading` grid only.
+    keeps fractions; `kind="float64"` (DPM++ SDE) the same in float64. `steps_offset` shifts the `leading` grid only.
     """
     T = num_train_timesteps
     if spacing not in TIMESTEP_SPACINGS:
         raise ConfigError(f"timestep_spacing={spacing!r} is not one of {TIMESTEP_SPACINGS}")
-    if kind == "float":
+    if kind in ("float", "float64"):
+        dtype = F32 if kind == "float" else np.float64
         if spacing == "linspace":
-            return np.linspace(0, T - 1, n, dtype=F32)[::-1].copy()
+            return np.linspace(0, T - 1, n, dtype=dtype)[::-1].copy()
         if spacing == "leading":
-            return (np.arange(0, n) * (T // n)).round()[::-1].astype(F32) + F32(steps_offset)
-        return np.arange(T, 0, -T / n).round().astype(F32) - F32(1)
+            return (np.arange(0, n) * (T // n)).round()[::-1].astype(dtype) + dtype(steps_offset)
+        return np.arange(T, 0, -T / n).round().astype(dtype) - dtype(1)
     if kind == "int":
         if spacing == "linspace":
             return np.linspace(0, T - 1, n).round()[::-1].astype(np.int64)
@@ -215,15 +217,47 @@ def exponential_sigmas(sigma_min: float, sigma_max: float, n: int) -> np.ndarray
     return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), n))
 
 
-def sigma_to_t(sigmas: np.ndarray, log_train_sigmas: np.ndarray) -> np.ndarray:
+def beta_sigmas(sigma_min: float, sigma_max: float, n: int, alpha: float = 0.6, beta: float = 0.6) -> np.ndarray:
+    """Sigmas at the quantiles of a Beta(alpha, beta) distribution between `sigma_max` and `sigma_min` (Lee et
+    al. 2024, "Beta Sampling is All You Need"; diffusers' `use_beta_sigmas`), float64. scipy (a dependency of
+    jax) computes the quantile function, as in diffusers."""
+    from scipy import stats
+
+    quantiles = [stats.beta.ppf(q, alpha, beta) for q in 1 - np.linspace(0, 1, n)]
+    return np.array([sigma_min + q * (sigma_max - sigma_min) for q in quantiles], dtype=np.float64)
+
+
+SIGMA_SCHEDULE_KEYS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+
+
+def convert_sigmas(sampler, in_sigmas: np.ndarray, n: int) -> np.ndarray | None:
+    """The sigma schedule a `use_*_sigmas` key of `sampler` asks for (Karras, exponential or beta), between the
+    first and last of `in_sigmas` (or the config's `sigma_max`/`sigma_min` where the class has them), as
+    diffusers' `_convert_to_karras` / `_convert_to_exponential` / `_convert_to_beta`; None if none is set."""
+    lo = getattr(sampler, "sigma_min", None)
+    hi = getattr(sampler, "sigma_max", None)
+    lo = float(in_sigmas[-1]) if lo is None else lo
+    hi = float(in_sigmas[0]) if hi is None else hi
+    if getattr(sampler, "use_karras_sigmas", False):
+        return karras_sigmas(lo, hi, n)
+    if getattr(sampler, "use_exponential_sigmas", False):
+        return exponential_sigmas(lo, hi, n)
+    if getattr(sampler, "use_beta_sigmas", False):
+        return beta_sigmas(lo, hi, n)
+    return None
+
+
+def sigma_to_t(sigmas: np.ndarray, log_train_sigmas: np.ndarray, dtype=np.float64) -> np.ndarray:
     """Fractional training timestep of each sigma: linear interpolation in log-sigma between the two training
-    timesteps around it (clamped to the grid), float64."""
-    log_sigma = np.log(np.maximum(np.asarray(sigmas, dtype=np.float64), 1e-10))
+    timesteps around it (clamped to the grid), in float64 (diffusers on numpy sigmas) or float32 (diffusers on
+    torch tensors: KDPM2's midpoints)."""
+    log_sigma = np.log(np.maximum(np.asarray(sigmas, dtype=dtype), dtype(1e-10)))
+    log_train_sigmas = np.asarray(log_train_sigmas, dtype=np.promote_types(log_train_sigmas.dtype, dtype))
     # Index of the last training log-sigma <= log_sigma (log-sigmas ascend with t), kept inside [0, T - 2].
     low = np.clip((log_train_sigmas[:, None] <= log_sigma[None, :]).sum(axis=0) - 1, 0, len(log_train_sigmas) - 2)
     lo, hi = log_train_sigmas[low], log_train_sigmas[low + 1]
-    w = np.clip((lo - log_sigma) / (lo - hi), 0, 1)
-    return (1 - w) * low + w * (low + 1)
+    w = np.clip((lo - log_sigma) / (lo - hi), 0, 1).astype(log_sigma.dtype)
+    return (1 - w) * low.astype(log_sigma.dtype) + w * (low + 1).astype(log_sigma.dtype)
 
 
 # ------------------------------------------------------------------------------------------ prediction types
@@ -348,9 +382,22 @@ class Sampler:
     steps_offset: int = 0
 
     diffusers_class: ClassVar[str] = ""
+    # diffusers' `scheduler.order`: model calls per step of the method (2 for Heun and DPM2, whose timesteps
+    # interleave the two stages). img2img starts at model call `t_start * order`, as diffusers' pipelines do.
+    order: ClassVar[int] = 1
     unused_keys: ClassVar[dict[str, Any]] = {}
     choices: ClassVar[dict[str, tuple]] = {}
     options: ClassVar[tuple[str, ...]] = ()
+    # Base fields the mirrored diffusers class has no key for (DPM-Solver singlestep has no timestep spacing):
+    # not config keys, so a swapped-in config's value stays hidden instead of pretending to act.
+    not_keys: ClassVar[tuple[str, ...]] = ()
+    # Values diffusers' constructor rewrites (DEIS turns `algorithm_type="dpmsolver++"` into "deis"), so that a
+    # config swapped from a related scheduler builds as it does in diffusers.
+    value_aliases: ClassVar[dict[str, dict[Any, Any]]] = {}
+    # The timestep grid of a class without a `timestep_spacing` key (DPM-Solver singlestep: linspace), and whether
+    # a class ignores the key it has (LCM, TCD: the distillation grid); schedules consult both.
+    fixed_spacing: ClassVar[str | None] = None
+    ignores_spacing: ClassVar[bool] = False
 
     # ---------------------------------------------------------------------------------------- construction
     def __post_init__(self):
@@ -359,6 +406,13 @@ class Sampler:
                 object.__setattr__(self, f.name, False)
         if self.trained_betas is not None and not isinstance(self.trained_betas, tuple):
             object.__setattr__(self, "trained_betas", tuple(float(b) for b in self.trained_betas))
+        for key, mapping in self.value_aliases.items():
+            value = getattr(self, key)
+            if isinstance(value, str) and value in mapping:
+                object.__setattr__(self, key, mapping[value])
+        chosen = [k for k in SIGMA_SCHEDULE_KEYS if getattr(self, k, False)]
+        if len(chosen) > 1:
+            raise ConfigError(f"{type(self).__name__}: {' and '.join(chosen)} are exclusive (pick one sigma schedule)")
         checks = {
             "prediction_type": PREDICTION_TYPES,
             "timestep_spacing": TIMESTEP_SPACINGS,
@@ -379,7 +433,8 @@ class Sampler:
     @classmethod
     def config_keys(cls) -> tuple[str, ...]:
         """The diffusers config keys this sampler honours (its fields minus runtime options)."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.options and f.name != "hidden")
+        skip = {"hidden", *cls.options, *cls.not_keys}
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in skip)
 
     @classmethod
     def diffusers_keys(cls) -> frozenset[str]:
@@ -471,7 +526,12 @@ class Sampler:
             raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
         if n > self.num_train_timesteps:
             raise ValueError(f"num_inference_steps={n} exceeds num_train_timesteps={self.num_train_timesteps}")
+        self.check_steps(n)
         return _cached_tables(self, n)
+
+    def check_steps(self, num_inference_steps: int) -> None:
+        """Raise `ValueError` naming the limit if this sampler cannot run `num_inference_steps` steps (PNDM's
+        Runge-Kutta warm-up needs 4, LCM at most `original_inference_steps`); the default accepts any."""
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -480,6 +540,41 @@ class Sampler:
     def stochastic(self) -> bool:
         """Whether `step` needs `noise` (the pipeline draws it from one key per image)."""
         return False
+
+    # ------------------------------------------------------------------------------- what the loop calls
+    def timesteps_for(self, num_inference_steps: int) -> np.ndarray:
+        """The values fed to the model, one per model call (length `num_model_calls(n)`), float32: diffusers'
+        `scheduler.timesteps` after `set_timesteps(n)`."""
+        return np.array(self._tables(num_inference_steps)["timesteps"], dtype=F32)
+
+    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """`original` noised to the level of model call `index` (absolute, may be traced): what diffusers'
+        `add_noise(original, noise, timesteps[index:index + 1])` returns after `set_begin_index(index)`.
+
+        This default is the variance-preserving forward process at alpha_bar(timesteps[index]) (DDIM, DDPM,
+        PNDM, LCM, TCD: diffusers looks alpha_bar up by timestep value). `index == num_model_calls` (no step
+        left: diffusers' pipelines refuse that strength) returns `original` unchanged. Sigma-space samplers
+        override it with the sigma at `index`."""
+        state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
+        n = state.timesteps.shape[0]
+        index = jnp.asarray(index, jnp.int32)
+        a = state.alphas_cumprod[to_index(state.timesteps[jnp.minimum(index, n - 1)])]
+        x0 = original.astype(jnp.float32)
+        noisy = a**0.5 * x0 + (1 - a) ** 0.5 * noise.astype(jnp.float32)
+        return jnp.where(index < n, noisy, x0).astype(original.dtype)
+
+    def draw_noise(self, keys: jax.Array, step_index, state, sample_shape) -> jax.Array:
+        """The noise `step` gets at model call `step_index` of a stochastic sampler, `(B, ...)` float32: a
+        standard normal drawn from each image's key (`sdjax.rng.step_noise`; `keys` are `(B, 2)` raw uint32
+        keys, or typed keys). The DPM++ SDE sampler overrides it with increments of a Brownian tree."""
+        shape = shape_tuple(sample_shape)
+        keys = rng.as_key_array(keys)
+        if keys.shape[0] != shape[0]:
+            raise ValueError(f"draw_noise: {keys.shape[0]} keys for a batch of {shape[0]} (sample_shape {shape})")
+        return rng.step_noise(keys, step_index, shape[1:])
+
+    _state_class: ClassVar[type] = object  # the sampler's state class (checked by `_checked`)
+    _ready_field: ClassVar[str | None] = None  # a state field that `set_timesteps` fills
 
     def _checked(self, state, cls, method: str, *, ready: str | None = None):
         """`state` cast to float32, after checking it is this sampler's (and, with `ready`, that

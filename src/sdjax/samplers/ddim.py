@@ -63,6 +63,9 @@ class DDIM(Sampler):
     def _final_alpha_cumprod(self) -> np.float32:
         return F32(1.0) if self.set_alpha_to_one else self.alphas_cumprod[0]
 
+    _state_class = DDIMState
+    _ready_field = "alpha_t"
+
     def create_state(self) -> DDIMState:
         T = self.num_train_timesteps
         return DDIMState(

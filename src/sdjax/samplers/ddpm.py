@@ -45,6 +45,9 @@ class DDPM(Sampler):
     def stochastic(self) -> bool:
         return True
 
+    _state_class = DDPMState
+    _ready_field = "alpha_t"
+
     def create_state(self) -> DDPMState:
         T = self.num_train_timesteps
         return DDPMState(

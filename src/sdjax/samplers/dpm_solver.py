@@ -22,8 +22,7 @@ from sdjax.samplers.common import (
     F32,
     Sampler,
     alpha_sigma_x0,
-    exponential_sigmas,
-    karras_sigmas,
+    convert_sigmas,
     match_step_index,
     per_sample,
     push,
@@ -56,8 +55,46 @@ def _lambda(alpha_t, sigma_t):
     return jnp.log(alpha_t) - jnp.log(sigma_t)
 
 
+def lambda_clipped_end(alphas_cumprod: np.ndarray, lambda_min_clipped: float) -> int:
+    """One past the last training timestep whose half-log-SNR lambda is at least `lambda_min_clipped` (diffusers
+    cuts the timesteps below it from the top of the grid; it matters for the cosine schedule)."""
+    ac = alphas_cumprod
+    lambdas = np.log(np.sqrt(ac)) - np.log(np.sqrt(F32(1) - ac))
+    return len(ac) - int(np.searchsorted(lambdas[::-1], lambda_min_clipped, side="left"))
+
+
+class VPSigmaSampler(Sampler):
+    """What the DPM-Solver family shares (multistep, singlestep, UniPC, DEIS): the sample is in the variance-
+    preserving parameterisation (unscaled model input, unit initial noise), the schedule is kept as k-diffusion
+    sigmas, and noise is added as alpha_t x0 + sigma_t eps with alpha_t = 1 / sqrt(sigma^2 + 1)."""
+
+    def init_noise_sigma(self, state) -> jax.Array:
+        return jnp.float32(1.0)
+
+    def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
+        return sample
+
+    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
+        `set_begin_index`). `index == num_model_calls` is the final sigma (0: `original` itself)."""
+        state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
+        x0 = original.astype(jnp.float32)
+        return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
+
+    def add_noise(self, state, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
+        """alpha_t x0 + sigma_t eps at the step whose timestep equals `timesteps` (diffusers' lookup: the second
+        match if a value repeats, the last step if none matches)."""
+        state = self._checked(state, self._state_class, "add_noise")
+        index, _ = match_step_index(state.timesteps, timesteps, missing=state.timesteps.shape[0] - 1)
+        alpha_t, sigma_t = _alpha_sigma(state.sigmas[index])
+        x0 = original.astype(jnp.float32)
+        out = per_sample(alpha_t, x0.ndim) * x0 + per_sample(sigma_t, x0.ndim) * noise.astype(jnp.float32)
+        return out.astype(original.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class DPMSolverMultistep(Sampler):
+class DPMSolverMultistep(VPSigmaSampler):
     """diffusers `DPMSolverMultistepScheduler` (data-prediction algorithms only)."""
 
     timestep_spacing: str = "linspace"
@@ -68,16 +105,22 @@ class DPMSolverMultistep(Sampler):
     euler_at_final: bool = False
     use_karras_sigmas: bool = False
     use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     final_sigmas_type: str = "zero"
     lambda_min_clipped: float = -float("inf")
     rescale_betas_zero_snr: bool = False
 
     diffusers_class = "DPMSolverMultistepScheduler"
+    _state_class = DPMSolverState
+    _ready_field = "model_outputs"
+    value_aliases = {
+        "algorithm_type": {"deis": "dpmsolver++"},
+        "solver_type": {"logrho": "midpoint", "bh1": "midpoint", "bh2": "midpoint"},
+    }
     unused_keys = {
         "thresholding": (False,),
         "dynamic_thresholding_ratio": ANY,
         "sample_max_value": ANY,
-        "use_beta_sigmas": (False, None),
         "use_lu_lambdas": (False, None),
         "use_flow_sigmas": (False, None),
         "flow_shift": ANY,
@@ -92,12 +135,8 @@ class DPMSolverMultistep(Sampler):
         "final_sigmas_type": ("zero", "sigma_min"),
         "use_karras_sigmas": (False, True, None),
         "use_exponential_sigmas": (False, True, None),
+        "use_beta_sigmas": (False, True, None),
     }
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.use_karras_sigmas and self.use_exponential_sigmas:
-            raise ValueError("DPMSolverMultistep: use_karras_sigmas and use_exponential_sigmas are exclusive")
 
     @property
     def stochastic(self) -> bool:
@@ -118,9 +157,7 @@ class DPMSolverMultistep(Sampler):
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
         T = self.num_train_timesteps
         ac = self._sigma_alphas_cumprod()
-        # Timesteps whose lambda is below lambda_min_clipped are cut from the top of the grid.
-        lambdas = np.log(np.sqrt(ac)) - np.log(np.sqrt(F32(1) - ac))
-        last = T - int(np.searchsorted(lambdas[::-1], self.lambda_min_clipped, side="left"))
+        last = lambda_clipped_end(ac, self.lambda_min_clipped)
         if self.timestep_spacing == "linspace":
             timesteps = np.linspace(0, last - 1, n + 1).round()[::-1][:-1].astype(np.int64)
         elif self.timestep_spacing == "leading":
@@ -130,9 +167,9 @@ class DPMSolverMultistep(Sampler):
             timesteps = np.arange(last, 0, -T / n).round().astype(np.int64) - 1
         sigmas = train_sigmas(ac)
         log_sigmas = np.log(sigmas)
-        if self.use_karras_sigmas or self.use_exponential_sigmas:
-            lo, hi = sigmas[0].item(), sigmas[-1].item()
-            sigmas = (karras_sigmas if self.use_karras_sigmas else exponential_sigmas)(lo, hi, n)
+        converted = convert_sigmas(self, sigmas[::-1], n)
+        if converted is not None:
+            sigmas = converted
             t = sigma_to_t(sigmas, log_sigmas)
             if self.use_karras_sigmas and self.beta_schedule != "squaredcos_cap_v2":
                 t = t.round()
@@ -152,12 +189,6 @@ class DPMSolverMultistep(Sampler):
             model_outputs=jnp.zeros((self.solver_order,) + shape_tuple(shape), jnp.float32),
             lower_order_nums=jnp.zeros((), jnp.float32),
         )
-
-    def init_noise_sigma(self, state: DPMSolverState) -> jax.Array:
-        return jnp.float32(1.0)
-
-    def scale_model_input(self, state: DPMSolverState, sample: jax.Array, step_index) -> jax.Array:
-        return sample
 
     def _order(self, step_index, num_steps: int, lower_order_nums) -> jax.Array:
         """The solver order diffusers uses at this step (1, 2 or 3)."""
@@ -244,13 +275,3 @@ class DPMSolverMultistep(Sampler):
         lower = jnp.minimum(state.lower_order_nums + 1, self.solver_order)
         new_state = dataclasses.replace(state, model_outputs=outputs, lower_order_nums=lower)
         return prev.astype(sample.dtype), new_state
-
-    def add_noise(self, state: DPMSolverState, original: jax.Array, noise: jax.Array, timesteps) -> jax.Array:
-        """alpha_t x0 + sigma_t eps at the step whose timestep equals `timesteps` (diffusers' lookup: the second
-        match if a value repeats, the last step if none matches)."""
-        state = self._checked(state, DPMSolverState, "add_noise")
-        index, _ = match_step_index(state.timesteps, timesteps, missing=state.timesteps.shape[0] - 1)
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[index])
-        x0 = original.astype(jnp.float32)
-        out = per_sample(alpha_t, x0.ndim) * x0 + per_sample(sigma_t, x0.ndim) * noise.astype(jnp.float32)
-        return out.astype(original.dtype)

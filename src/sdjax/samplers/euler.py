@@ -20,8 +20,7 @@ import numpy as np
 from sdjax.samplers.common import (
     F32,
     Sampler,
-    exponential_sigmas,
-    karras_sigmas,
+    convert_sigmas,
     linspace_f32,
     match_step_index,
     per_sample,
@@ -65,10 +64,15 @@ class _SigmaSampler(Sampler):
             timesteps=jnp.asarray(np.linspace(0, T - 1, T)[::-1].astype(F32)),
         )
 
-    def _spaced(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(timesteps float32, sigmas interpolated at them float64, log training sigmas float32)."""
+    def _spaced(self, n: int, *, float64: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(timesteps float32 -- float64 where diffusers computes them so --, sigmas interpolated at them
+        float64, log training sigmas float32)."""
         timesteps = spaced_timesteps(
-            self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset, kind="float"
+            self.timestep_spacing,
+            n,
+            self.num_train_timesteps,
+            self.steps_offset,
+            kind="float64" if float64 else "float",
         )
         sig = train_sigmas(self._sigma_alphas_cumprod())
         return timesteps, np.interp(timesteps, np.arange(len(sig)), sig), np.log(sig)
@@ -108,6 +112,15 @@ class _SigmaSampler(Sampler):
         x0 = original.astype(jnp.float32)
         return (x0 + noise.astype(jnp.float32) * per_sample(sigma, x0.ndim)).astype(original.dtype)
 
+    def add_noise_at(self, state, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """x0 + sigma eps with the sigma of model call `index` (diffusers' `add_noise` after `set_begin_index`:
+        the sigma at the begin index, not a lookup by timestep value). `index == num_model_calls` is the final
+        sigma (0: `original` itself)."""
+        state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
+        sigma = state.sigmas[jnp.asarray(index, jnp.int32)]
+        x0 = original.astype(jnp.float32)
+        return (x0 + noise.astype(jnp.float32) * sigma).astype(original.dtype)
+
     _state_class = SigmaState
 
 
@@ -123,6 +136,7 @@ class Euler(_SigmaSampler):
     interpolation_type: str = "linear"
     use_karras_sigmas: bool = False
     use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     sigma_min: float | None = None
     sigma_max: float | None = None
     timestep_type: str = "discrete"
@@ -130,29 +144,23 @@ class Euler(_SigmaSampler):
     final_sigmas_type: str = "zero"
 
     diffusers_class = "EulerDiscreteScheduler"
-    unused_keys = {"use_beta_sigmas": (False, None)}
     choices = {
         "interpolation_type": ("linear", "log_linear"),
         "timestep_type": ("discrete", "continuous"),
         "final_sigmas_type": ("zero", "sigma_min"),
         "use_karras_sigmas": (False, True, None),
         "use_exponential_sigmas": (False, True, None),
+        "use_beta_sigmas": (False, True, None),
     }
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.use_karras_sigmas and self.use_exponential_sigmas:
-            raise ValueError("Euler: use_karras_sigmas and use_exponential_sigmas are exclusive")
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
         timesteps, sigmas, log_sigmas = self._spaced(n)
         if self.interpolation_type == "log_linear":
             sig = train_sigmas(self._sigma_alphas_cumprod())
             sigmas = np.exp(linspace_f32(np.log(sig[-1]), np.log(sig[0]), n + 1))
-        if self.use_karras_sigmas or self.use_exponential_sigmas:
-            lo = self.sigma_min if self.sigma_min is not None else sigmas[-1].item()
-            hi = self.sigma_max if self.sigma_max is not None else sigmas[0].item()
-            sigmas = (karras_sigmas if self.use_karras_sigmas else exponential_sigmas)(lo, hi, n)
+        converted = convert_sigmas(self, sigmas, n)
+        if converted is not None:
+            sigmas = converted
             timesteps = sigma_to_t(sigmas, log_sigmas)
         if self.final_sigmas_type == "sigma_min":
             ac = self._sigma_alphas_cumprod()

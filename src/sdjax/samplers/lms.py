@@ -18,8 +18,7 @@ import numpy as np
 
 from sdjax.samplers.common import (
     F32,
-    exponential_sigmas,
-    karras_sigmas,
+    convert_sigmas,
     push,
     shape_tuple,
     sigma_space_x0,
@@ -65,16 +64,16 @@ class LMS(_SigmaSampler):
     timestep_spacing: str = "linspace"
     use_karras_sigmas: bool = False
     use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
 
     diffusers_class = "LMSDiscreteScheduler"
-    unused_keys = {"use_beta_sigmas": (False, None)}
-    choices = {"use_karras_sigmas": (False, True, None), "use_exponential_sigmas": (False, True, None)}
+    choices = {
+        "use_karras_sigmas": (False, True, None),
+        "use_exponential_sigmas": (False, True, None),
+        "use_beta_sigmas": (False, True, None),
+    }
     _state_class = LMSState
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.use_karras_sigmas and self.use_exponential_sigmas:
-            raise ValueError("LMS: use_karras_sigmas and use_exponential_sigmas are exclusive")
+    _ready_field = "derivatives"
 
     def create_state(self) -> LMSState:
         base = super().create_state()
@@ -82,9 +81,9 @@ class LMS(_SigmaSampler):
 
     def _make_tables(self, n: int) -> dict[str, np.ndarray]:
         timesteps, sigmas, log_sigmas = self._spaced(n)
-        if self.use_karras_sigmas or self.use_exponential_sigmas:
-            lo, hi = sigmas[-1].item(), sigmas[0].item()
-            sigmas = (karras_sigmas if self.use_karras_sigmas else exponential_sigmas)(lo, hi, n)
+        converted = convert_sigmas(self, sigmas, n)
+        if converted is not None:
+            sigmas = converted
             timesteps = sigma_to_t(sigmas, log_sigmas)
         sigmas = np.concatenate([sigmas, [0.0]]).astype(F32)
         return {

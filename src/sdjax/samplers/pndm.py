@@ -50,9 +50,19 @@ class PNDM(Sampler):
     diffusers_class = "PNDMScheduler"
     choices = {"prediction_type": ("epsilon", "v_prediction")}
 
+    def check_steps(self, num_inference_steps: int) -> None:
+        if not self.skip_prk_steps and num_inference_steps < 4:
+            raise ValueError(
+                f"PNDM with skip_prk_steps=False (the Runge-Kutta warm-up over the last 4 grid points) needs "
+                f"num_inference_steps >= 4, got {num_inference_steps}"
+            )
+
     @property
     def _final_alpha_cumprod(self) -> np.float32:
         return F32(1.0) if self.set_alpha_to_one else self.alphas_cumprod[0]
+
+    _state_class = PNDMState
+    _ready_field = "ets"
 
     def create_state(self) -> PNDMState:
         T = self.num_train_timesteps
