@@ -301,7 +301,10 @@ def sampler_id(name: str) -> str:
     for alias, registry in samplers.ALIASES.items():
         if _fold(alias) == key:
             return registry
-    return name
+    from sdjax.samplers import a1111
+
+    label, schedule = a1111.describe(name)  # "euler a uniform" -> "Euler a Uniform"
+    return f"{label} {schedule}" if schedule is not None else name
 
 
 def sampler_display_name(name: str) -> str:
@@ -366,11 +369,19 @@ def _number(x: float) -> str:
     return str(float(x))
 
 
+def _sampler_fields(sampler: str) -> dict[str, Any]:
+    """A1111 >= 1.9 writes the sampler and its schedule apart: "Sampler: DPM++ 2M, Schedule type: Karras"."""
+    from sdjax.samplers import a1111
+
+    label, schedule = a1111.describe(sampler_display_name(sampler))
+    return {"Sampler": label, "Schedule type": schedule}
+
+
 def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -> str:
     """AUTOMATIC1111 infotext for one image. `extra` adds `key: value` pairs after the standard ones."""
     fields: dict[str, Any] = {
         "Steps": p.steps,
-        "Sampler": sampler_display_name(p.sampler),
+        **_sampler_fields(p.sampler),
         "CFG scale": _number(p.guidance_scale),
         "Seed": p.seed,
         "Size": f"{p.width}x{p.height}",
@@ -423,7 +434,7 @@ def parameters_from_text(text: str) -> ImageParameters:
         raise ValueError(f"infotext lacks the field(s) {missing}; got keys {sorted(raw)}")
     sampler = raw["Sampler"]
     schedule = raw.get("Schedule type", "")
-    if schedule and schedule.lower() not in ("automatic", "uniform") and not sampler.endswith(schedule):
+    if schedule and schedule.lower() != "automatic" and not sampler.endswith(schedule):
         sampler = f"{sampler} {schedule}"
     try:
         hires = None

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 import sdjax
-from sdjax import metadata
+from sdjax import metadata, samplers
 from sdjax.metadata import GenerationRequest, ImageParameters
 
 PARAMS = ImageParameters(
@@ -93,7 +93,9 @@ def test_values_with_separators_are_json_quoted():
         ("dpmpp_2m_sde", "dpmpp_2m_sde", "DPM++ 2M SDE"),
         ("pndm", "pndm", "PLMS"),
         ("ddpm", "ddpm", "DDPM"),
-        ("DPM++ SDE", "DPM++ SDE", "DPM++ SDE"),
+        ("DPM++ SDE", "dpmpp_sde", "DPM++ SDE"),
+        ("euler a uniform", "Euler a Uniform", "Euler a Uniform"),
+        ("Restart", "Restart", "Restart"),  # A1111 has it, diffusers does not: kept as written
     ],
 )
 def test_sampler_names(spelling, registry, shown):
@@ -102,8 +104,23 @@ def test_sampler_names(spelling, registry, shown):
 
 
 def test_unknown_sampler_survives_a_round_trip():
-    p = ImageParameters("x", "", 1, "UniPC", 1.0, 0, 8, 8)
-    assert metadata.parameters_from_text(p.infotext()).sampler == "UniPC"
+    p = ImageParameters("x", "", 1, "Restart", 1.0, 0, 8, 8)
+    assert metadata.parameters_from_text(p.infotext()).sampler == "Restart"
+
+
+@pytest.mark.parametrize(
+    "sampler,line",
+    [
+        ("dpmpp_2m_karras", "Sampler: DPM++ 2M, Schedule type: Karras,"),
+        ("DPM++ 2M SDE Heun Exponential", "Sampler: DPM++ 2M SDE Heun, Schedule type: Exponential,"),
+        ("euler_a", "Sampler: Euler a, CFG"),
+    ],
+)
+def test_schedule_type_is_written_apart_and_read_back(sampler, line):
+    p = ImageParameters("x", "", 1, sampler, 1.0, 0, 8, 8)
+    assert line in p.infotext()
+    back = metadata.parameters_from_text(p.infotext()).sampler
+    assert samplers.get_sampler(back) == samplers.get_sampler(sampler)
 
 
 def test_missing_fields_are_named():

@@ -398,10 +398,10 @@ BAD_INPUT = {
         r"'UNet3DConditionModel'\]",
     ),
     "unknown scheduler": (
-        lambda f: edit_json(f / "model_index.json", scheduler=["diffusers", "UniPCMultistepScheduler"]),
+        lambda f: edit_json(f / "model_index.json", scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"]),
         {},
         ValueError,
-        r"scheduler: \['diffusers', 'UniPCMultistepScheduler'\].*PNDMScheduler",
+        r"scheduler: \['diffusers', 'FlowMatchEulerDiscreteScheduler'\].*PNDMScheduler",
     ),
     "bad config key": (
         lambda f: edit_json(f / "vae" / "config.json", new_arch_knob=3),

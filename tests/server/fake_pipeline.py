@@ -101,8 +101,8 @@ class FakePipeline:
                 raise ValueError(f"{name}={v} must be a positive multiple of {self.multiple}")
         if guidance_scales is not None and not all(np.isfinite(g) for g in guidance_scales):
             raise ValueError("guidance_scale must be finite")
-        if sampler is not None and sampler_id(sampler) not in SAMPLERS:
-            raise samplers.UnknownSamplerError(f"unknown sampler {sampler!r}; valid: {SAMPLERS}")
+        if sampler is not None:
+            samplers.get_sampler(sampler)  # the real name resolution (registry, A1111 "sampler schedule" pairs)
 
     def prepare_inputs(self, prompts) -> np.ndarray:
         """Token ids `(N, 77)`; like the CLIP tokenizer, refuses text that is not valid Unicode."""

@@ -13,6 +13,7 @@ from fake_pipeline import FakePipeline
 from server_helpers import check_image, live_server
 
 from sdjax import metadata
+from sdjax.samplers import a1111
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
 webuiapi = pytest.importorskip("webuiapi", reason="the test extra installs webuiapi")
@@ -63,14 +64,16 @@ def test_webuiapi_txt2img(server):
     result = api.txt2img(prompt="a fox", negative_prompt="blur", seed=7, width=64, height=64, batch_size=2, cfg_scale=6)
     assert len(result.images) == 2 and result.info["all_seeds"] == [7, 8]
     params = metadata.parameters_from_text(result.images[1].info["parameters"])
-    assert (params.prompt, params.negative_prompt, params.seed, params.sampler) == ("a fox", "blur", 8, "euler_a")
+    # "Euler a" with A1111's Automatic schedule is Euler a over uniform sigmas, written as two infotext fields
+    assert (params.prompt, params.negative_prompt, params.seed) == ("a fox", "blur", 8)
+    assert params.sampler == "Euler a Uniform" and "Schedule type: Uniform" in result.images[1].info["parameters"]
     info = api.png_info(result.images[0])
     assert info.parameters["Seed"] == "7" and "Seed: 7" in info.info
 
 
 def test_webuiapi_schedulers_samplers_options(server):
     api = webui(server)
-    assert api.util_get_scheduler_names() == ["automatic", "karras"]
+    assert sorted(api.util_get_scheduler_names()) == sorted(s["name"] for s in a1111.a1111_schedulers())
     assert "Euler a" in api.util_get_sampler_names()
     assert api.util_get_current_model() == "fake-model"
     result = api.txt2img(prompt="k", seed=1, width=64, height=64, sampler_name="DPM++ 2M", scheduler="Karras")

@@ -19,7 +19,8 @@ from PIL import Image
 from server_helpers import check_image, client, decode_png, live_server
 from test_server_errors import assert_error
 
-from sdjax import metadata, samplers
+from sdjax import metadata
+from sdjax.samplers import a1111
 from sdjax.server import Limits
 from sdjax.server.schemas import FieldError, decode_image
 
@@ -53,16 +54,21 @@ def test_schedulers(http):
     items = http.get("/sdapi/v1/schedulers").json()
     assert items[0] == {"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1.0,
                         "need_inner_model": False}  # fmt: skip
-    assert {i["name"] for i in items} == {"automatic", "karras"}  # the schedules sdjax has (Karras variants exist)
+    assert [i["name"] for i in items] == [s["name"] for s in a1111.a1111_schedulers()]
+    assert {"automatic", "karras", "exponential", "sgm_uniform", "beta"} <= {i["name"] for i in items}
+    assert "polyexponential" not in {i["name"] for i in items}  # no diffusers equivalent: not offered
     assert all(set(i) == {"name", "label", "aliases", "default_rho", "need_inner_model"} for i in items)
 
 
 def test_scheduler_field(http):
     r = http.post(A1111, json={"prompt": "x", "seed": 1, "sampler_name": "DPM++ 2M", "scheduler": "karras"})
     check_image(r.json()["images"][0], sampler="dpmpp_2m_karras")
-    assert_error(http.post(A1111, json={"prompt": "x", "scheduler": "Beta"}), 422, "scheduler", "unknown scheduler")
+    r = http.post(A1111, json={"prompt": "x", "seed": 1, "sampler_name": "DPM++ 2M", "scheduler": "Automatic"})
+    check_image(r.json()["images"][0], sampler="dpmpp_2m_karras")  # A1111's Automatic for DPM++ 2M is Karras
+    assert_error(http.post(A1111, json={"prompt": "x", "scheduler": "Bogus"}), 422, "scheduler", "unknown schedule")
+    assert_error(http.post(A1111, json={"prompt": "x", "sampler_name": "Restart"}), 422, "sampler_name", "no diffusers")
     e = assert_error(http.post(A1111, json={"prompt": "x", "sampler_name": "Euler a", "scheduler": "Karras"}), 422,
-                     "scheduler", "not available")  # fmt: skip
+                     "scheduler", "does not have")  # fmt: skip
     assert "Euler a" in e["message"]
 
 
@@ -223,8 +229,8 @@ def test_docs_off_when_asked():
 
 
 def test_samplers_and_progress_shapes(http):
-    names = {s["name"] for s in http.get("/sdapi/v1/samplers").json()}
-    assert {"Euler a", "DPM++ 2M Karras", "DDIM"} <= names and len(names) == len(samplers.available())
+    names = [s["name"] for s in http.get("/sdapi/v1/samplers").json()]
+    assert names == [s["name"] for s in a1111.a1111_samplers()] and {"Euler a", "DPM++ 2M", "DDIM"} <= set(names)
     p = http.get("/sdapi/v1/progress").json()
     assert p["current_image"] is None and p["state"]["skipped"] is False
     _, text = decode_png(http.post(A1111, json={"prompt": "x"}).json()["images"][0])

@@ -159,8 +159,9 @@ def test_a1111_defaults_and_scheduler(http):
     r = http.post("/sdapi/v1/txt2img", json={"prompt": "", "sampler_name": "DPM++ 2M", "scheduler": "Karras"})
     assert r.status_code == 200, r.text
     info = json.loads(r.json()["info"])
-    assert info["sampler_name"] == "DPM++ 2M Karras" and info["steps"] == 4 and info["width"] == 64
-    assert "Sampler: DPM++ 2M Karras," in info["infotexts"][0]
+    assert info["sampler_name"] == "DPM++ 2M" and info["scheduler"] == "Karras"
+    assert info["steps"] == 4 and info["width"] == 64
+    assert "Sampler: DPM++ 2M, Schedule type: Karras," in info["infotexts"][0]
     check_image(r.json()["images"][0], sampler="dpmpp_2m_karras")
     assert 0 <= info["seed"] < 2**32  # -1: random
     r = http.post("/sdapi/v1/txt2img", json={"prompt": "p", "seed": 1, "send_images": False})
@@ -170,7 +171,15 @@ def test_a1111_defaults_and_scheduler(http):
 def test_both_apis_give_the_same_image_for_the_same_parameters(http):
     a = http.post(
         "/v1/images/generations",
-        json={"prompt": "same", "seed": 9, "steps": 3, "size": "32x32", "guidance_scale": 2, "sampler": "euler_a"},
+        json={
+            "prompt": "same",
+            "seed": 9,
+            "steps": 3,
+            "size": "32x32",
+            "guidance_scale": 2,
+            "sampler": "Euler a Uniform",
+        },  # A1111's "Euler a": its Automatic schedule is Uniform
+        # fmt: skip
     ).json()
     b = http.post(
         "/sdapi/v1/txt2img",
@@ -196,7 +205,8 @@ def test_service_endpoints(server, http):
     assert (config["default_width"], config["default_height"], config["default_steps"]) == (64, 64, 4)
     assert config["limits"]["max_images"] == 8 and config["batch_sizes"] == [1, 2, 4]
     a1111 = {s["name"]: s for s in http.get("/sdapi/v1/samplers").json()}
-    assert a1111["DPM++ 2M Karras"] == {"name": "DPM++ 2M Karras", "aliases": ["dpmpp_2m_karras"], "options": {}}
+    assert a1111["DPM++ 2M"] == {"name": "DPM++ 2M", "aliases": ["k_dpmpp_2m"], "options": {"scheduler": "karras"}}
+    assert "DPM fast" not in a1111 and {"Euler a", "UniPC", "LCM", "DPM++ SDE", "TCD"} <= set(a1111)
     assert http.get("/v1/models").json()["data"][0]["id"] == "fake-model"
     assert http.get("/sdapi/v1/sd-models").json()[0]["model_name"] == "fake-model"
     assert http.get("/sdapi/v1/options").json()["sd_model_checkpoint"] == "fake-model"

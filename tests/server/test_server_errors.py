@@ -90,7 +90,7 @@ def test_openai_bad_fields(http, body, param, words):
         ({"prompt": "x", "height": 0}, "height", "greater than"),
         ({"prompt": "x", "width": 512}, "width", "outside"),
         ({"prompt": "x", "steps": -1}, "steps", "greater than"),
-        ({"prompt": "x", "sampler_name": "Nope a"}, "sampler_name", "unknown sampler"),
+        ({"prompt": "x", "sampler_name": "Nope a"}, "sampler_name", "unknown A1111 sampler"),
         ({"prompt": "x", "cfg_scale": "high"}, "cfg_scale", "number"),
         ({"prompt": "x", "seed": -5}, "seed", "greater than"),
         ({"prompt": "x", "initial_noise_multiplier": 2}, "initial_noise_multiplier", "only 1 is supported"),

@@ -226,7 +226,14 @@ def _resolve_named(name: str) -> tuple[str | None, type[Sampler], dict[str, Any]
     key = name.strip().lower().replace("-", "_").replace(" ", "_")
     if key in folded:
         return folded[key]
-    raise UnknownSamplerError(f"unknown sampler {name!r}; valid: {_valid_names()}")
+    from sdjax.samplers import a1111
+
+    try:  # an A1111 sampler followed by a schedule label ("Euler a Uniform", "DPM++ 2M SDE Heun Exponential")
+        registry, keys = a1111.config_keys(name)
+    except (a1111.UnsupportedSamplerError, schedules.UnknownScheduleError):
+        raise UnknownSamplerError(f"unknown sampler {name!r}; valid: {_valid_names()}") from None
+    cls, fixed = SAMPLERS[registry]
+    return registry, cls, {**fixed, **keys}
 
 
 def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:

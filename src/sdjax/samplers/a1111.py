@@ -189,3 +189,30 @@ def a1111_schedulers() -> list[dict[str, Any]]:
     """A1111's `/sdapi/v1/schedulers` response for the schedules sdjax supports:
     `[{name, label, aliases, default_rho, need_inner_model}]`."""
     return [s.api() for s in schedules.SCHEDULES if s.keys is not None]
+
+
+def canonical(sampler_name: str, scheduler_name: str | None = "Automatic") -> str:
+    """One string for an A1111 (sampler, schedule) pair with "Automatic" resolved: the sampler's label followed by
+    the schedule's label ("DPM++ 2M" + "Automatic" -> "DPM++ 2M Karras", "Euler a" + "Automatic" -> "Euler a
+    Uniform"), or the label alone where the sampler keeps the model's grid ("DDIM"). `get_sampler` builds the same
+    sampler from this string as `from_a1111` from the pair; requests that spell a pair differently share it."""
+    sampler, label = split_name(sampler_name, scheduler_name)
+    schedule = _schedule_for(sampler, label)
+    if schedule is not None:
+        from sdjax.samplers import SAMPLERS
+
+        schedules.schedule_keys(
+            SAMPLERS[sampler.registry][0], schedule, sampler_label=f"A1111 sampler {sampler.name!r}"
+        )
+        return f"{sampler.name} {schedules.find_schedule(schedule).label}"
+    return sampler.name
+
+
+def describe(spec: str) -> tuple[str, str | None]:
+    """(sampler label, schedule label or None) of a string `canonical` wrote, for the infotext's "Sampler" and
+    "Schedule type"; a string that is no A1111 pair comes back whole with None."""
+    try:
+        sampler, label = split_name(spec)
+    except (UnsupportedSamplerError, schedules.UnknownScheduleError):
+        return spec, None
+    return sampler.name, (None if label == "Automatic" else label)

@@ -53,6 +53,7 @@ from sdjax.metadata import (
     sampler_display_name,
     sampler_id,
 )
+from sdjax.samplers import a1111
 from sdjax.server.batching import Batcher, Outcome, QueueFull, ShuttingDown
 from sdjax.server.errors import APIError, error_body, internal_error
 from sdjax.server.files import FileStore
@@ -167,6 +168,8 @@ def served_for(pipeline: Any, model_name: str, config: ServerConfig) -> Served:
     defaults = Defaults.of(pipeline, steps=config.default_steps, sampler=config.default_sampler)
     sizes = config.warm_sizes or ((defaults.width, defaults.height),)
     steps = config.warm_steps or (defaults.steps,)
+    # Warm samplers are named as the native API names them ("Euler a" is diffusers' Euler a on the model's grid);
+    # A1111 requests resolve "Automatic", so warm their pair explicitly ("DPM++ 2M Karras", "Euler a Uniform").
     samplers = tuple(dict.fromkeys(sampler_id(s) for s in (config.warm_samplers or (defaults.sampler,))))
     shapes = tuple((st, h, w, s) for (w, h) in sizes for st in steps for s in samplers) if config.warm else ()
     limits = config.limits
@@ -642,10 +645,7 @@ def create_app(
 
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():
-        return [
-            {"name": sampler_display_name(name), "aliases": [name], "options": {}}
-            for name in served().pipeline.sampler_names
-        ]
+        return a1111.a1111_samplers()
 
     @app.get("/sdapi/v1/schedulers", summary="Noise schedules (AUTOMATIC1111 API)")
     async def schedulers():
@@ -746,7 +746,8 @@ def _a1111_info(request: GenerationRequest, outcome: Outcome, body: A1111Txt2Img
         "subseed_strength": 0,
         "width": request.width,
         "height": request.height,
-        "sampler_name": sampler_display_name(request.sampler),
+        "sampler_name": a1111.describe(sampler_display_name(request.sampler))[0],
+        "scheduler": a1111.describe(sampler_display_name(request.sampler))[1] or "Automatic",
         "cfg_scale": request.guidance_scale,
         "steps": request.steps,
         "batch_size": body.batch_size,

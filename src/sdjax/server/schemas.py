@@ -257,21 +257,10 @@ class A1111PngInfoResponse(BaseModel):
 
 def a1111_schedulers() -> list[dict[str, Any]]:
     """`GET /sdapi/v1/schedulers` items (AUTOMATIC1111's `SchedulerItem`: name, label, aliases, default_rho,
-    need_inner_model): "Automatic" (the sampler's own schedule) and "Karras" where a Karras variant exists. Answers
-    from `sdjax.samplers.a1111_schedulers()` once the samplers module provides it."""
-    from sdjax import samplers
+    need_inner_model) for the schedules sdjax can run."""
+    from sdjax.samplers import a1111
 
-    native = getattr(samplers, "a1111_schedulers", None)
-    if native is not None:
-        return [dict(item) for item in native()]
-    items = [
-        {"name": "automatic", "label": "Automatic", "aliases": None, "default_rho": -1.0, "need_inner_model": False}
-    ]
-    if any(name.endswith("_karras") for name in samplers.available()):
-        items.append(
-            {"name": "karras", "label": "Karras", "aliases": None, "default_rho": 7.0, "need_inner_model": False}
-        )
-    return items
+    return a1111.a1111_schedulers()
 
 
 # ---------------------------------------------------------------------------------------------- isolation
@@ -409,25 +398,34 @@ def resolve_openai(
 
 
 def a1111_sampler(body: A1111Txt2ImgRequest, defaults: Defaults) -> str:
-    """The sampler name for `sampler_name` + `scheduler` ("DPM++ 2M" + "Karras" -> "DPM++ 2M Karras")."""
-    name = body.sampler_name or body.sampler_index or defaults.sampler
-    scheduler = (body.scheduler or "").strip()
-    if scheduler.lower() in ("automatic", "auto", ""):
-        return name
-    known = {s["name"].lower(): s["label"] for s in a1111_schedulers()}
-    known.update({s["label"].lower(): s["label"] for s in a1111_schedulers()})
-    if scheduler.lower() not in known:
-        labels = ", ".join(s["label"] for s in a1111_schedulers())
-        raise FieldError("scheduler", f"unknown scheduler {scheduler!r}; known: {labels}")
-    label = known[scheduler.lower()]
-    if sampler_display_name(name).lower().endswith(label.lower()):
-        return name
-    combined = f"{sampler_display_name(name)} {label}"
+    """The sampler for `sampler_name` + `scheduler` with A1111's meaning ("Automatic": the sampler's own schedule,
+    Karras for "DPM++ 2M"), as the one string `sdjax.samplers.a1111.canonical` writes. A registry name that is
+    no A1111 sampler (the server's default, e.g. "pndm") is served as it is with "Automatic"."""
+    from sdjax.samplers import a1111, schedules
+
+    name = body.sampler_name or body.sampler_index
+    scheduler = (body.scheduler or "").strip() or "Automatic"
+    if not name and scheduler.lower() == "automatic":  # the server's default sampler, as the other APIs run it
+        return sampler_id(defaults.sampler)
+    name = name or defaults.sampler
+    try:
+        schedules.find_schedule(scheduler)
+    except schedules.UnknownScheduleError as e:
+        raise FieldError("scheduler", str(e)) from None
+    try:
+        return sampler_id(a1111.canonical(name, scheduler))
+    except a1111.UnsupportedSamplerError as e:
+        if scheduler.lower() == "automatic" and sampler_id(name) in samplers_available():
+            return sampler_id(name)
+        raise FieldError("sampler_name", str(e)) from None
+    except schedules.UnsupportedScheduleError as e:
+        raise FieldError("scheduler", str(e)) from None
+
+
+def samplers_available() -> list[str]:
     from sdjax import samplers
 
-    if sampler_id(combined) not in samplers.available():
-        raise FieldError("scheduler", f"the {label} schedule is not available for the sampler {name!r}")
-    return combined
+    return samplers.available()
 
 
 def resolve_a1111(
