@@ -275,6 +275,13 @@ def generate(
         str | None,
         typer.Option(help="Sampler name, e.g. euler_a, ddim, 'DPM++ 2M Karras'. Default: the model's scheduler."),
     ] = None,
+    schedule: Annotated[
+        str | None,
+        typer.Option(
+            help="AUTOMATIC1111 schedule type (Automatic, Karras, Exponential, SGM Uniform, Beta, ...). With it, "
+            "--sampler is read as A1111 reads it: 'DPM++ 2M' + Automatic is Karras, 'Euler a' + Automatic is Uniform."
+        ),
+    ] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Sampling steps. Default: the pipeline's (50).")] = None,
     guidance_scale: Annotated[
         float, typer.Option("--guidance-scale", "-g", min=0.0, help="Classifier-free guidance (CFG) scale.")
@@ -451,6 +458,8 @@ def generate(
                 )
                 raise typer.Exit(1) from None
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
+        if schedule is not None:
+            sampler = _a1111_sampler(sampler or pipe.default_sampler, schedule)
         request = _request(
             pipe,
             prompt=prompt,
@@ -604,6 +613,23 @@ def _task_options(
     if mask_im is not None:
         out.update(mask_blur=mask_blur, inpaint_full_res_padding=only_masked)
     return out
+
+
+def _a1111_sampler(sampler: str, schedule: str) -> str:
+    """--sampler + --schedule as one sampler string, with A1111's meaning of "Automatic"."""
+    from sdjax.config import ConfigError
+    from sdjax.samplers import a1111, schedules
+
+    try:
+        schedules.find_schedule(schedule)
+    except ConfigError as e:
+        raise typer.BadParameter(str(e), param_hint="--schedule") from None
+    try:
+        return metadata.sampler_id(a1111.canonical(sampler, schedule))
+    except a1111.UnsupportedSamplerError as e:
+        raise typer.BadParameter(str(e), param_hint="--sampler") from None
+    except ConfigError as e:
+        raise typer.BadParameter(str(e), param_hint="--schedule") from None
 
 
 def _request(

@@ -156,6 +156,9 @@ def test_pnginfo(fake, tmp_path):
         (("--seed", "-2"), "--seed"),
         (("--dtype", "float64"), "--dtype"),
         (("--num-images", "0"), "--num-images"),
+        (("--schedule", "Bogus"), "--schedule"),
+        (("--sampler", "Euler a", "--schedule", "Karras"), "--schedule"),  # Euler a has no Karras variant
+        (("--sampler", "Restart", "--schedule", "Karras"), "--sampler"),  # A1111 has it, diffusers does not
     ],
 )
 def test_bad_options_name_the_option(fake, tmp_path, args, hint):
@@ -163,6 +166,23 @@ def test_bad_options_name_the_option(fake, tmp_path, args, hint):
     assert r.exit_code == 2, r.output
     assert hint in r.output
     assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize(
+    "sampler,schedule,registry,line",
+    [
+        ("DPM++ 2M", "Automatic", "dpmpp_2m_karras", "Sampler: DPM++ 2M, Schedule type: Karras"),
+        ("Euler a", "automatic", "Euler a Uniform", "Sampler: Euler a, Schedule type: Uniform"),
+        ("DPM++ 2M SDE", "SGM Uniform", "DPM++ 2M SDE SGM Uniform", "Schedule type: SGM Uniform"),
+    ],
+)
+def test_schedule_gives_the_a1111_sampler(fake, tmp_path, sampler, schedule, registry, line):
+    r = run("generate", "x", "-o", str(tmp_path), "--steps", "2", "--sampler", sampler, "--schedule", schedule)
+    assert r.exit_code == 0, r.output
+    (path,) = tmp_path.glob("*.png")
+    text = metadata.read_parameters(path.read_bytes())
+    assert line in text and metadata.parameters_from_text(text).sampler == registry
+    assert fake.calls[-1]["sampler"] == registry
 
 
 def test_load_failure_is_a_message_not_a_traceback(monkeypatch, tmp_path):
