@@ -982,8 +982,16 @@ class Arch(str, enum.Enum):
     tiny = "tiny"
 
 
-@app.command()
+bench_app = typer.Typer(
+    help="Benchmarks: `sdjax bench [OPTIONS]` times the pipeline's pieces; `sdjax bench samplers` measures quality "
+    "per step of the samplers."
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench(
+    ctx: typer.Context,
     model: Annotated[
         str | None,
         typer.Option("--model", "-m", help="A diffusers folder or Hub id. Default: the embedded model (or --arch)."),
@@ -1021,6 +1029,8 @@ def bench(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
 ) -> None:
     """Time text encoding, a UNet step, VAE decode and end-to-end generation; FLOPs, MFU, peak memory."""
+    if ctx.invoked_subcommand is not None:
+        return
     from sdjax import bench as bench_lib
 
     cfg = bench_lib.BenchConfig(
@@ -1060,6 +1070,76 @@ def bench(
     out.print(table)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2))
+        err.print(f"wrote {json_out}", highlight=False)
+
+
+@bench_app.command("samplers")
+def bench_samplers(
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="A diffusers folder or Hub id. Default: the embedded model.")
+    ] = None,
+    samplers: Annotated[
+        str | None, typer.Option(help="Comma-separated sampler names. Default: the deterministic (ODE) samplers.")
+    ] = None,
+    steps: Annotated[str | None, typer.Option(help="Comma-separated step counts. Default: 4,6,8,12,16,24,32.")] = None,
+    reference: Annotated[str, typer.Option(help="The reference solver.")] = "heun",
+    reference_steps: Annotated[int, typer.Option(min=2, help="Steps of the reference solution.")] = 200,
+    prompt: Annotated[str, typer.Option(help="The prompt.")] = "a red circle on a blue background",
+    seed: Annotated[int, typer.Option(min=0, help="The seed (one initial noise for every sampler).")] = 0,
+    guidance_scale: Annotated[float, typer.Option("--guidance-scale", "-g", min=0.0)] = 5.0,
+    size: Annotated[str | None, typer.Option(help="WIDTHxHEIGHT. Default: the model's.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write the error-vs-evaluations plot here (PNG; matplotlib).")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
+) -> None:
+    """Distance of each sampler's result to a many-step reference solution against model evaluations, and each
+    sampler's own cost per call against a model call."""
+    from sdjax import bench_samplers as lib
+    from sdjax.config import ConfigError
+
+    width, height = _parse_size(size, "--size") if size else (None, None)
+    try:
+        cfg = lib.SamplerBenchConfig(
+            model=model,
+            prompt=prompt,
+            seed=seed,
+            guidance=guidance_scale,
+            samplers=lib.parse_list(samplers, lib.ODE_SAMPLERS),
+            steps=lib.parse_list(steps, lib.STEPS, int),
+            reference=reference,
+            reference_steps=reference_steps,
+            height=height,
+            width=width,
+        )
+        cfg.validate()
+    except (ValueError, ConfigError) as e:
+        raise typer.BadParameter(str(e.args[0] if e.args else e)) from None
+    for path, option in ((plot, "--plot"), (json_out, "--json")):
+        if path is not None and not path.parent.is_dir():
+            raise typer.BadParameter(f"folder {path.parent} does not exist", param_hint=option)
+    err = Console(stderr=True)
+    try:
+        with err.status("benchmarking samplers") as status:
+            result = lib.run(cfg, log=lambda s: status.update(s))
+    except (ValueError, FileNotFoundError, RuntimeError, ConfigError) as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    out = Console(width=None if sys.stdout.isatty() else 200)
+    cols, rows = lib.table(result)
+    ref = result["reference"]
+    table = Table(*cols, title=f"relative L2 distance to {ref['sampler']} x {ref['steps']} steps (model evaluations)")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+    out.print(f"one model call of the loop: {1000 * result['seconds_per_model_call']:.2f} ms", highlight=False)
+    if plot is not None:
+        if lib.plot(result, plot):
+            err.print(f"wrote {plot}", highlight=False)
+        else:
+            err.print("no plot: matplotlib is not installed (pip install 'sdjax[bench]')", highlight=False)
+    if json_out is not None:
+        lib.write_json(result, json_out)
         err.print(f"wrote {json_out}", highlight=False)
 
 

@@ -31,8 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from sdjax import rng
-
 
 class Hook:
     """A per-step extension of the loop. Every method is traced inside the loop body; the defaults do nothing."""
@@ -75,12 +73,9 @@ def rescale_noise_cfg(guided: jax.Array, cond: jax.Array, rescale: float) -> jax
 
 
 def step_noise(sampler, keys: jax.Array, step: jax.Array, state: Any, shape: tuple[int, ...]) -> jax.Array:
-    """The noise a stochastic sampler adds at model call `step`: its own `draw_noise` (e.g. a Brownian tree), else
-    a standard normal from each image's key (`sdjax.rng.step_noise`)."""
-    draw = getattr(sampler, "draw_noise", None)
-    if draw is not None:
-        return draw(keys, step, state, shape)
-    return rng.step_noise(keys, step, shape[1:])
+    """The noise a stochastic sampler adds at model call `step`: its `draw_noise` (a standard normal from each
+    image's key, or a Brownian tree's increment for DPM++ SDE)."""
+    return sampler.draw_noise(keys, step, state, shape)
 
 
 def _host(fn: Callable[..., bool], with_latents: bool) -> Callable[..., np.bool_]:

@@ -47,12 +47,8 @@ class Context:
 
 
 def add_noise_at(sampler, state, x0, noise, index):
-    """`sampler.add_noise_at`, or (for a sampler without it) its timestep-keyed `add_noise` at `timesteps[index]`."""
-    at = getattr(sampler, "add_noise_at", None)
-    if at is not None:
-        return at(state, x0, noise, index)
-    t = jnp.broadcast_to(state.timesteps[index], (x0.shape[0],))
-    return sampler.add_noise(state, x0, noise, t)
+    """`x0` noised to the level of model call `index` (`Sampler.add_noise_at`)."""
+    return sampler.add_noise_at(state, x0, noise, index)
 
 
 class TaskSpec:
@@ -107,8 +103,7 @@ def check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
 # ----------------------------------------------------------------------------------------------- the window
 def sampler_timesteps(sampler, steps: int) -> np.ndarray:
     """The timesteps fed to the model at each model call (one per call)."""
-    fn = getattr(sampler, "timesteps_for", None)
-    return np.asarray(fn(steps) if fn is not None else sampler._tables(steps)["timesteps"])
+    return np.asarray(sampler.timesteps_for(steps))
 
 
 def window(
@@ -132,7 +127,7 @@ def window(
       `round(T - denoising_end * T)`.
     """
     calls = int(sampler.num_model_calls(steps))
-    order = int(getattr(sampler, "order", 1))
+    order = int(sampler.order)
     timesteps = sampler_timesteps(sampler, steps)
     T = sampler.num_train_timesteps
     if start_step is not None:

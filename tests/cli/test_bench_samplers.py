@@ -1,0 +1,61 @@
+"""`sdjax bench samplers`: distances to a many-step reference shrink as the steps grow (the samplers converge to
+the one ODE), faster for a second-order sampler; the table, JSON and plot; bad input named."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from sdjax import bench_samplers
+from sdjax.cli import app
+
+
+@pytest.fixture(scope="module")
+def result(sd1_dir):
+    cfg = bench_samplers.SamplerBenchConfig(
+        model=str(sd1_dir), samplers=("euler", "dpmpp_2m", "ddim"), steps=(4, 16), reference_steps=32, timing_steps=2
+    )
+    return bench_samplers.run(cfg)
+
+
+def test_errors_shrink_with_steps_and_order(result):
+    err = {(r["sampler"], r["steps"]): r["error"] for r in result["rows"]}
+    for name in ("euler", "dpmpp_2m", "ddim"):
+        assert 0 < err[name, 16] < err[name, 4], (name, err)
+    # first order: about 4x less error for 4x the steps at best; second order: clearly more than first order's gain
+    assert err["dpmpp_2m", 4] / err["dpmpp_2m", 16] > err["euler", 4] / err["euler", 16]
+    nfe = {(r["sampler"], r["steps"]): r["nfe"] for r in result["rows"]}
+    assert nfe["euler", 16] == 16 and nfe["dpmpp_2m", 4] == 4
+    assert result["seconds_per_model_call"] > 0 and all(v > 0 for v in result["sampler_seconds_per_call"].values())
+
+
+def test_table_and_plot(result, tmp_path):
+    cols, rows = bench_samplers.table(result)
+    assert cols == ["sampler", "4 steps", "16 steps", "own cost / call"] and [r[0] for r in rows] == [
+        "euler",
+        "dpmpp_2m",
+        "ddim",
+    ]
+    assert bench_samplers.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        (["--samplers", "bogus"], "bogus"),
+        (["--steps", "4,64", "--reference-steps", "100"], "reference_steps"),
+        (["--steps", "0"], "steps"),
+    ],
+)
+def test_bad_input_is_named(args, word, tmp_path):
+    r = CliRunner().invoke(app, ["bench", "samplers", *args])
+    assert r.exit_code == 2 and word in r.output, r.output
+
+
+def test_cli_writes_json(sd1_dir, tmp_path):
+    out = tmp_path / "r.json"
+    args = ["bench", "samplers", "-m", str(sd1_dir), "--samplers", "euler", "--steps", "2", "--reference-steps", "8"]
+    r = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["rows"][0]["sampler"] == "euler" and "euler" in r.stdout
