@@ -254,6 +254,7 @@ def _run_pieces(cfg, pipe, params, result, height, width, worker, log) -> dict[s
     import jax.numpy as jnp
 
     from sdjax.core import autoencoder
+    from sdjax.ops import conv as ops_conv
 
     dtype = jnp.dtype(cfg.dtype)
     b = cfg.batch
@@ -287,12 +288,16 @@ def _run_pieces(cfg, pipe, params, result, height, width, worker, log) -> dict[s
     )
     t = jnp.full((2 * b,), 500.0, jnp.float32)
 
-    def unet_step(p, x, t, c, a):
-        return pipe.unet.apply({"params": p["unet"]}, x, t, c, **a)
+    # The UNet's params as the denoising loop sees them: prepared once per program (Winograd kernels on CPU,
+    # sdjax.ops.conv), outside the step.
+    unet_params = jax.jit(ops_conv.prepare)(params["unet"])
 
-    unet_c, s = _compile(unet_step, params, x, t, context, added)
+    def unet_step(p, x, t, c, a):
+        return pipe.unet.apply({"params": p}, x, t, c, **a)
+
+    unet_c, s = _compile(unet_step, unet_params, x, t, context, added)
     timed, torch_side["unet"] = _time_side_by_side(
-        lambda: unet_c(params, x, t, context, added), worker, "unet", cfg.reps
+        lambda: unet_c(unet_params, x, t, context, added), worker, "unet", cfg.reps
     )
     pieces["unet"] = {"compile_s": s, **timed, "flops": _flops(unet_c)}
 

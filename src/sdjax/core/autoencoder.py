@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sdjax.ops import conv as ops_conv
+
 
 def _runtime(vae, vae_params, dtype):
     """The VAE module and params to run: float32 when the config asks for it under float16."""
@@ -52,6 +54,7 @@ def encode(vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, 
     """Images NCHW in [-1, 1] -> UNet latents NCHW float32 (the posterior sample with `eps`, or its mean when
     `eps` is None)."""
     module, p = _runtime(vae, vae_params, dtype)
+    p = ops_conv.prepare(p)
     posterior = module.apply({"params": p}, images_nchw.astype(module.dtype), method=module.encode)
     z = posterior.mean if eps is None else posterior.mean + posterior.std * eps.astype(jnp.float32)
     return to_unet_latents(vae.config, z.astype(jnp.float32))
@@ -60,6 +63,7 @@ def encode(vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, 
 def decode(vae, vae_params: Any, latents: jax.Array, dtype) -> jax.Array:
     """UNet latents NCHW -> images NHWC float32 in [0, 1]."""
     module, p = _runtime(vae, vae_params, dtype)
+    p = ops_conv.prepare(p)
     z = from_unet_latents(vae.config, latents.astype(jnp.float32))
     images = module.apply({"params": p}, z.astype(module.dtype), method=module.decode)
     images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)

@@ -38,6 +38,7 @@ from sdjax import rng
 from sdjax.core import autoencoder, loop
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax.ops import conv as ops_conv
 from sdjax.parallel import sharding as sharding_lib
 
 Progress = Callable[[str, int, int], None]
@@ -123,8 +124,10 @@ def program(
     )
     latents, hooks = spec.task.prepare(ctx, inputs)
 
+    unet_params = ops_conv.prepare(params["unet"])  # once per program, outside the loop (Winograd on CPU)
+
     def model(x_in, t, **kwargs):
-        return models.unet.apply({"params": params["unet"]}, x_in.astype(models.dtype), t, context, **added, **kwargs)
+        return models.unet.apply({"params": unet_params}, x_in.astype(models.dtype), t, context, **added, **kwargs)
 
     interactive = spec.interactive and on_step is not None
     latents, stopped = loop.denoise(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.ops import attention as ops_attention
+from sdjax.ops import conv as ops_conv
 
 Dtype = Any
 
@@ -118,10 +119,13 @@ def conv(
     dtype: Dtype,
     name: str | None = None,
     use_bias: bool = True,
-) -> nn.Conv:
-    """`torch.nn.Conv2d(kernel, stride, padding)` on NHWC; padding defaults to `(kernel - 1) // 2`."""
+) -> ops_conv.Conv:
+    """`torch.nn.Conv2d(kernel, stride, padding)` on NHWC; padding defaults to `(kernel - 1) // 2`.
+
+    `sdjax.ops.conv.Conv` is `nn.Conv` with the same params, plus Winograd's algorithm on CPU where prepared.
+    """
     p = (kernel - 1) // 2 if padding is None else padding
-    return nn.Conv(
+    return ops_conv.Conv(
         features,
         (kernel, kernel),
         strides=(stride, stride),

@@ -1,0 +1,118 @@
+"""`sdjax.ops.conv`: the Conv module is flax's nn.Conv with the same params, and Winograd's F(2x2, 3x3) computes the
+same convolution as XLA's and as PyTorch's conv2d (independent references), at even and odd sizes."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdjax.ops import conv as ops_conv
+
+
+def _rand(shape, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding", [(3, 1, 1), (3, 2, 1), (1, 1, 0), (3, 2, ((0, 1), (0, 1))), (3, 1, 0)]
+)
+def test_module_is_flax_conv(kernel, stride, padding):
+    """Same param tree and initial values as nn.Conv for the same key, and the same outputs."""
+    pad = ((padding, padding), (padding, padding)) if isinstance(padding, int) else padding
+    ours = ops_conv.Conv(8, (kernel, kernel), strides=(stride, stride), padding=pad)
+    theirs = nn.Conv(8, (kernel, kernel), strides=(stride, stride), padding=pad)
+    x = _rand((2, 9, 11, 5), 0)
+    p_ours, p_theirs = ours.init(jax.random.key(3), x), theirs.init(jax.random.key(3), x)
+    assert jax.tree_util.tree_structure(p_ours) == jax.tree_util.tree_structure(p_theirs)
+    for a, b in zip(jax.tree_util.tree_leaves(p_ours), jax.tree_util.tree_leaves(p_theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    p = {"params": {"kernel": _rand((kernel, kernel, 5, 8), 1, 0.2), "bias": _rand((8,), 2)}}
+    np.testing.assert_allclose(ours.apply(p, x), theirs.apply(p, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 16), (1, 7, 5, 3), (3, 1, 1, 4), (1, 2, 9, 6)])
+def test_winograd_equals_torch_conv2d(shape):
+    torch = pytest.importorskip("torch")
+    x, k = _rand(shape, 0), _rand((3, 3, shape[-1], 12), 1, 1 / np.sqrt(9 * shape[-1]))
+    got = np.asarray(jax.jit(ops_conv.conv3x3_winograd)(x, ops_conv.winograd_kernel(jnp.asarray(k))))
+    ref = torch.nn.functional.conv2d(
+        torch.from_numpy(x).permute(0, 3, 1, 2), torch.from_numpy(k).permute(3, 2, 0, 1), padding=1
+    )
+    ref = ref.permute(0, 2, 3, 1).numpy()
+    assert got.shape == ref.shape
+    # float32 rounding only (additions in the transforms): within a few ulps of the output scale
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+def test_prepare_adds_leaves_by_the_rule_and_the_module_uses_them():
+    c = ops_conv.WINOGRAD_MIN_CHANNELS
+    params = {
+        "big": {"kernel": _rand((3, 3, c, 4), 0, 0.02), "bias": _rand((4,), 1)},
+        "narrow": {"kernel": _rand((3, 3, c - 1, 4), 0), "bias": _rand((4,), 1)},
+        "pointwise": {"kernel": _rand((1, 1, c, 4), 0)},
+        "half": {"kernel": jnp.asarray(_rand((3, 3, c, 4), 0), jnp.bfloat16)},
+    }
+    prepared = ops_conv.prepare(params)
+    assert set(prepared["big"]) == {"kernel", "bias", "winograd"}
+    for name in ("narrow", "pointwise", "half"):
+        assert "winograd" not in prepared[name], name
+    np.testing.assert_allclose(
+        prepared["big"]["winograd"], ops_conv.winograd_kernel(jnp.asarray(params["big"]["kernel"])), rtol=0, atol=0
+    )
+
+    module = ops_conv.Conv(4, (3, 3), padding=((1, 1), (1, 1)))
+    x = _rand((1, 6, 6, c), 2)
+    direct = module.apply({"params": params["big"]}, x)
+    # The module takes the leaf when there is one: a deliberately wrong leaf changes the output...
+    wrong = {**prepared["big"], "winograd": prepared["big"]["winograd"] * 2}
+    doubled = jax.jit(module.apply)({"params": wrong}, x) - params["big"]["bias"]
+    np.testing.assert_allclose(doubled, 2 * (direct - params["big"]["bias"]), rtol=1e-4, atol=1e-5)
+    # ...and the right one gives the direct convolution's numbers.
+    np.testing.assert_allclose(jax.jit(module.apply)({"params": prepared["big"]}, x), direct, rtol=1e-5, atol=1e-5)
+    # A stride-2 module ignores the leaf.
+    down = ops_conv.Conv(4, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    np.testing.assert_array_equal(down.apply({"params": wrong}, x), down.apply({"params": params["big"]}, x))
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match=r"\(3, 3, Cin, Cout\)"):
+        ops_conv.winograd_kernel(jnp.zeros((1, 1, 4, 4)))
+    with pytest.raises(ValueError, match="does not fit"):
+        ops_conv.conv3x3_winograd(jnp.zeros((1, 4, 4, 8)), jnp.zeros((16, 4, 4)))
+
+
+def test_cpu_lowering_replaces_the_prepared_convolutions():
+    """On CPU a prepared 3x3 conv lowers without a convolution op (the Winograd branch is the one kept)."""
+    c = ops_conv.WINOGRAD_MIN_CHANNELS
+    module = ops_conv.Conv(4, (3, 3), padding=((1, 1), (1, 1)))
+    params = {"kernel": jnp.zeros((3, 3, c, 4)), "bias": jnp.zeros((4,))}
+    x = jnp.zeros((1, 4, 4, c))
+    plain = jax.jit(module.apply).lower({"params": params}, x).as_text()
+    prepared = jax.jit(lambda p, x: module.apply({"params": ops_conv.prepare(p)}, x)).lower(params, x).as_text()
+    assert "convolution" in plain and "convolution" not in prepared
+
+
+def test_unet_and_vae_with_winograd_everywhere_match_direct(sd1_dir, monkeypatch):
+    """The tiny SD 1.x UNet and VAE decoder with every 3x3 conv on Winograd (threshold 1) give the numbers of XLA's
+    convolution (whose agreement with diffusers the model parity tests check)."""
+    from sdjax.core import autoencoder
+    from sdjax.loading.components import load_pipeline_components
+
+    components, params, _ = load_pipeline_components(sd1_dir)
+    unet, vae = components["unet"], components["vae"]
+    x = jnp.asarray(_rand((2, 4, 8, 8), 0))
+    context = jnp.asarray(_rand((2, 77, unet.config.cross_attention_dim), 1))
+    t = jnp.asarray([10.0, 500.0])
+
+    def run(p):
+        noise = unet.apply({"params": ops_conv.prepare(p["unet"])}, x, t, context)
+        return noise, autoencoder.decode(vae, p["vae"], x[:1], jnp.float32)
+
+    monkeypatch.setattr(ops_conv, "WINOGRAD_MIN_CHANNELS", 10**9)
+    direct = jax.jit(lambda p: run(p))(params)  # a new function each time: jit caches traces per function
+    monkeypatch.setattr(ops_conv, "WINOGRAD_MIN_CHANNELS", 1)
+    winograd = jax.jit(lambda p: run(p))(params)
+    for got, want in zip(winograd, direct, strict=True):
+        err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+        assert 0 < err <= 1e-5  # > 0: the other path really ran
