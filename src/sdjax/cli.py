@@ -48,6 +48,13 @@ class Upscaler(str, enum.Enum):
     nearest = "nearest"
 
 
+class PromptSyntax(str, enum.Enum):
+    """How the prompt is read."""
+
+    plain = "plain"
+    a1111 = "a1111"
+
+
 class DType(str, enum.Enum):
     """Weights and compute dtype."""
 
@@ -275,6 +282,13 @@ def generate(
         str | None,
         typer.Option(help="Sampler name, e.g. euler_a, ddim, 'DPM++ 2M Karras'. Default: the model's scheduler."),
     ] = None,
+    prompt_syntax: Annotated[
+        PromptSyntax,
+        typer.Option(
+            help="plain: the prompt as CLIP reads it (75 tokens); a1111: AUTOMATIC1111's (word:1.3), [word], "
+            "BREAK and prompts longer than 75 tokens."
+        ),
+    ] = PromptSyntax.plain,
     schedule: Annotated[
         str | None,
         typer.Option(
@@ -472,6 +486,7 @@ def generate(
             height=height,
             seed=seed,
             num_images=num_images,
+            prompt_syntax=getattr(prompt_syntax, "value", prompt_syntax),
             **task,
         )
         images = request.images()

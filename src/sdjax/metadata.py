@@ -90,6 +90,7 @@ class ImageParameters:
     hires: Any = None  # sdjax.pipelines.recipes.Hires
     refiner: str = ""
     refiner_switch: float | None = None
+    prompt_syntax: str = "plain"  # "a1111": emphasis, BREAK, long prompts (sdjax.text.prompt_syntax)
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -118,6 +119,7 @@ class ImageParameters:
             self.hires,
             self.refiner,
             self.refiner_switch,
+            self.prompt_syntax,
         )
 
     def extra_fields(self) -> dict[str, Any]:
@@ -171,6 +173,7 @@ class GenerationRequest:
     hires: Any = None
     refiner: str = ""
     refiner_switch: float | None = None
+    prompt_syntax: str = "plain"
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -195,6 +198,7 @@ class GenerationRequest:
                 hires=self.hires,
                 refiner=self.refiner,
                 refiner_switch=self.refiner_switch,
+                prompt_syntax=self.prompt_syntax,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -238,6 +242,8 @@ def generate_images(
     common = dict(
         steps=p.steps, height=p.height, width=p.width, sampler=p.sampler, pad_to=pad_to, progress=progress, **kwargs
     )
+    if p.prompt_syntax != "plain":
+        common["prompt_syntax"] = p.prompt_syntax
     if p.hires is not None:
         from sdjax.pipelines.recipes import hires_arrays
 

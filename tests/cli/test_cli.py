@@ -252,3 +252,12 @@ def test_help_is_complete():
         for param in command.params:
             assert getattr(param, "help", None), (name, param.name)  # every option and argument is explained
     assert run("--version").stdout.startswith("sdjax ")
+
+
+def test_prompt_syntax_option(fake, tmp_path):
+    assert run("generate", "(x:1.2)", "-o", str(tmp_path), "--steps", "1").exit_code == 0
+    r = run("generate", "(x:1.2)", "-o", str(tmp_path), "--steps", "1", "--prompt-syntax", "a1111")
+    assert r.exit_code == 0, r.output
+    assert fake.prompt_syntaxes[-2:] == [None, "a1111"]
+    r = run("generate", "x", "-o", str(tmp_path), "--prompt-syntax", "comfy")
+    assert r.exit_code == 2 and "--prompt-syntax" in r.output

@@ -75,6 +75,7 @@ class FakePipeline:
         self.fail_prompt = fail_prompt
         self.report_latents = report_latents
         self.calls: list[dict] = []
+        self.prompt_syntaxes: list[str | None] = []
         self.warmups: list[tuple] = []
         self._lock = threading.Lock()
         self._active = 0
@@ -130,7 +131,9 @@ class FakePipeline:
         pad_to=None,
         progress=None,
         should_stop=None,
+        prompt_syntax=None,
     ) -> np.ndarray:
+        self.prompt_syntaxes.append(prompt_syntax)
         return self._run(
             prompts, negative_prompts, seeds, image_indices, guidance_scales, steps, height, width, sampler, pad_to,
             progress, should_stop,
@@ -254,7 +257,9 @@ class FakePipelineWithoutStop(FakePipeline):
         sampler=None,
         pad_to=None,
         progress=None,
+        prompt_syntax=None,
     ) -> np.ndarray:
+        self.prompt_syntaxes.append(prompt_syntax)
         return self._run(
             prompts, negative_prompts, seeds, image_indices, guidance_scales, steps, height, width, sampler, pad_to,
             progress, None,

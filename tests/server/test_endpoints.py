@@ -235,3 +235,17 @@ def test_samplers_and_progress_shapes(http):
     assert p["current_image"] is None and p["state"]["skipped"] is False
     _, text = decode_png(http.post(A1111, json={"prompt": "x"}).json()["images"][0])
     assert "Steps: 4" in text
+
+
+def test_a1111_requests_read_a1111_prompt_syntax(server, http):
+    before = len(server.pipeline.prompt_syntaxes)
+    assert http.post(A1111, json={"prompt": "(x:1.2)", "seed": 1}).status_code == 200
+    assert http.post("/v1/images/generations", json={"prompt": "(x:1.2)", "size": "64x64"}).status_code == 200
+    assert server.pipeline.prompt_syntaxes[before:] == ["a1111", None]
+    assert_error(http.post(A1111, json={"prompt": "a <lora:x:0.5>"}), 422, "prompt", "<lora:x")
+    assert_error(
+        http.post(A1111, json={"prompt": "a", "negative_prompt": "<lora:y:bad>"}),
+        422,
+        "negative_prompt",
+        "not a number",
+    )

@@ -65,6 +65,7 @@ class ProgramSpec:
     interactive: bool = False  # a host callback per model call (progress, cancellation)
     previews: bool = False  # ... that also receives the current latents (progress(..., latents=))
     explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
+    text_chunks: int = 0  # A1111 prompt syntax: that many 77-token chunks per prompt, with token weights (0: plain)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -346,6 +347,7 @@ class Generator:
         interactive: bool = False,
         explicit_noise: bool = False,
         previews: bool = False,
+        text_chunks: int = 0,
     ) -> ProgramSpec:
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r} must be one of {list(OUTPUTS)}")
@@ -362,6 +364,7 @@ class Generator:
             interactive=bool(interactive),
             explicit_noise=bool(explicit_noise),
             previews=bool(previews) and bool(interactive),
+            text_chunks=int(text_chunks),
         )
 
     def window(self, spec: ProgramSpec, task: TaskRequest) -> tuple[int, int]:
@@ -413,7 +416,10 @@ class Generator:
         """Zero host inputs of the shapes `spec` takes (for compiling ahead of time)."""
         n = spec.batch
         cond = self.models.conditioning
-        ids = np.zeros((n, *cond.ids_suffix), np.int32)
+        suffix = cond.ids_suffix
+        if spec.text_chunks:
+            suffix = (*suffix[:-1], suffix[-1] * spec.text_chunks)
+        ids = np.zeros((n, *suffix), np.int32)
         out = {
             "ids": ids,
             "neg_ids": ids,
@@ -426,6 +432,8 @@ class Generator:
             out[name] = np.zeros(
                 _task_input_shape(name, n, spec.height, spec.width, f, self.models.latent_channels), np.float32
             )
+        if spec.text_chunks:
+            out["weights"] = out["neg_weights"] = np.ones((n, suffix[-1]), np.float32)
         if spec.explicit_noise:
             out["noise"] = np.zeros((n, self.models.latent_channels, spec.height // f, spec.width // f), np.float32)
         return out
@@ -455,6 +463,7 @@ class Generator:
         ids: np.ndarray | None = None,
         neg_ids: np.ndarray | None = None,
         cfg: bool | None = None,
+        prompt_syntax: str | None = None,
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` float32 in [0, 1] (or latents `(N, C, h, w)` with `output="latents"`).
 
@@ -463,7 +472,9 @@ class Generator:
         are dropped. A negative prompt of None means "none given" (the empty prompt; SDXL zeroes its embeddings
         under `force_zeros_for_empty_prompt`). `ids`/`neg_ids` (already tokenized) replace the tokenization of
         `prompts`/`negative_prompts`. `cfg` (default: whether any guidance scale exceeds 1) computes the
-        unconditional branch. Raises `Cancelled` when `should_stop()` returned True between two model calls.
+        unconditional branch. `prompt_syntax="a1111"` reads prompts as AUTOMATIC1111 does (emphasis, BREAK,
+        chunks of 75 tokens; `sdjax.text.prompt_syntax`). Raises `Cancelled` when `should_stop()` returned True
+        between two model calls.
         """
         task = task or TaskRequest(Txt2Img())
         n = len(prompts) if ids is None else int(np.shape(ids)[0])
@@ -478,13 +489,24 @@ class Generator:
         negs = list(negative_prompts) + [""] * pad
         if len(negative_prompts) != n:
             raise ValueError(f"negative_prompts: got {len(negative_prompts)} for {n} images")
+        neg_texts = [p if isinstance(p, str) else "" for p in negs]
+        if prompt_syntax not in (None, "plain", "a1111"):
+            raise ValueError(f"prompt_syntax={prompt_syntax!r} must be 'plain' or 'a1111'")
+        chunks = 0
+        if prompt_syntax == "a1111":
+            if ids is not None or neg_ids is not None:
+                raise ValueError("prompt_syntax='a1111' reads prompt text; pass prompts instead of ids")
+            text = text_inputs_a1111(self.models.conditioning, list(prompts) + [""] * pad, neg_texts)
+            chunks = text.pop("chunks")
+        else:
+            text = {
+                "ids": _pad(self.models.conditioning.tokenize(list(prompts)) if ids is None else np.asarray(ids), pad),
+                "neg_ids": (
+                    self.models.conditioning.tokenize(neg_texts) if neg_ids is None else _pad(np.asarray(neg_ids), pad)
+                ),
+            }
         host = {
-            "ids": _pad(self.models.conditioning.tokenize(list(prompts)) if ids is None else np.asarray(ids), pad),
-            "neg_ids": (
-                self.models.conditioning.tokenize([p if isinstance(p, str) else "" for p in negs])
-                if neg_ids is None
-                else _pad(np.asarray(neg_ids), pad)
-            ),
+            **text,
             "keys": _pad(keys, pad),
             "guidance": _pad(guidance, pad, fill=1.0),
             **self.models.conditioning.host_inputs(
@@ -511,6 +533,7 @@ class Generator:
             interactive=interactive,
             explicit_noise=noise is not None,
             previews=wants_latents(progress),
+            text_chunks=chunks,
         )
         start, end = self.window(spec, task)
         params = self.check_params(self.params if params is None else params)
@@ -594,3 +617,27 @@ def _abstract(x, mesh: Mesh):
 
 def _mesh_key(mesh: Mesh):
     return (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape)
+
+
+def text_inputs_a1111(conditioning, prompts: list[str], negative_prompts: list[str]) -> dict[str, Any]:
+    """Ids and token weights of prompts read with AUTOMATIC1111's syntax, prompt and negative prompt padded to one
+    chunk count (`chunks`); `<lora:...>` tags must have been taken out by the caller."""
+    from sdjax.text import prompt_syntax
+
+    for text in (*prompts, *negative_prompts):
+        _, tags = prompt_syntax.extract_networks(text)
+        if tags:
+            raise ValueError(
+                f"prompt tag <{tags[0].kind}:{tags[0].name}:...> was not resolved: load the LoRA and leave the tag out"
+            )
+    tokenizers = conditioning.tokenizers
+    count = max(prompt_syntax.chunk_count(tokenizers[0], [*prompts, *negative_prompts]), 1)
+    ids, weights = [], []
+    for texts in (prompts, negative_prompts):
+        per = [prompt_syntax.tokenize(tok, texts, count) for tok in tokenizers]
+        stacked = np.stack([p[0] for p in per], axis=1) if len(conditioning.ids_suffix) == 2 else per[0][0]
+        ids.append(stacked)
+        weights.append(per[0][1])
+    if count == 1 and all((w == 1.0).all() for w in weights):  # nothing weighted: the plain program, same numbers
+        return {"ids": ids[0], "neg_ids": ids[1], "chunks": 0}
+    return {"ids": ids[0], "neg_ids": ids[1], "weights": weights[0], "neg_weights": weights[1], "chunks": count}

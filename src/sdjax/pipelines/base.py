@@ -421,6 +421,7 @@ class DiffusionPipeline:
         should_stop=None,
         noise=None,
         output: str = "images",
+        prompt_syntax: str | None = None,
         **conditioning,
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` uint8 (`output="float"`: float32 in [0, 1]; `output="latents"`: the final latents
@@ -461,6 +462,7 @@ class DiffusionPipeline:
             guidance_rescale=guidance_rescale,
             progress=progress,
             should_stop=should_stop,
+            prompt_syntax=prompt_syntax,
         )
         if output == "latents":
             return out
@@ -496,6 +498,7 @@ class DiffusionPipeline:
         progress: Progress | None = None,
         params: dict | None = None,
         guidance_rescale: float = 0.0,
+        prompt_syntax: str | None = None,
         **conditioning,
     ):
         """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives float32 arrays
@@ -506,7 +509,9 @@ class DiffusionPipeline:
         - inpainting: `image` and `mask_image` (white = repaint), `strength` (1.0), `mask_blur`,
           `padding_mask_crop` (repaint the masked region at full resolution), `paste_back`;
         - `denoising_end` / `denoising_start`: the SDXL base -> refiner hand-off (see `pipelines.recipes`);
-        - `noise`: the initial noise `(N, C, h, w)` instead of noise drawn from the seed.
+        - `noise`: the initial noise `(N, C, h, w)` instead of noise drawn from the seed;
+        - `prompt_syntax="a1111"`: prompts read as AUTOMATIC1111 reads them (`(word:1.3)`, `[word]`, `BREAK`,
+          longer than 75 tokens; `sdjax.text.prompt_syntax`).
         The output size defaults to the init image's (else the model's); `resize_mode` ("resize", "crop", "fill")
         says how an init image of another size is fitted.
         """
@@ -557,6 +562,7 @@ class DiffusionPipeline:
             guidance_rescale=guidance_rescale,
             noise=noise,
             output={"pil": "images", "np": "float", "latent": "latents"}[output_type],
+            prompt_syntax=prompt_syntax,
             **conditioning,
         )
         if output_type != "pil":

@@ -428,6 +428,18 @@ def samplers_available() -> list[str]:
     return samplers.available()
 
 
+def _check_prompt_tags(text: str, field: str) -> None:
+    from sdjax.text import prompt_syntax
+
+    try:
+        _, tags = prompt_syntax.extract_networks(text)
+    except ValueError as e:
+        raise FieldError(field, str(e)) from None
+    if tags:
+        tag = tags[0]
+        raise FieldError(field, f"<{tag.kind}:{tag.name}:...>: extra networks in prompts are not served here")
+
+
 def resolve_a1111(
     body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
 ) -> GenerationRequest:
@@ -452,7 +464,10 @@ def resolve_a1111(
         sampler=a1111_sampler(body, defaults),
         model=model_name,
         hires=_hires(body) if body.enable_hr and not isinstance(body, A1111Img2ImgRequest) else None,
+        prompt_syntax="a1111",  # emphasis, BREAK and long prompts, as A1111 reads them
     )
+    _check_prompt_tags(body.prompt, "prompt")
+    _check_prompt_tags(body.negative_prompt or "", "negative_prompt")
     fields = dict(
         num_images="batch_size",
         steps="steps",

@@ -193,6 +193,10 @@ class CLIPTokenizer:
         """The ids of `text` alone: no BOS/EOS, no truncation, no padding."""
         return self._backend.encode(text, add_special_tokens=False).ids
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. `",</w>"`), None if absent."""
+        return self._backend.token_to_id(token)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Ids -> text, special tokens dropped (word ends `</w>` become spaces)."""
         text = self._backend.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -13,6 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.text import prompt_syntax
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SDConditioning:
@@ -23,6 +25,10 @@ class SDConditioning:
 
     name = "sd"
     components = ("text_encoder",)
+
+    @property
+    def tokenizers(self) -> tuple[Any, ...]:
+        return (self.tokenizer,)
 
     @property
     def ids_suffix(self) -> tuple[int, ...]:
@@ -46,5 +52,12 @@ class SDConditioning:
     def encode(self, params: dict, inputs: dict, *, cfg: bool) -> tuple[Any, dict]:
         """`inputs["ids"]`, `inputs["neg_ids"]` -> (context `(2B or B, 77, D)`, UNet keyword arguments)."""
         ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
+        if "weights" in inputs:  # A1111 prompt syntax: 77-token chunks encoded apart, weighted, concatenated
+            weights = jnp.concatenate([inputs["neg_weights"], inputs["weights"]]) if cfg else inputs["weights"]
+            batch, length = ids.shape
+            chunk = self.tokenizer.model_max_length
+            out = self.text_encoder.apply({"params": params["text_encoder"]}, ids.reshape(-1, chunk))
+            z = prompt_syntax.emphasize(out.last_hidden_state, weights.reshape(-1, chunk))
+            return z.reshape(batch, length, -1), {}
         out = self.text_encoder.apply({"params": params["text_encoder"]}, ids)
         return out.last_hidden_state, {}

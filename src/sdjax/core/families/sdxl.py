@@ -21,6 +21,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.text import prompt_syntax
+
 Pair = tuple[int, int]
 OPTIONS = (
     "original_size",
@@ -94,6 +96,10 @@ class SDXLConditioning:
         return tuple(name for name, _, _ in self._pairs)
 
     @property
+    def tokenizers(self) -> tuple[Any, ...]:
+        return tuple(tok for _, tok, _ in self._pairs)
+
+    @property
     def ids_suffix(self) -> tuple[int, ...]:
         return (len(self._pairs), self.tokenizer_2.model_max_length)
 
@@ -156,10 +162,22 @@ class SDXLConditioning:
         """-> (context `(2B or B, 77, sum of widths)`, `{"text_embeds", "time_ids"}`)."""
         ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
         hidden, pooled = [], None
-        for k, (name, _, encoder) in enumerate(self._pairs):
-            out = encoder.apply({"params": params[name]}, ids[:, k])
-            hidden.append(out.hidden_states[-2])
-            pooled = out.text_embeds
+        weighted = "weights" in inputs  # A1111 prompt syntax: 77-token chunks encoded apart, weighted, concatenated
+        if weighted:
+            weights = jnp.concatenate([inputs["neg_weights"], inputs["weights"]]) if cfg else inputs["weights"]
+        for k, (name, tok, encoder) in enumerate(self._pairs):
+            if not weighted:
+                out = encoder.apply({"params": params[name]}, ids[:, k])
+                hidden.append(out.hidden_states[-2])
+                pooled = out.text_embeds
+                continue
+            batch, length = ids[:, k].shape
+            chunk = tok.model_max_length
+            out = encoder.apply({"params": params[name]}, ids[:, k].reshape(-1, chunk))
+            z = prompt_syntax.emphasize(out.hidden_states[-2], weights.reshape(-1, chunk))
+            hidden.append(z.reshape(batch, length, -1))
+            if out.text_embeds is not None:
+                pooled = out.text_embeds.reshape(batch, length // chunk, -1)[:, 0]  # the first chunk's, as A1111
         context = jnp.concatenate(hidden, axis=-1)
         time_ids = inputs["time_ids"]
         if cfg:
