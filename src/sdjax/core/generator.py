@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sdjax import rng
-from sdjax.core import autoencoder, loop
+from sdjax.core import autoencoder, guidance_embedding, loop
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.ops import conv as ops_conv
@@ -126,6 +126,9 @@ def program(
     latents, hooks = spec.task.prepare(ctx, inputs)
 
     unet_params = ops_conv.prepare(params["unet"])  # once per program, outside the loop (Winograd on CPU)
+    if guidance_embedding.distilled(models.unet.config):  # LCM: guidance enters as an embedding, one branch
+        dim = int(models.unet.config.time_cond_proj_dim)
+        added = {**added, "timestep_cond": guidance_embedding.guidance_embedding(inputs["guidance"], dim)}
 
     def model(x_in, t, **kwargs):
         return models.unet.apply({"params": unet_params}, x_in.astype(models.dtype), t, context, **added, **kwargs)
@@ -527,7 +530,9 @@ class Generator:
             width=width,
             steps=steps,
             sampler=sampler,
-            cfg=bool((guidance > 1).any()) if cfg is None else cfg,
+            cfg=(bool((guidance > 1).any()) and not guidance_embedding.distilled(self.models.unet.config))
+            if cfg is None
+            else cfg,
             guidance_rescale=guidance_rescale,
             output=output,
             interactive=interactive,
