@@ -421,6 +421,7 @@ class DiffusionPipeline:
         should_stop=None,
         noise=None,
         output: str = "images",
+        control=None,
         **conditioning,
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` uint8 (`output="float"`: float32 in [0, 1]; `output="latents"`: the final latents
@@ -461,6 +462,7 @@ class DiffusionPipeline:
             guidance_rescale=guidance_rescale,
             progress=progress,
             should_stop=should_stop,
+            control=control,
         )
         if output == "latents":
             return out
@@ -496,6 +498,12 @@ class DiffusionPipeline:
         progress: Progress | None = None,
         params: dict | None = None,
         guidance_rescale: float = 0.0,
+        control_image=None,
+        controlnet=None,
+        controlnet_conditioning_scale=None,
+        control_guidance_start=0.0,
+        control_guidance_end=1.0,
+        guess_mode: bool = False,
         **conditioning,
     ):
         """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives float32 arrays
@@ -506,7 +514,10 @@ class DiffusionPipeline:
         - inpainting: `image` and `mask_image` (white = repaint), `strength` (1.0), `mask_blur`,
           `padding_mask_crop` (repaint the masked region at full resolution), `paste_back`;
         - `denoising_end` / `denoising_start`: the SDXL base -> refiner hand-off (see `pipelines.recipes`);
-        - `noise`: the initial noise `(N, C, h, w)` instead of noise drawn from the seed.
+        - `noise`: the initial noise `(N, C, h, w)` instead of noise drawn from the seed;
+        - ControlNet (with any task): `control_image`, `controlnet`, `controlnet_conditioning_scale`,
+          `control_guidance_start`/`_end`, `guess_mode` as diffusers' ControlNet pipelines
+          (`sdjax.pipelines.controlnet`); without an init image the output size defaults to the control image's.
         The output size defaults to the init image's (else the model's); `resize_mode` ("resize", "crop", "fill")
         says how an init image of another size is fitted.
         """
@@ -522,6 +533,10 @@ class DiffusionPipeline:
         negs = negs * len(prompts) if len(negs) == 1 else negs
         steps = self.default_steps if steps is None else steps
         guidance_scale = self.default_guidance_scale if guidance_scale is None else guidance_scale
+        if control_image is not None and image is None:
+            from sdjax.pipelines.controlnet import control_size
+
+            height, width = control_size(self, control_image, height, width)
         height, width = self._task_size(image, mask_image, height, width, padding_mask_crop)
         self.validate(steps=steps, height=height, width=width, sampler=sampler)
         all_prompts = [p for p in prompts for _ in range(num_images)]
@@ -541,6 +556,26 @@ class DiffusionPipeline:
             denoising_start=denoising_start,
             denoising_end=denoising_end,
         )
+        control = None
+        if control_image is not None:
+            from sdjax.pipelines.controlnet import control_request
+
+            control = control_request(
+                self,
+                control_image=control_image,
+                controlnet=controlnet,
+                params=params,
+                count=count,
+                height=height,
+                width=width,
+                task=task.spec.name,
+                controlnet_conditioning_scale=controlnet_conditioning_scale,
+                control_guidance_start=control_guidance_start,
+                control_guidance_end=control_guidance_end,
+                guess_mode=guess_mode,
+            )
+        elif controlnet is not None or controlnet_conditioning_scale is not None:
+            raise ValueError("controlnet= and controlnet_conditioning_scale= need control_image= (the control map)")
         out = self.generate_arrays(
             all_prompts,
             all_negs,
@@ -557,6 +592,7 @@ class DiffusionPipeline:
             guidance_rescale=guidance_rescale,
             noise=noise,
             output={"pil": "images", "np": "float", "latent": "latents"}[output_type],
+            control=control,
             **conditioning,
         )
         if output_type != "pil":
