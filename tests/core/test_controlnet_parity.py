@@ -176,3 +176,147 @@ def test_sd_txt2img_matches_diffusers(case, sd, sd_nets, torch_sd1, sd1_dir):
         assert float(np.abs(full - ref).max()) > 10 * ATOL
         assert sd.generator.cache.stats.compiles == compiles
     print(f"{case}: error {err:.2e}, control effect {float(np.abs(out - plain).max()):.2e}")
+
+
+def test_two_nets_match_multicontrolnet(sd, sd_nets, torch_sd1, sd1_dir):
+    """Per-net scales and windows; diffusers' nested image list (one list of per-net images per prompt)."""
+    import diffusers
+
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetPipeline(**torch_sd1.components, controlnet=list(torch_nets))
+    swap(torch_pipe, sd1_dir, "DDIMScheduler")
+    sampler = sd._sampler("ddim")
+    keys = inject.image_keys(7, 2)
+    a, b = control_images(1), control_images(2)
+    nested = [[a[0], b[0]], [a[1], b[1]]]
+    case = dict(
+        controlnet_conditioning_scale=[0.9, 0.6], control_guidance_start=[0.0, 0.2], control_guidance_end=[0.7, 1.0]
+    )
+    start, end = window(sampler, STEPS)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=nested, height=64, width=64, **case
+    )
+    out = sd_generate(sd, "ddim", seed=7, control_image=nested, controlnet=list(nets), height=64, width=64, **case)
+    one = sd_generate(
+        sd,
+        "ddim",
+        seed=7,
+        control_image=a,
+        controlnet=nets[0],
+        height=64,
+        width=64,
+        **case | {"controlnet_conditioning_scale": 0.9, "control_guidance_start": 0.0, "control_guidance_end": 0.7},
+    )
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - one).max()) > 50 * ATOL, "the second net did not change the image"
+
+
+@pytest.fixture(scope="module")
+def sdxl_net(torch_sdxl, tmp_path_factory):
+    net = torch_controlnet(torch_sdxl.unet, 21)
+    return net, saved(net, tmp_path_factory, "cn-sdxl")
+
+
+def test_sdxl_txt2img_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+    import diffusers
+
+    from sdjax import StableDiffusionXLPipeline
+
+    torch_net, net = sdxl_net
+    torch_pipe = diffusers.StableDiffusionXLControlNetPipeline(**torch_sdxl.components, controlnet=torch_net)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    sampler = pipe._sampler(None)
+    keys = inject.image_keys(3, 2)
+    cond = control_images(3)
+    case = dict(controlnet_conditioning_scale=0.8, control_guidance_end=0.6)
+    start, end = window(sampler, STEPS)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
+    )
+    out = sd_generate(pipe, None, seed=3, control_image=cond, controlnet=net, height=64, width=64, **case)
+    plain = sd_generate(pipe, None, seed=3, height=64, width=64)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
+
+
+def test_sd_img2img_matches_diffusers(sd, sd_nets, torch_sd1, sd1_dir):
+    """diffusers' default scale for image-to-image (0.8) applies when none is given."""
+    import diffusers
+
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetImg2ImgPipeline(**torch_sd1.components, controlnet=torch_nets[1])
+    swap(torch_pipe, sd1_dir, "EulerDiscreteScheduler")
+    sampler = sd._sampler("euler")
+    keys = inject.image_keys(4, 2)
+    cond, init = control_images(4), init_images()
+    start, end = window(sampler, STEPS, strength=0.6)
+    ref = run_torch(
+        torch_pipe,
+        sampler=sampler,
+        keys=keys,
+        start=start,
+        end=end,
+        streams=[rng.ENCODE_IMAGE],
+        image=init,
+        control_image=cond,
+        strength=0.6,
+        control_guidance_start=0.3,
+        height=64,
+        width=64,
+    )
+    kwargs = dict(image=init, strength=0.6, control_image=cond, controlnet=nets[1], control_guidance_start=0.3)
+    out = sd_generate(sd, "euler", seed=4, **kwargs)
+    full = sd_generate(sd, "euler", seed=4, **kwargs, controlnet_conditioning_scale=1.0)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(full - ref).max()) > 10 * ATOL, "the default scale is not diffusers' 0.8"
+
+
+@pytest.fixture(scope="module")
+def inpaint9(torch_sd1, tmp_path_factory):
+    """A tiny 9-channel SD inpainting model (diffusers parts + folder)."""
+    unet9 = reference.unet({**reference.UNET_SD1, "in_channels": 9}, seed=7)
+    parts = {**torch_sd1.components, "unet": unet9}
+    import diffusers
+
+    folder = tmp_path_factory.mktemp("tiny-sd1-inpaint-cn")
+    diffusers.StableDiffusionInpaintPipeline(**parts).save_pretrained(folder, safe_serialization=True)
+    return parts, folder
+
+
+def test_sd_inpaint_9_channels_matches_diffusers(inpaint9, sd_nets):
+    """The nets see the 4 latent channels of the 9-channel UNet's input; diffusers' inpainting default scale 0.5."""
+    import diffusers
+
+    parts, folder = inpaint9
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetInpaintPipeline(**parts, controlnet=torch_nets[0])
+    swap(torch_pipe, folder, "EulerAncestralDiscreteScheduler")
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    sampler = pipe._sampler("euler_a")
+    keys, strength = inject.image_keys(6, 2), 1.0
+    cond, init, mask = control_images(5), init_images(), masks()
+    start, end = window(sampler, STEPS, strength=strength)
+    streams = ([rng.ENCODE_IMAGE] if strength < 1 else []) + [rng.ENCODE_MASKED_IMAGE]
+    ref = run_torch(
+        torch_pipe,
+        sampler=sampler,
+        keys=keys,
+        start=start,
+        end=end,
+        streams=streams,
+        image=init,
+        mask_image=mask,
+        control_image=cond,
+        strength=strength,
+        height=64,
+        width=64,
+    )
+    kwargs = dict(image=init, mask_image=mask, strength=strength)
+    out = sd_generate(pipe, "euler_a", seed=6, **kwargs, control_image=cond, controlnet=nets[0])
+    plain = sd_generate(pipe, "euler_a", seed=6, **kwargs)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"

@@ -7,8 +7,9 @@ Arguments as diffusers' ControlNet pipelines take them:
   several nets (`MultiControlNetModel`); None uses the net the pipeline was loaded with (`from_pretrained(...,
   controlnet=)`, params in `params["controlnet"]`).
 - `control_image`: one net: an image (PIL, uint8 HWC array, path or bytes) or one per generated image; several
-  nets: a list with one such entry per net. Each is resized to the output size with Lanczos and scaled to [0, 1]
-  (`preprocess.prepare_control_image`, diffusers' `prepare_image`).
+  nets: a list of one image per net, or (diffusers' nested form) one such list per generated image. Each is
+  resized to the output size with Lanczos and scaled to [0, 1] (`preprocess.prepare_control_image`, diffusers'
+  `prepare_image`).
 - `controlnet_conditioning_scale`, `control_guidance_start`, `control_guidance_end`: a float, or one per net.
   The default scale is diffusers' per pipeline: 1.0 for text-to-image, 0.8 for image-to-image, 0.5 for
   inpainting.
@@ -110,12 +111,20 @@ def per_net(name: str, value: Any, k: int, *, lo: float | None = None, hi: float
 
 
 def _images_per_net(control_image: Any, k: int) -> list[list[Any]]:
+    """One net: an image or a list of one per generated image. Several nets (diffusers' convention): a list of one
+    image per net, or a list of one such list per generated image (transposed here to per net)."""
     if k == 1:
         return [list(control_image) if isinstance(control_image, (list, tuple)) else [control_image]]
+    if isinstance(control_image, (list, tuple)) and control_image and isinstance(control_image[0], (list, tuple)):
+        if any(not isinstance(c, (list, tuple)) or len(c) != k for c in control_image):
+            raise ValueError(
+                f"control_image: as a list of lists, each inner list must hold one image per ControlNet ({k})"
+            )
+        return [list(t) for t in zip(*control_image)]
     if not isinstance(control_image, (list, tuple)) or len(control_image) != k:
         got = len(control_image) if isinstance(control_image, (list, tuple)) else 1
-        raise ValueError(f"control_image: got {got} entries for {k} ControlNets; pass one image (or list) per net")
-    return [list(c) if isinstance(c, (list, tuple)) else [c] for c in control_image]
+        raise ValueError(f"control_image: got {got} entries for {k} ControlNets; pass one image per net")
+    return [[c] for c in control_image]
 
 
 def first_control_image(control_image: Any):
