@@ -8,7 +8,7 @@ Per model call `i` of the window `[start, end)` (n = end - start calls, j = i - 
     scale_k = controlnet_conditioning_scale_k * keep_k
     down, mid = sum_k  net_k(x_in[:, :C], t, context, control_image_k) * scale_k
 
-- The keep table is computed on the host in float64 exactly as diffusers does (`scale_table`) and enters the
+- The keep table is computed on the host in float64 exactly as diffusers does (`keep_table`) and enters the
   program as an array `(B, calls, K)`: scales, starts and ends change without recompiling; the number of nets and
   guess mode are static (`ControlSpec`).
 - Classifier-free guidance: the control image is repeated for both halves. In guess mode (Zhang et al.'s "guess
@@ -135,42 +135,45 @@ def _run_net(net, params, sample, t, context, image, scale, guess_mode: bool, ad
 
 
 # ------------------------------------------------------------------------------------------------ host side
-def scale_table(
-    scales: np.ndarray, starts: np.ndarray, ends: np.ndarray, *, start: int, end: int, calls: int
-) -> np.ndarray:
-    """`(N, K)` scales, guidance starts and ends -> float32 `(N, calls, K)`: the scale of net k for image n at each
-    model call of the schedule; 0 outside the window `[start, end)` and where diffusers' `controlnet_keep` is 0
-    (`i / len(timesteps) < start or (i + 1) / len(timesteps) > end`, in Python floats, `i` counted from the
+def keep_table(starts: np.ndarray, ends: np.ndarray, *, start: int, end: int, calls: int) -> np.ndarray:
+    """Guidance starts and ends `(N, K)` -> float32 `(N, calls, K)`: whether net k acts on image n at each model
+    call of the schedule; 0 outside the window `[start, end)` and where diffusers' `controlnet_keep` is 0
+    (`i / len(timesteps) < start or (i + 1) / len(timesteps) > end` in Python floats, `i` counted from the
     window's first call)."""
-    scales = np.asarray(scales, np.float64)
+    starts, ends = np.asarray(starts, np.float64), np.asarray(ends, np.float64)
+    table = np.zeros((starts.shape[0], calls, starts.shape[1]), np.float32)
     n = end - start
-    table = np.zeros((scales.shape[0], calls, scales.shape[1]), np.float64)
     for i in range(start, end):
         j = i - start
-        for b in range(scales.shape[0]):
-            for k in range(scales.shape[1]):
-                keep = 1.0 - float(j / n < float(starts[b][k]) or (j + 1) / n > float(ends[b][k]))
-                table[b, i, k] = float(scales[b][k]) * keep
-    return table.astype(np.float32)
+        for b in range(starts.shape[0]):
+            for k in range(starts.shape[1]):
+                table[b, i, k] = 1.0 - float(j / n < float(starts[b, k]) or (j + 1) / n > float(ends[b, k]))
+    return table
 
 
 @dataclasses.dataclass
 class ControlRequest:
-    """ControlNet conditioning for one call: the static spec, the nets' params, and per-image host arrays:
-    `images` `(N, K, 3, H, W)` in [0, 1], `scales`, `starts`, `ends` `(N, K)`."""
+    """ControlNet conditioning for one call: the static spec, the nets' params, and per-image arrays: `images`
+    `(N, K, C, H, W)` in [0, 1] and `scales` `(N, K)` (host arrays, or traced ones inside a user's `pmap`);
+    `starts`, `ends` `(N, K)` host floats."""
 
     spec: ControlSpec
     params: tuple
-    images: np.ndarray
-    scales: np.ndarray
+    images: Any
+    scales: Any
     starts: np.ndarray
     ends: np.ndarray
 
-    def arrays(self, *, start: int, end: int, calls: int) -> dict[str, np.ndarray]:
-        """The program inputs (`INPUTS`) for the window `[start, end)` of a schedule of `calls` model calls."""
+    def arrays(self, *, start: int, end: int, calls: int) -> dict[str, Any]:
+        """The program inputs (`INPUTS`) for the window `[start, end)` of a schedule of `calls` model calls:
+        `control_scales` `(N, calls, K)` is each net's scale where it acts, else 0 (exactly diffusers' products:
+        the keep factors are 0 or 1)."""
+        keep = keep_table(self.starts, self.ends, start=start, end=end, calls=calls)
+        traced = isinstance(self.scales, jax.core.Tracer) or isinstance(self.images, jax.core.Tracer)
+        xp = jnp if traced else np
         return {
-            "control_image": np.asarray(self.images, np.float32),
-            "control_scales": scale_table(self.scales, self.starts, self.ends, start=start, end=end, calls=calls),
+            "control_image": xp.asarray(self.images, xp.float32),
+            "control_scales": keep * xp.asarray(self.scales, xp.float32)[:, None, :],
         }
 
 

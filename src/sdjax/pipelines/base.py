@@ -766,6 +766,7 @@ class DiffusionPipeline:
                 ids=np.asarray(call.prompt_ids),
                 cfg=True,
                 neg_ids=None if call.neg_prompt_ids is None else np.asarray(call.neg_prompt_ids),
+                control=call.control,
             )
             return np.array(out)
         ndev, bs = lead
@@ -800,11 +801,15 @@ class DiffusionPipeline:
             sampler=self.scheduler,
             explicit_noise=call.noise is not None,
             output=call.output,
+            control=None if call.control is None else call.control.spec,
         )
         start, end = gen.window(spec, task)
+        if call.control is not None:
+            host.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
         inputs = {k: v.reshape((ndev, bs) + v.shape[1:]) for k, v in host.items()}
         win = {"start": np.int32(start), "end": np.int32(end)}
-        out, _ = gen.pmapped(spec)(gen.check_params(call.params), inputs, win)
+        params = gen.check_params(call.params, control=call.control is not None)
+        out, _ = gen.pmapped(spec)(params, inputs, win)
         return np.array(out)
 
     def _traced(self, call: GuideCall):
@@ -842,10 +847,13 @@ class DiffusionPipeline:
             sampler=self.scheduler,
             explicit_noise=call.noise is not None,
             output=call.output,
+            control=None if call.control is None else call.control.spec,
         )
         start, end = gen.window(spec, call.task)
         if call.start is not None:
             start = call.start
+        if call.control is not None:
+            inputs.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
         win = {"start": jnp.asarray(start, jnp.int32), "end": jnp.int32(end)}
         out, _ = program(gen.models, spec, call.params, inputs, win)
         return out
@@ -856,7 +864,7 @@ class DiffusionPipeline:
             common.check_static(name, v)
         common.check_steps(steps)
         common.check_size(height, width, self._size_multiple())
-        self.generator.check_params(call.params)
+        self.generator.check_params(call.params, control=call.control is not None)
         if jit:
             leaf = jax.tree_util.tree_leaves(call.params["unet"])[0]
             if leaf.ndim == 0 or leaf.shape[0] != jax.local_device_count():
@@ -942,6 +950,7 @@ class GuideCall:
     output: str = "images"
     start: Any = None  # an explicit first model call (the traced `_generate(start_timestep)`)
     traced: bool = False
+    control: Any = None  # a `core.controlnet.ControlRequest` (the ControlNet guide class)
 
 
 def seed_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
