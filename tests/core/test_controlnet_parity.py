@@ -18,6 +18,7 @@ import torch
 from controlnet_cases import control_images, torch_controlnet
 
 from sdjax import StableDiffusionPipeline, rng
+from sdjax.core.controlnet import keep_table
 from sdjax.core.tasks import window
 from sdjax.loading.controlnet import FlaxControlNetModel
 
@@ -70,6 +71,19 @@ def run_torch(pipe, *, sampler, keys, start, end, streams=(), **kwargs):
             output_type="np",
             **kwargs,
         ).images
+
+
+def test_keep_table_is_diffusers_controlnet_keep():
+    """`1 - (i / n < start or (i + 1) / n > end)` over the window's calls, n counted from the window's start."""
+    starts, ends = np.array([[0.1, 0.0], [0.5, 0.3]]), np.array([[0.8, 1.0], [1.0, 0.6]])
+    table = keep_table(starts, ends, start=0, end=5, calls=5)
+    np.testing.assert_array_equal(table[0, :, 0], [0, 1, 1, 1, 0])  # 0/5 < 0.1; 5/5 > 0.8
+    np.testing.assert_array_equal(table[0, :, 1], [1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(table[1, :, 0], [0, 0, 0, 1, 1])  # 2/5 < 0.5, 3/5 is not
+    np.testing.assert_array_equal(table[1, :, 1], [0, 0, 1, 0, 0])  # 1/5 < 0.3; 4/5 > 0.6
+    # img2img: the window starts at call 2 of 6 (n = 4); denoising_end stops at call 5 without changing n.
+    table = keep_table(np.array([[0.25]]), np.array([[0.75]]), start=2, end=5, calls=6)
+    np.testing.assert_array_equal(table[0, :, 0], [0, 0, 0, 1, 1, 0])
 
 
 def saved(model, tmp_path_factory, name):
@@ -207,6 +221,14 @@ def test_sdxl_txt2img_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
     assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
+    # denoising_end (the base -> refiner hand-off): diffusers' keep factors count the whole schedule.
+    case = dict(control_guidance_start=0.2, control_guidance_end=0.5, denoising_end=0.6)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
+    )
+    out = sd_generate(pipe, None, seed=3, control_image=cond, controlnet=net, height=64, width=64, **case)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"denoising_end: max abs image error {err}"
 
 
 def test_sd_img2img_matches_diffusers(sd, sd_nets, torch_sd1, sd1_dir):

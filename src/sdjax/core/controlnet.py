@@ -2,7 +2,7 @@
 the UNet the sum of their residuals (diffusers `StableDiffusionControlNetPipeline`, `...Img2ImgPipeline`,
 `...InpaintPipeline`, `StableDiffusionXLControlNetPipeline` with `MultiControlNetModel`, in diffusers 0.42.1).
 
-Per model call `i` of the window `[start, end)` (n = end - start calls, j = i - start) and per net k:
+Per model call `i` of the window `[start, end)` (n = calls - start, j = i - start) and per net k:
 
     keep_k  = 1 - (j / n < control_guidance_start_k  or  (j + 1) / n > control_guidance_end_k)
     scale_k = controlnet_conditioning_scale_k * keep_k
@@ -139,10 +139,11 @@ def keep_table(starts: np.ndarray, ends: np.ndarray, *, start: int, end: int, ca
     """Guidance starts and ends `(N, K)` -> float32 `(N, calls, K)`: whether net k acts on image n at each model
     call of the schedule; 0 outside the window `[start, end)` and where diffusers' `controlnet_keep` is 0
     (`i / len(timesteps) < start or (i + 1) / len(timesteps) > end` in Python floats, `i` counted from the
-    window's first call)."""
+    window's first call). `len(timesteps)` is `calls - start`: diffusers cuts the schedule by strength (or
+    `denoising_start`) before it computes the keep factors, and by `denoising_end` only after."""
     starts, ends = np.asarray(starts, np.float64), np.asarray(ends, np.float64)
     table = np.zeros((starts.shape[0], calls, starts.shape[1]), np.float32)
-    n = end - start
+    n = calls - start
     for i in range(start, end):
         j = i - start
         for b in range(starts.shape[0]):
