@@ -614,9 +614,12 @@ class DiffusionPipeline:
         previews: bool = False,
         guidance_rescale: float = 0.0,
         output: str = "images",
+        controlnet=None,
+        guess_mode: bool = False,
     ):
         """Compile (or fetch from the cache) the program that `generate_arrays` runs for this setting, so the
-        first request of that shape does not wait for XLA. Returns the executable."""
+        first request of that shape does not wait for XLA. Returns the executable. `controlnet` (as for
+        `generate`; True for the pipeline's own net) and `guess_mode` compile the ControlNet program."""
         from sdjax.core.tasks import TASKS
 
         dh, dw = self.default_size
@@ -641,7 +644,14 @@ class DiffusionPipeline:
             guidance_rescale=guidance_rescale,
             output=output,
         )
-        return self.generator.compile(spec)
+        params = None
+        if controlnet is not None:
+            from sdjax.pipelines.controlnet import control_spec
+
+            control, trees = control_spec(self, None if controlnet is True else controlnet, None, guess_mode)
+            spec = dataclasses.replace(spec, control=control)
+            params = {**self.generator.check_params(self.params), "controlnet": trees}
+        return self.generator.compile(spec, params=params)
 
     def warmup(
         self, batch_size: int, height: int, width: int, steps: int, sampler=None, interactive: bool = False

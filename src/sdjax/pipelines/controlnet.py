@@ -152,6 +152,25 @@ def control_size(pipe, control_image: Any, height: int | None, width: int | None
     return height, width
 
 
+def control_spec(pipe, controlnet: Any, params: dict | None, guess_mode: bool = False) -> tuple[ControlSpec, tuple]:
+    """`controlnet` (see the module docstring) -> (the static `ControlSpec`, the nets' param trees), checked
+    against the pipeline's UNet."""
+    nets = resolve_nets(pipe, controlnet, params)
+    modules = [m for m, _ in nets]
+    check_nets(modules, pipe.unet.config)
+    for k, m in enumerate(modules):
+        if int(m.config.conditioning_channels) != 3:
+            label = "controlnet" if len(modules) == 1 else f"controlnet[{k}]"
+            raise ValueError(
+                f"{label} takes {m.config.conditioning_channels}-channel control images; generate() prepares RGB "
+                f"images (3 channels)"
+            )
+    if not isinstance(guess_mode, bool):
+        raise TypeError(f"guess_mode must be a bool, got {type(guess_mode).__name__}")
+    spec = ControlSpec(tuple(modules), guess_mode or bool(modules[0].config.global_pool_conditions))
+    return spec, tuple(p for _, p in nets)
+
+
 def control_request(
     pipe,
     *,
@@ -171,19 +190,8 @@ def control_request(
     from sdjax.core import images as image_lib
     from sdjax.preprocess import prepare_control_image
 
-    nets = resolve_nets(pipe, controlnet, params)
-    modules = [m for m, _ in nets]
-    check_nets(modules, pipe.unet.config)
-    for k, m in enumerate(modules):
-        if int(m.config.conditioning_channels) != 3:
-            label = "controlnet" if len(modules) == 1 else f"controlnet[{k}]"
-            raise ValueError(
-                f"{label} takes {m.config.conditioning_channels}-channel control images; generate() prepares RGB "
-                f"images (3 channels)"
-            )
-    if not isinstance(guess_mode, bool):
-        raise TypeError(f"guess_mode must be a bool, got {type(guess_mode).__name__}")
-    k = len(nets)
+    spec, trees = control_spec(pipe, controlnet, params, guess_mode)
+    k = len(trees)
     scale = DEFAULT_SCALES[task] if controlnet_conditioning_scale is None else controlnet_conditioning_scale
     scales = per_net("controlnet_conditioning_scale", scale, k)
     starts = per_net("control_guidance_start", control_guidance_start, k, lo=0.0, hi=1.0)
@@ -205,10 +213,9 @@ def control_request(
             prepared.append(prepare_control_image(_checked(im, name), width, height)[0])
         a = np.stack(prepared)
         arrays.append(np.repeat(a, count, axis=0) if len(a) == 1 else a)
-    spec = ControlSpec(tuple(modules), guess_mode or bool(modules[0].config.global_pool_conditions))
     return ControlRequest(
         spec=spec,
-        params=tuple(p for _, p in nets),
+        params=trees,
         images=np.stack(arrays, axis=1),
         scales=np.tile(np.asarray(scales, np.float32), (count, 1)),
         starts=np.tile(np.asarray(starts), (count, 1)),
