@@ -310,3 +310,40 @@ def test_sd_inpaint_9_channels_matches_diffusers(inpaint9, sd_nets):
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
     assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
+
+
+def test_sdxl_inpaint_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+    """Latent blending (4-channel UNet) with an SDXL net; diffusers' SDXL inpainting default scale is 1.0, not SD's
+    0.5."""
+    import diffusers
+
+    from sdjax import StableDiffusionXLPipeline
+
+    torch_net, net = sdxl_net
+    torch_pipe = diffusers.StableDiffusionXLControlNetInpaintPipeline(**torch_sdxl.components, controlnet=torch_net)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    sampler = pipe._sampler(None)
+    keys = inject.image_keys(4, 2)
+    cond, init, mask = control_images(6), init_images(), masks()
+    start, end = window(sampler, STEPS, strength=1.0)
+    streams = [rng.ENCODE_IMAGE, rng.ENCODE_MASKED_IMAGE]
+    kwargs = dict(image=init, mask_image=mask, strength=1.0)
+    ref = run_torch(
+        torch_pipe,
+        sampler=sampler,
+        keys=keys,
+        start=start,
+        end=end,
+        streams=streams,
+        control_image=cond,
+        height=64,
+        width=64,
+        **kwargs,
+    )
+    out = sd_generate(pipe, None, seed=4, control_image=cond, controlnet=net, **kwargs)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    half = sd_generate(
+        pipe, None, seed=4, control_image=cond, controlnet=net, controlnet_conditioning_scale=0.5, **kwargs
+    )
+    assert float(np.abs(half - ref).max()) > 10 * ATOL, "the default scale is not diffusers' 1.0"

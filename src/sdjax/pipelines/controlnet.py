@@ -11,8 +11,8 @@ Arguments as diffusers' ControlNet pipelines take them:
   resized to the output size with Lanczos and scaled to [0, 1] (`preprocess.prepare_control_image`, diffusers'
   `prepare_image`).
 - `controlnet_conditioning_scale`, `control_guidance_start`, `control_guidance_end`: a float, or one per net.
-  The default scale is diffusers' per pipeline: 1.0 for text-to-image, 0.8 for image-to-image, 0.5 for
-  inpainting.
+  The default scale is diffusers' per pipeline: 1.0 for text-to-image, 0.8 for image-to-image, 0.5 for SD
+  inpainting and 1.0 for SDXL inpainting.
 - `guess_mode`: static; forced on when the first net has `global_pool_conditions`, as diffusers does.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from sdjax.core.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.models.controlnet import ControlNetModel
 
-DEFAULT_SCALES = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}
+DEFAULT_SCALES = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}  # SD; SDXL inpainting: 1.0
 CONTROL_ARGS = (
     "controlnet",
     "controlnet_conditioning_scale",
@@ -192,7 +192,10 @@ def control_request(
 
     spec, trees = control_spec(pipe, controlnet, params, guess_mode)
     k = len(trees)
-    scale = DEFAULT_SCALES[task] if controlnet_conditioning_scale is None else controlnet_conditioning_scale
+    scale = controlnet_conditioning_scale
+    if scale is None:
+        sdxl = getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+        scale = 1.0 if sdxl and task == "inpaint" else DEFAULT_SCALES[task]
     scales = per_net("controlnet_conditioning_scale", scale, k)
     starts = per_net("control_guidance_start", control_guidance_start, k, lo=0.0, hi=1.0)
     ends = per_net("control_guidance_end", control_guidance_end, k, lo=0.0, hi=1.0)
