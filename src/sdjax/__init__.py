@@ -12,6 +12,7 @@ from sdjax.parallel import replicate, shard, unreplicate
 from sdjax.pipelines import (
     EMBEDDED_MODEL,
     PipelineOutput,
+    StableDiffusionControlNetPipeline,
     StableDiffusionImg2ImgPipeline,
     StableDiffusionInpaintPipeline,
     StableDiffusionPipeline,
@@ -24,6 +25,7 @@ from sdjax.precision import cast_params
 
 # The names of Diffusers' Flax classes, for code written against them.
 FlaxStableDiffusionPipeline = StableDiffusionPipeline
+FlaxStableDiffusionControlNetPipeline = StableDiffusionControlNetPipeline
 FlaxStableDiffusionImg2ImgPipeline = StableDiffusionImg2ImgPipeline
 FlaxStableDiffusionInpaintPipeline = StableDiffusionInpaintPipeline
 FlaxStableDiffusionXLPipeline = StableDiffusionXLPipeline
@@ -33,11 +35,13 @@ __version__ = "0.1.0"
 __all__ = [
     "EMBEDDED_MODEL",
     "FlaxControlNetModel",
+    "FlaxStableDiffusionControlNetPipeline",
     "FlaxStableDiffusionImg2ImgPipeline",
     "FlaxStableDiffusionInpaintPipeline",
     "FlaxStableDiffusionPipeline",
     "FlaxStableDiffusionXLPipeline",
     "PipelineOutput",
+    "StableDiffusionControlNetPipeline",
     "StableDiffusionImg2ImgPipeline",
     "StableDiffusionInpaintPipeline",
     "StableDiffusionPipeline",

@@ -66,6 +66,7 @@ class ProgramSpec:
     previews: bool = False  # ... that also receives the current latents (progress(..., latents=))
     explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
     text_chunks: int = 0  # A1111 prompt syntax: that many 77-token chunks per prompt, with token weights (0: plain)
+    control: Any = None  # a `core.controlnet.ControlSpec` (the nets and guess mode) or None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,6 +125,11 @@ def program(
         encode=encode,
     )
     latents, hooks = spec.task.prepare(ctx, inputs)
+    if spec.control is not None:
+        control = spec.control.hook(
+            params["controlnet"], inputs, context=context, added=added, cfg=spec.cfg, latent_channels=shape[1]
+        )
+        hooks = [*hooks, control]
 
     unet_params = ops_conv.prepare(params["unet"])  # once per program, outside the loop (Winograd on CPU)
     if guidance_embedding.distilled(models.unet.config):  # LCM: guidance enters as an embedding, one branch
@@ -324,15 +330,17 @@ class Generator:
             self._placed = {mesh_key: new}
         return placed
 
-    def check_params(self, params: Any) -> dict:
+    def check_params(self, params: Any, *, control: bool = False) -> dict:
+        """The components the program reads from `params` (with `control`, also `params["controlnet"]`)."""
         if params is None:
             raise ValueError("no params: pass params= or load the pipeline with from_pretrained")
         if not isinstance(params, dict):
             raise TypeError(f"params must be the dict returned by from_pretrained, got {type(params).__name__}")
-        missing = [k for k in self.models.components() if k not in params]
+        components = (*self.models.components(), *(("controlnet",) if control else ()))
+        missing = [k for k in components if k not in params]
         if missing:
             raise KeyError(f"params is missing component(s) {missing}; pass the params from from_pretrained")
-        return {k: params[k] for k in self.models.components()}
+        return {k: params[k] for k in components}
 
     # ------------------------------------------------------------------ specs and windows
     def spec(
@@ -351,6 +359,7 @@ class Generator:
         explicit_noise: bool = False,
         previews: bool = False,
         text_chunks: int = 0,
+        control=None,
     ) -> ProgramSpec:
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r} must be one of {list(OUTPUTS)}")
@@ -368,6 +377,7 @@ class Generator:
             explicit_noise=bool(explicit_noise),
             previews=bool(previews) and bool(interactive),
             text_chunks=int(text_chunks),
+            control=control,
         )
 
     def window(self, spec: ProgramSpec, task: TaskRequest) -> tuple[int, int]:
@@ -391,7 +401,7 @@ class Generator:
         `jax.ShapeDtypeStruct`s (nothing allocated: shapes from the config, e.g. for a TPU topology); they are
         placed, or given shardings, by the rules table. `inputs` are example host arrays, used for their shapes."""
         mesh = mesh or self.get_mesh()
-        params = self.check_params(self.params if params is None else params)
+        params = self.check_params(self.params if params is None else params, control=spec.control is not None)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params)):
             specs = sharding_lib.param_specs(params, mesh)
             placed = jax.tree_util.tree_map(
@@ -439,6 +449,11 @@ class Generator:
             out["weights"] = out["neg_weights"] = np.ones((n, suffix[-1]), np.float32)
         if spec.explicit_noise:
             out["noise"] = np.zeros((n, self.models.latent_channels, spec.height // f, spec.width // f), np.float32)
+        if spec.control is not None:
+            k = len(spec.control.nets)
+            channels = int(spec.control.nets[0].config.conditioning_channels)
+            out["control_image"] = np.zeros((n, k, channels, spec.height, spec.width), np.float32)
+            out["control_scales"] = np.zeros((n, int(spec.sampler.num_model_calls(spec.steps)), k), np.float32)
         return out
 
     # ------------------------------------------------------------------ running
@@ -467,6 +482,7 @@ class Generator:
         neg_ids: np.ndarray | None = None,
         cfg: bool | None = None,
         prompt_syntax: str | None = None,
+        control: Any = None,
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` float32 in [0, 1] (or latents `(N, C, h, w)` with `output="latents"`).
 
@@ -476,8 +492,9 @@ class Generator:
         under `force_zeros_for_empty_prompt`). `ids`/`neg_ids` (already tokenized) replace the tokenization of
         `prompts`/`negative_prompts`. `cfg` (default: whether any guidance scale exceeds 1) computes the
         unconditional branch. `prompt_syntax="a1111"` reads prompts as AUTOMATIC1111 does (emphasis, BREAK,
-        chunks of 75 tokens; `sdjax.text.prompt_syntax`). Raises `Cancelled` when `should_stop()` returned True
-        between two model calls.
+        chunks of 75 tokens; `sdjax.text.prompt_syntax`). `control` (a `core.controlnet.ControlRequest`) adds
+        ControlNet conditioning; its params go in as `params["controlnet"]`. Raises `Cancelled` when
+        `should_stop()` returned True between two model calls.
         """
         task = task or TaskRequest(Txt2Img())
         n = len(prompts) if ids is None else int(np.shape(ids)[0])
@@ -539,9 +556,14 @@ class Generator:
             explicit_noise=noise is not None,
             previews=wants_latents(progress),
             text_chunks=chunks,
+            control=None if control is None else control.spec,
         )
         start, end = self.window(spec, task)
         params = self.check_params(self.params if params is None else params)
+        if control is not None:
+            params = {**params, "controlnet": tuple(control.params)}
+            calls = int(spec.sampler.num_model_calls(steps))
+            host.update({k: _pad(v, pad) for k, v in control.arrays(start=start, end=end, calls=calls).items()})
         executable = self.compile(spec, params=params, inputs=host)
         placed = self.place_params(params, mesh)
         inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}

@@ -9,11 +9,13 @@ from sdjax.pipelines.stable_diffusion import (
     StableDiffusionInpaintPipeline,
     StableDiffusionPipeline,
 )
+from sdjax.pipelines.stable_diffusion_controlnet import StableDiffusionControlNetPipeline
 from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
 
 __all__ = [
     "EMBEDDED_MODEL",
     "PipelineOutput",
+    "StableDiffusionControlNetPipeline",
     "StableDiffusionImg2ImgPipeline",
     "StableDiffusionInpaintPipeline",
     "StableDiffusionPipeline",

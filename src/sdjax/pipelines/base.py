@@ -422,12 +422,14 @@ class DiffusionPipeline:
         noise=None,
         output: str = "images",
         prompt_syntax: str | None = None,
+        control=None,
         **conditioning,
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` uint8 (`output="float"`: float32 in [0, 1]; `output="latents"`: the final latents
         `(N, C, h, w)` float32); image `i` uses
         key `fold_in(PRNGKey(seeds[i]), image_indices[i])`. The batch is padded to `pad_to` (or the next multiple
-        of the device count) and sharded over the mesh's `data` axis; padding images are dropped. Raises
+        of the device count) and sharded over the mesh's `data` axis; padding images are dropped. `control` (from
+        `sdjax.pipelines.controlnet.control_request`) adds ControlNet conditioning. Raises
         `sdjax.core.Cancelled` when `should_stop()` returns True between two denoising steps."""
         n = len(prompts)
         if not (len(negative_prompts) == len(seeds) == len(image_indices) == len(guidance_scales) == n):
@@ -463,6 +465,7 @@ class DiffusionPipeline:
             progress=progress,
             should_stop=should_stop,
             prompt_syntax=prompt_syntax,
+            control=control,
         )
         if output == "latents":
             return out
@@ -499,6 +502,12 @@ class DiffusionPipeline:
         params: dict | None = None,
         guidance_rescale: float = 0.0,
         prompt_syntax: str | None = None,
+        control_image=None,
+        controlnet=None,
+        controlnet_conditioning_scale=None,
+        control_guidance_start=0.0,
+        control_guidance_end=1.0,
+        guess_mode: bool = False,
         **conditioning,
     ):
         """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives float32 arrays
@@ -511,7 +520,10 @@ class DiffusionPipeline:
         - `denoising_end` / `denoising_start`: the SDXL base -> refiner hand-off (see `pipelines.recipes`);
         - `noise`: the initial noise `(N, C, h, w)` instead of noise drawn from the seed;
         - `prompt_syntax="a1111"`: prompts read as AUTOMATIC1111 reads them (`(word:1.3)`, `[word]`, `BREAK`,
-          longer than 75 tokens; `sdjax.text.prompt_syntax`).
+          longer than 75 tokens; `sdjax.text.prompt_syntax`);
+        - ControlNet (with any task): `control_image`, `controlnet`, `controlnet_conditioning_scale`,
+          `control_guidance_start`/`_end`, `guess_mode` as diffusers' ControlNet pipelines
+          (`sdjax.pipelines.controlnet`); without an init image the output size defaults to the control image's.
         The output size defaults to the init image's (else the model's); `resize_mode` ("resize", "crop", "fill")
         says how an init image of another size is fitted.
         """
@@ -527,6 +539,10 @@ class DiffusionPipeline:
         negs = negs * len(prompts) if len(negs) == 1 else negs
         steps = self.default_steps if steps is None else steps
         guidance_scale = self.default_guidance_scale if guidance_scale is None else guidance_scale
+        if control_image is not None and image is None:
+            from sdjax.pipelines.controlnet import control_size
+
+            height, width = control_size(self, control_image, height, width)
         height, width = self._task_size(image, mask_image, height, width, padding_mask_crop)
         self.validate(steps=steps, height=height, width=width, sampler=sampler)
         all_prompts = [p for p in prompts for _ in range(num_images)]
@@ -546,6 +562,26 @@ class DiffusionPipeline:
             denoising_start=denoising_start,
             denoising_end=denoising_end,
         )
+        control = None
+        if control_image is not None:
+            from sdjax.pipelines.controlnet import control_request
+
+            control = control_request(
+                self,
+                control_image=control_image,
+                controlnet=controlnet,
+                params=params,
+                count=count,
+                height=height,
+                width=width,
+                task=task.spec.name,
+                controlnet_conditioning_scale=controlnet_conditioning_scale,
+                control_guidance_start=control_guidance_start,
+                control_guidance_end=control_guidance_end,
+                guess_mode=guess_mode,
+            )
+        elif controlnet is not None or controlnet_conditioning_scale is not None:
+            raise ValueError("controlnet= and controlnet_conditioning_scale= need control_image= (the control map)")
         out = self.generate_arrays(
             all_prompts,
             all_negs,
@@ -563,6 +599,7 @@ class DiffusionPipeline:
             noise=noise,
             output={"pil": "images", "np": "float", "latent": "latents"}[output_type],
             prompt_syntax=prompt_syntax,
+            control=control,
             **conditioning,
         )
         if output_type != "pil":
@@ -584,9 +621,12 @@ class DiffusionPipeline:
         previews: bool = False,
         guidance_rescale: float = 0.0,
         output: str = "images",
+        controlnet=None,
+        guess_mode: bool = False,
     ):
         """Compile (or fetch from the cache) the program that `generate_arrays` runs for this setting, so the
-        first request of that shape does not wait for XLA. Returns the executable."""
+        first request of that shape does not wait for XLA. Returns the executable. `controlnet` (as for
+        `generate`; True for the pipeline's own net) and `guess_mode` compile the ControlNet program."""
         from sdjax.core.tasks import TASKS
 
         dh, dw = self.default_size
@@ -611,7 +651,14 @@ class DiffusionPipeline:
             guidance_rescale=guidance_rescale,
             output=output,
         )
-        return self.generator.compile(spec)
+        params = None
+        if controlnet is not None:
+            from sdjax.pipelines.controlnet import control_spec
+
+            control, trees = control_spec(self, None if controlnet is True else controlnet, None, guess_mode)
+            spec = dataclasses.replace(spec, control=control)
+            params = {**self.generator.check_params(self.params), "controlnet": trees}
+        return self.generator.compile(spec, params=params)
 
     def warmup(
         self, batch_size: int, height: int, width: int, steps: int, sampler=None, interactive: bool = False
@@ -736,6 +783,7 @@ class DiffusionPipeline:
                 ids=np.asarray(call.prompt_ids),
                 cfg=True,
                 neg_ids=None if call.neg_prompt_ids is None else np.asarray(call.neg_prompt_ids),
+                control=call.control,
             )
             return np.array(out)
         ndev, bs = lead
@@ -770,11 +818,15 @@ class DiffusionPipeline:
             sampler=self.scheduler,
             explicit_noise=call.noise is not None,
             output=call.output,
+            control=None if call.control is None else call.control.spec,
         )
         start, end = gen.window(spec, task)
+        if call.control is not None:
+            host.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
         inputs = {k: v.reshape((ndev, bs) + v.shape[1:]) for k, v in host.items()}
         win = {"start": np.int32(start), "end": np.int32(end)}
-        out, _ = gen.pmapped(spec)(gen.check_params(call.params), inputs, win)
+        params = gen.check_params(call.params, control=call.control is not None)
+        out, _ = gen.pmapped(spec)(params, inputs, win)
         return np.array(out)
 
     def _traced(self, call: GuideCall):
@@ -812,10 +864,13 @@ class DiffusionPipeline:
             sampler=self.scheduler,
             explicit_noise=call.noise is not None,
             output=call.output,
+            control=None if call.control is None else call.control.spec,
         )
         start, end = gen.window(spec, call.task)
         if call.start is not None:
             start = call.start
+        if call.control is not None:
+            inputs.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
         win = {"start": jnp.asarray(start, jnp.int32), "end": jnp.int32(end)}
         out, _ = program(gen.models, spec, call.params, inputs, win)
         return out
@@ -826,7 +881,7 @@ class DiffusionPipeline:
             common.check_static(name, v)
         common.check_steps(steps)
         common.check_size(height, width, self._size_multiple())
-        self.generator.check_params(call.params)
+        self.generator.check_params(call.params, control=call.control is not None)
         if jit:
             leaf = jax.tree_util.tree_leaves(call.params["unet"])[0]
             if leaf.ndim == 0 or leaf.shape[0] != jax.local_device_count():
@@ -912,6 +967,7 @@ class GuideCall:
     output: str = "images"
     start: Any = None  # an explicit first model call (the traced `_generate(start_timestep)`)
     traced: bool = False
+    control: Any = None  # a `core.controlnet.ControlRequest` (the ControlNet guide class)
 
 
 def seed_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:

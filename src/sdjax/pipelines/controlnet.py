@@ -1,0 +1,234 @@
+"""The user API's ControlNet arguments -> a `core.controlnet.ControlRequest` (what `generate(control_image=,
+controlnet=, controlnet_conditioning_scale=, control_guidance_start=, control_guidance_end=, guess_mode=)` runs).
+
+Arguments as diffusers' ControlNet pipelines take them:
+- `controlnet`: a `(module, params)` pair (what `FlaxControlNetModel.from_pretrained` / `load_controlnet`
+  return), a folder or Hub repo id (loaded once per pipeline, in the pipeline's dtype), or a list of those for
+  several nets (`MultiControlNetModel`); None uses the net the pipeline was loaded with (`from_pretrained(...,
+  controlnet=)`, params in `params["controlnet"]`).
+- `control_image`: one net: an image (PIL, uint8 HWC array, path or bytes) or one per generated image; several
+  nets: a list of one image per net, or (diffusers' nested form) one such list per generated image. Each is
+  resized to the output size with Lanczos and scaled to [0, 1] (`preprocess.prepare_control_image`, diffusers'
+  `prepare_image`).
+- `controlnet_conditioning_scale`, `control_guidance_start`, `control_guidance_end`: a float, or one per net.
+  The default scale is diffusers' per pipeline: 1.0 for text-to-image, 0.8 for image-to-image, 0.5 for SD
+  inpainting and 1.0 for SDXL inpainting.
+- `guess_mode`: static; forced on when the first net has `global_pool_conditions`, as diffusers does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from sdjax.core.controlnet import ControlRequest, ControlSpec, check_nets
+from sdjax.models.controlnet import ControlNetModel
+
+DEFAULT_SCALES = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}  # SD; SDXL inpainting: 1.0
+CONTROL_ARGS = (
+    "controlnet",
+    "controlnet_conditioning_scale",
+    "control_guidance_start",
+    "control_guidance_end",
+    "guess_mode",
+)
+
+
+def _is_pair(x: Any) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], ControlNetModel)
+
+
+def resolve_nets(pipe, controlnet: Any, params: dict | None) -> list[tuple[ControlNetModel, Any]]:
+    """`controlnet` (see the module docstring) -> `[(module, params), ...]`."""
+    if controlnet is None:
+        module = getattr(pipe, "controlnet", None)
+        if module is None:
+            raise ValueError(
+                "control_image= needs a ControlNet: pass controlnet=(module, params) as returned by "
+                "FlaxControlNetModel.from_pretrained, a ControlNet folder or repo id, or a list of them"
+            )
+        modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        source = params if params is not None else pipe.params
+        trees = (source or {}).get("controlnet")
+        if trees is None:
+            raise KeyError("params has no 'controlnet' entry: set params['controlnet'] = controlnet_params")
+        trees = list(trees) if isinstance(trees, (list, tuple)) else [trees]
+        if len(trees) != len(modules):
+            raise ValueError(f"params['controlnet'] holds {len(trees)} param tree(s) for {len(modules)} ControlNet(s)")
+        return list(zip(modules, trees))
+    if _is_pair(controlnet) or isinstance(controlnet, (str, os.PathLike)):
+        items = [controlnet]
+    elif isinstance(controlnet, (list, tuple)) and controlnet:
+        items = list(controlnet)
+    else:
+        raise TypeError(
+            f"controlnet must be a (module, params) pair, a ControlNet folder or repo id, or a list of them; got "
+            f"{type(controlnet).__name__}"
+        )
+    out = []
+    for k, item in enumerate(items):
+        label = "controlnet" if len(items) == 1 else f"controlnet[{k}]"
+        if isinstance(item, (str, os.PathLike)):
+            out.append(_load(pipe, str(item)))
+        elif _is_pair(item):
+            out.append((item[0], item[1]))
+        else:
+            raise TypeError(
+                f"{label} must be a (module, params) pair as FlaxControlNetModel.from_pretrained returns, or a "
+                f"ControlNet folder or repo id; got {type(item).__name__}"
+            )
+    return out
+
+
+def _load(pipe, path: str):
+    cache = pipe.__dict__.setdefault("_controlnet_cache", {})
+    if path not in cache:
+        from sdjax.loading.controlnet import load_controlnet
+
+        if len(cache) >= 4:
+            cache.pop(next(iter(cache)))
+        cache[path] = load_controlnet(path, dtype=pipe.dtype)
+    return cache[path]
+
+
+def per_net(name: str, value: Any, k: int, *, lo: float | None = None, hi: float | None = None) -> list[float]:
+    """A float or one per net -> `k` floats (checked finite and within `[lo, hi]`)."""
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value]
+    if len(values) == 1 and k > 1 and not isinstance(value, (list, tuple, np.ndarray)):
+        values = values * k
+    if len(values) != k:
+        raise ValueError(f"{name}: got {len(values)} value(s) for {k} ControlNet(s); pass one float or one per net")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not np.isfinite(v):
+            raise TypeError(f"{name} must be a finite float or a list of them, got {v!r}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ValueError(f"{name}={v!r} must lie in [{lo}, {hi}]")
+        out.append(float(v))
+    return out
+
+
+def _images_per_net(control_image: Any, k: int) -> list[list[Any]]:
+    """One net: an image or a list of one per generated image. Several nets (diffusers' convention): a list of one
+    image per net, or a list of one such list per generated image (transposed here to per net)."""
+    if k == 1:
+        return [list(control_image) if isinstance(control_image, (list, tuple)) else [control_image]]
+    if isinstance(control_image, (list, tuple)) and control_image and isinstance(control_image[0], (list, tuple)):
+        if any(not isinstance(c, (list, tuple)) or len(c) != k for c in control_image):
+            raise ValueError(
+                f"control_image: as a list of lists, each inner list must hold one image per ControlNet ({k})"
+            )
+        return [list(t) for t in zip(*control_image)]
+    if not isinstance(control_image, (list, tuple)) or len(control_image) != k:
+        got = len(control_image) if isinstance(control_image, (list, tuple)) else 1
+        raise ValueError(f"control_image: got {got} entries for {k} ControlNets; pass one image per net")
+    return [[c] for c in control_image]
+
+
+def first_control_image(control_image: Any):
+    """The first image of a `control_image` argument (for the output size)."""
+    x = control_image
+    while isinstance(x, (list, tuple)) and x:
+        x = x[0]
+    return x
+
+
+def control_size(pipe, control_image: Any, height: int | None, width: int | None) -> tuple[int, int]:
+    """The output size of text-to-image with a control image: given, else the control image's (diffusers)."""
+    if height is not None and width is not None:
+        return height, width
+    from sdjax.core import images as image_lib
+
+    w0, h0 = image_lib.load_image(first_control_image(control_image), "control_image").size
+    height, width = height or h0, width or w0
+    m = pipe._size_multiple()
+    if height % m or width % m:
+        raise ValueError(
+            f"control_image is {w0}x{h0}, not a multiple of {m} for this model: pass width= and height= (the "
+            f"control image is then resized) or resize it"
+        )
+    return height, width
+
+
+def control_spec(pipe, controlnet: Any, params: dict | None, guess_mode: bool = False) -> tuple[ControlSpec, tuple]:
+    """`controlnet` (see the module docstring) -> (the static `ControlSpec`, the nets' param trees), checked
+    against the pipeline's UNet."""
+    nets = resolve_nets(pipe, controlnet, params)
+    modules = [m for m, _ in nets]
+    check_nets(modules, pipe.unet.config)
+    for k, m in enumerate(modules):
+        if int(m.config.conditioning_channels) != 3:
+            label = "controlnet" if len(modules) == 1 else f"controlnet[{k}]"
+            raise ValueError(
+                f"{label} takes {m.config.conditioning_channels}-channel control images; generate() prepares RGB "
+                f"images (3 channels)"
+            )
+    if not isinstance(guess_mode, bool):
+        raise TypeError(f"guess_mode must be a bool, got {type(guess_mode).__name__}")
+    spec = ControlSpec(tuple(modules), guess_mode or bool(modules[0].config.global_pool_conditions))
+    return spec, tuple(p for _, p in nets)
+
+
+def control_request(
+    pipe,
+    *,
+    control_image: Any,
+    controlnet: Any,
+    params: dict | None,
+    count: int,
+    height: int,
+    width: int,
+    task: str,
+    controlnet_conditioning_scale: Any = None,
+    control_guidance_start: Any = 0.0,
+    control_guidance_end: Any = 1.0,
+    guess_mode: bool = False,
+) -> ControlRequest:
+    """The ControlNet conditioning of one `generate` call for `count` images of `height` x `width`."""
+    from sdjax.core import images as image_lib
+    from sdjax.preprocess import prepare_control_image
+
+    spec, trees = control_spec(pipe, controlnet, params, guess_mode)
+    k = len(trees)
+    scale = controlnet_conditioning_scale
+    if scale is None:
+        sdxl = getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+        scale = 1.0 if sdxl and task == "inpaint" else DEFAULT_SCALES[task]
+    scales = per_net("controlnet_conditioning_scale", scale, k)
+    starts = per_net("control_guidance_start", control_guidance_start, k, lo=0.0, hi=1.0)
+    ends = per_net("control_guidance_end", control_guidance_end, k, lo=0.0, hi=1.0)
+    for s, e in zip(starts, ends):
+        if s >= e:
+            raise ValueError(f"control_guidance_start={s} must be below control_guidance_end={e}")
+    per = _images_per_net(control_image, k)
+    arrays = []
+    for j, images in enumerate(per):
+        label = "control_image" if k == 1 else f"control_image[{j}]"
+        if len(images) not in (1, count):
+            raise ValueError(f"{label}: got {len(images)} images for {count} generated images; pass one, or one each")
+        prepared = []
+        for i, im in enumerate(images):
+            name = label if len(images) == 1 else f"{label}[{i}]"
+            if not isinstance(im, np.ndarray):
+                im = image_lib.load_image(im, name)
+            prepared.append(prepare_control_image(_checked(im, name), width, height)[0])
+        a = np.stack(prepared)
+        arrays.append(np.repeat(a, count, axis=0) if len(a) == 1 else a)
+    return ControlRequest(
+        spec=spec,
+        params=trees,
+        images=np.stack(arrays, axis=1),
+        scales=np.tile(np.asarray(scales, np.float32), (count, 1)),
+        starts=np.tile(np.asarray(starts), (count, 1)),
+        ends=np.tile(np.asarray(ends), (count, 1)),
+    )
+
+
+def _checked(image: Any, name: str):
+    from sdjax.preprocess import as_rgb_uint8
+
+    if isinstance(image, np.ndarray):
+        return as_rgb_uint8(image, what=name)
+    return image

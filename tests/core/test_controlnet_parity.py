@@ -1,0 +1,349 @@
+"""ControlNet generation against PyTorch diffusers 0.42.1, given the same noise (tests/inject.py).
+
+diffusers' `StableDiffusionControlNetPipeline` (one net, two nets as `MultiControlNetModel`, guess mode,
+non-default scale and guidance start/end), `StableDiffusionXLControlNetPipeline`,
+`StableDiffusionControlNetImg2ImgPipeline` and `StableDiffusionControlNetInpaintPipeline` (9-channel UNet) on the
+tiny models of tests/reference.py. The ControlNets are `ControlNetModel.from_unet` copies of the tiny UNets with
+random zero convs (else their residuals would be 0 and the comparison would prove nothing) and perturbed norms.
+Images in [0, 1] agree to 1e-3 absolute (float32); each case also checks the nets change the image by far more.
+"""
+
+import json
+
+import inject
+import numpy as np
+import pytest
+import reference
+import torch
+from controlnet_cases import control_images, torch_controlnet
+
+from sdjax import StableDiffusionPipeline, rng
+from sdjax.core.controlnet import keep_table
+from sdjax.core.tasks import window
+from sdjax.loading.controlnet import FlaxControlNetModel
+
+ATOL = 1e-3
+PROMPTS = ["a photo of an astronaut riding a horse", "a red circle on a blue background"]
+NEGATIVE = ["blurry, low quality", "green"]
+STEPS = 5
+SHAPE = (4, 8, 8)
+
+
+def init_images() -> list:
+    from PIL import Image
+
+    r = np.random.default_rng(0)
+    a = r.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    big = Image.fromarray(a).resize((64, 64), Image.BILINEAR)
+    return [big, big.transpose(Image.FLIP_LEFT_RIGHT)]
+
+
+def masks() -> list:
+    from PIL import Image
+
+    m = np.zeros((64, 64), np.uint8)
+    m[10:50, 20:44] = 255
+    return [Image.fromarray(m), Image.fromarray(m.T.copy())]
+
+
+def swap(torch_pipe, folder, cls_name="EulerDiscreteScheduler"):
+    import diffusers
+
+    on_disk = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    torch_pipe.scheduler = getattr(diffusers, cls_name).from_config(on_disk)
+
+
+def run_torch(pipe, *, sampler, keys, start, end, streams=(), **kwargs):
+    with (
+        inject.prescribed(
+            pipe,
+            latents_noise=inject.stream(keys, rng.LATENTS, SHAPE),
+            encode_eps=[inject.stream(keys, s, SHAPE) for s in streams],
+            step_noise=inject.step_noises(sampler, keys, SHAPE, start, end) if sampler.stochastic else [],
+        ),
+        torch.no_grad(),
+    ):
+        return pipe(
+            prompt=PROMPTS,
+            negative_prompt=NEGATIVE,
+            num_inference_steps=STEPS,
+            guidance_scale=7.5,
+            output_type="np",
+            **kwargs,
+        ).images
+
+
+def test_keep_table_is_diffusers_controlnet_keep():
+    """`1 - (i / n < start or (i + 1) / n > end)` over the window's calls, n counted from the window's start."""
+    starts, ends = np.array([[0.1, 0.0], [0.5, 0.3]]), np.array([[0.8, 1.0], [1.0, 0.6]])
+    table = keep_table(starts, ends, start=0, end=5, calls=5)
+    np.testing.assert_array_equal(table[0, :, 0], [0, 1, 1, 1, 0])  # 0/5 < 0.1; 5/5 > 0.8
+    np.testing.assert_array_equal(table[0, :, 1], [1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(table[1, :, 0], [0, 0, 0, 1, 1])  # 2/5 < 0.5, 3/5 is not
+    np.testing.assert_array_equal(table[1, :, 1], [0, 0, 1, 0, 0])  # 1/5 < 0.3; 4/5 > 0.6
+    # img2img: the window starts at call 2 of 6 (n = 4); denoising_end stops at call 5 without changing n.
+    table = keep_table(np.array([[0.25]]), np.array([[0.75]]), start=2, end=5, calls=6)
+    np.testing.assert_array_equal(table[0, :, 0], [0, 0, 0, 1, 1, 0])
+
+
+def saved(model, tmp_path_factory, name):
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder, safe_serialization=True)
+    return FlaxControlNetModel.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def sd_nets(torch_sd1, tmp_path_factory):
+    """Two torch ControlNets for the tiny SD 1.x UNet and their sdjax (module, params) pairs."""
+    nets = [torch_controlnet(torch_sd1.unet, seed) for seed in (11, 12)]
+    return nets, [saved(n, tmp_path_factory, f"cn-sd-{i}") for i, n in enumerate(nets)]
+
+
+@pytest.fixture(scope="module")
+def sd(sd1_dir):
+    return StableDiffusionPipeline.from_pretrained(str(sd1_dir))[0]
+
+
+def sd_generate(pipe, name="euler", seed=5, **kwargs):
+    return pipe.generate(
+        PROMPTS,
+        negative_prompt=NEGATIVE,
+        steps=STEPS,
+        guidance_scale=7.5,
+        seed=seed,
+        sampler=name,
+        output_type="np",
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(controlnet_conditioning_scale=0.7, control_guidance_start=0.1, control_guidance_end=0.8),
+        dict(guess_mode=True),
+    ],
+    ids=["scale-start-end", "guess-mode"],
+)
+def test_sd_txt2img_matches_diffusers(case, sd, sd_nets, torch_sd1, sd1_dir):
+    import diffusers
+
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetPipeline(**torch_sd1.components, controlnet=torch_nets[0])
+    swap(torch_pipe, sd1_dir, "EulerAncestralDiscreteScheduler")
+    sampler = sd._sampler("euler_a")
+    keys = inject.image_keys(5, 2)
+    cond = control_images(0)
+    start, end = window(sampler, STEPS)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
+    )
+    out = sd_generate(sd, "euler_a", control_image=cond, controlnet=nets[0], height=64, width=64, **case)
+    plain = sd_generate(sd, "euler_a", height=64, width=64)
+    assert out.shape == ref.shape == (2, 64, 64, 3)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
+    if "control_guidance_end" in case:  # the start/end window matters, and changing it does not recompile
+        compiles = sd.generator.cache.stats.compiles
+        full = sd_generate(
+            sd,
+            "euler_a",
+            control_image=cond,
+            controlnet=nets[0],
+            controlnet_conditioning_scale=0.7,
+            height=64,
+            width=64,
+        )
+        assert float(np.abs(full - ref).max()) > 10 * ATOL
+        assert sd.generator.cache.stats.compiles == compiles
+    print(f"{case}: error {err:.2e}, control effect {float(np.abs(out - plain).max()):.2e}")
+
+
+def test_two_nets_match_multicontrolnet(sd, sd_nets, torch_sd1, sd1_dir):
+    """Per-net scales and windows; diffusers' nested image list (one list of per-net images per prompt)."""
+    import diffusers
+
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetPipeline(**torch_sd1.components, controlnet=list(torch_nets))
+    swap(torch_pipe, sd1_dir, "DDIMScheduler")
+    sampler = sd._sampler("ddim")
+    keys = inject.image_keys(7, 2)
+    a, b = control_images(1), control_images(2)
+    nested = [[a[0], b[0]], [a[1], b[1]]]
+    case = dict(
+        controlnet_conditioning_scale=[0.9, 0.6], control_guidance_start=[0.0, 0.2], control_guidance_end=[0.7, 1.0]
+    )
+    start, end = window(sampler, STEPS)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=nested, height=64, width=64, **case
+    )
+    out = sd_generate(sd, "ddim", seed=7, control_image=nested, controlnet=list(nets), height=64, width=64, **case)
+    one = sd_generate(
+        sd,
+        "ddim",
+        seed=7,
+        control_image=a,
+        controlnet=nets[0],
+        height=64,
+        width=64,
+        **case | {"controlnet_conditioning_scale": 0.9, "control_guidance_start": 0.0, "control_guidance_end": 0.7},
+    )
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - one).max()) > 50 * ATOL, "the second net did not change the image"
+
+
+@pytest.fixture(scope="module")
+def sdxl_net(torch_sdxl, tmp_path_factory):
+    net = torch_controlnet(torch_sdxl.unet, 21)
+    return net, saved(net, tmp_path_factory, "cn-sdxl")
+
+
+def test_sdxl_txt2img_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+    import diffusers
+
+    from sdjax import StableDiffusionXLPipeline
+
+    torch_net, net = sdxl_net
+    torch_pipe = diffusers.StableDiffusionXLControlNetPipeline(**torch_sdxl.components, controlnet=torch_net)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    sampler = pipe._sampler(None)
+    keys = inject.image_keys(3, 2)
+    cond = control_images(3)
+    case = dict(controlnet_conditioning_scale=0.8, control_guidance_end=0.6)
+    start, end = window(sampler, STEPS)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
+    )
+    out = sd_generate(pipe, None, seed=3, control_image=cond, controlnet=net, height=64, width=64, **case)
+    plain = sd_generate(pipe, None, seed=3, height=64, width=64)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
+    # denoising_end (the base -> refiner hand-off): diffusers' keep factors count the whole schedule.
+    case = dict(control_guidance_start=0.2, control_guidance_end=0.5, denoising_end=0.6)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
+    )
+    out = sd_generate(pipe, None, seed=3, control_image=cond, controlnet=net, height=64, width=64, **case)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"denoising_end: max abs image error {err}"
+
+
+def test_sd_img2img_matches_diffusers(sd, sd_nets, torch_sd1, sd1_dir):
+    """diffusers' default scale for image-to-image (0.8) applies when none is given."""
+    import diffusers
+
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetImg2ImgPipeline(**torch_sd1.components, controlnet=torch_nets[1])
+    swap(torch_pipe, sd1_dir, "EulerDiscreteScheduler")
+    sampler = sd._sampler("euler")
+    keys = inject.image_keys(4, 2)
+    cond, init = control_images(4), init_images()
+    start, end = window(sampler, STEPS, strength=0.6)
+    ref = run_torch(
+        torch_pipe,
+        sampler=sampler,
+        keys=keys,
+        start=start,
+        end=end,
+        streams=[rng.ENCODE_IMAGE],
+        image=init,
+        control_image=cond,
+        strength=0.6,
+        control_guidance_start=0.3,
+        height=64,
+        width=64,
+    )
+    kwargs = dict(image=init, strength=0.6, control_image=cond, controlnet=nets[1], control_guidance_start=0.3)
+    out = sd_generate(sd, "euler", seed=4, **kwargs)
+    full = sd_generate(sd, "euler", seed=4, **kwargs, controlnet_conditioning_scale=1.0)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(full - ref).max()) > 10 * ATOL, "the default scale is not diffusers' 0.8"
+
+
+@pytest.fixture(scope="module")
+def inpaint9(torch_sd1, tmp_path_factory):
+    """A tiny 9-channel SD inpainting model (diffusers parts + folder)."""
+    unet9 = reference.unet({**reference.UNET_SD1, "in_channels": 9}, seed=7)
+    parts = {**torch_sd1.components, "unet": unet9}
+    import diffusers
+
+    folder = tmp_path_factory.mktemp("tiny-sd1-inpaint-cn")
+    diffusers.StableDiffusionInpaintPipeline(**parts).save_pretrained(folder, safe_serialization=True)
+    return parts, folder
+
+
+def test_sd_inpaint_9_channels_matches_diffusers(inpaint9, sd_nets):
+    """The nets see the 4 latent channels of the 9-channel UNet's input; diffusers' inpainting default scale 0.5."""
+    import diffusers
+
+    parts, folder = inpaint9
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetInpaintPipeline(**parts, controlnet=torch_nets[0])
+    swap(torch_pipe, folder, "EulerAncestralDiscreteScheduler")
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    sampler = pipe._sampler("euler_a")
+    keys, strength = inject.image_keys(6, 2), 1.0
+    cond, init, mask = control_images(5), init_images(), masks()
+    start, end = window(sampler, STEPS, strength=strength)
+    streams = ([rng.ENCODE_IMAGE] if strength < 1 else []) + [rng.ENCODE_MASKED_IMAGE]
+    ref = run_torch(
+        torch_pipe,
+        sampler=sampler,
+        keys=keys,
+        start=start,
+        end=end,
+        streams=streams,
+        image=init,
+        mask_image=mask,
+        control_image=cond,
+        strength=strength,
+        height=64,
+        width=64,
+    )
+    kwargs = dict(image=init, mask_image=mask, strength=strength)
+    out = sd_generate(pipe, "euler_a", seed=6, **kwargs, control_image=cond, controlnet=nets[0])
+    plain = sd_generate(pipe, "euler_a", seed=6, **kwargs)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
+
+
+def test_sdxl_inpaint_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+    """Latent blending (4-channel UNet) with an SDXL net; diffusers' SDXL inpainting default scale is 1.0, not SD's
+    0.5."""
+    import diffusers
+
+    from sdjax import StableDiffusionXLPipeline
+
+    torch_net, net = sdxl_net
+    torch_pipe = diffusers.StableDiffusionXLControlNetInpaintPipeline(**torch_sdxl.components, controlnet=torch_net)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    sampler = pipe._sampler(None)
+    keys = inject.image_keys(4, 2)
+    cond, init, mask = control_images(6), init_images(), masks()
+    start, end = window(sampler, STEPS, strength=1.0)
+    streams = [rng.ENCODE_IMAGE, rng.ENCODE_MASKED_IMAGE]
+    kwargs = dict(image=init, mask_image=mask, strength=1.0)
+    ref = run_torch(
+        torch_pipe,
+        sampler=sampler,
+        keys=keys,
+        start=start,
+        end=end,
+        streams=streams,
+        control_image=cond,
+        height=64,
+        width=64,
+        **kwargs,
+    )
+    out = sd_generate(pipe, None, seed=4, control_image=cond, controlnet=net, **kwargs)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    half = sd_generate(
+        pipe, None, seed=4, control_image=cond, controlnet=net, controlnet_conditioning_scale=0.5, **kwargs
+    )
+    assert float(np.abs(half - ref).max()) > 10 * ATOL, "the default scale is not diffusers' 1.0"
