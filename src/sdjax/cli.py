@@ -412,9 +412,41 @@ def generate(
             rich_help_panel="SDXL refiner",
         ),
     ] = 0.8,
+    controlnet: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="ControlNet (folder or Hub id); repeat for several, each with its own --control-image.",
+            rich_help_panel="ControlNet",
+        ),
+    ] = None,
+    control_image: Annotated[
+        list[Path] | None,
+        typer.Option(help="Control image, one per --controlnet.", rich_help_panel="ControlNet"),
+    ] = None,
+    control_preprocess: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Preprocessor turning the control image into the map (none, canny, threshold, scribble_xdog, "
+            "invert); one for all or one per net. Default: none (the image is the map).",
+            rich_help_panel="ControlNet",
+        ),
+    ] = None,
+    control_scale: Annotated[
+        list[float] | None,
+        typer.Option(help="Conditioning scale; one for all or one per net. Default: 1.", rich_help_panel="ControlNet"),
+    ] = None,
+    control_start: Annotated[
+        list[float] | None,
+        typer.Option(help="Fraction of the steps where a net starts (0).", rich_help_panel="ControlNet"),
+    ] = None,
+    control_end: Annotated[
+        list[float] | None,
+        typer.Option(help="Fraction of the steps where a net stops (1).", rich_help_panel="ControlNet"),
+    ] = None,
 ) -> None:
     """Generate images from a prompt (or from an image: --image, --mask, --outpaint) and write PNGs carrying their
     parameters (AUTOMATIC1111 format)."""
+    units = _control_units(controlnet, control_image, control_preprocess, control_scale, control_start, control_end)
     err = Console(stderr=True, quiet=quiet)
     _jnp_dtype(dtype)
     timings = Timings()
@@ -472,6 +504,13 @@ def generate(
                 )
                 raise typer.Exit(1) from None
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
+        if units:
+            if refiner is not None or hires_scale is not None:
+                raise typer.BadParameter(
+                    "ControlNet does not run with --refiner or --hires-*", param_hint="--controlnet"
+                )
+            _check_controlnets(pipe, units, err)
+            task["control"] = units
         if schedule is not None:
             sampler = _a1111_sampler(sampler or pipe.default_sampler, schedule)
         request = _request(
@@ -628,6 +667,70 @@ def _task_options(
     if mask_im is not None:
         out.update(mask_blur=mask_blur, inpaint_full_res_padding=only_masked)
     return out
+
+
+def _per_unit(values, n: int, option: str, default):
+    if not values:
+        return [default] * n
+    if len(values) == 1:
+        return list(values) * n
+    if len(values) != n:
+        raise typer.BadParameter(f"give one value, or one per --controlnet ({n}); got {len(values)}", param_hint=option)
+    return list(values)
+
+
+def _control_units(models, images, modules, scales, starts, ends) -> tuple:
+    """--controlnet and its options -> `metadata.ControlUnit`s with their control maps (checked before loading)."""
+    models, images = list(models or ()), list(images or ())
+    if not models:
+        if images or modules or scales or starts or ends:
+            raise typer.BadParameter("control options need --controlnet", param_hint="--controlnet")
+        return ()
+    if len(images) != len(models):
+        raise typer.BadParameter(
+            f"give one --control-image per --controlnet ({len(models)}); got {len(images)}",
+            param_hint="--control-image",
+        )
+    import numpy as np
+    from PIL import Image
+
+    from sdjax import preprocess
+
+    n = len(models)
+    modules = _per_unit(modules, n, "--control-preprocess", "none")
+    scales = _per_unit(scales, n, "--control-scale", 1.0)
+    starts = _per_unit(starts, n, "--control-start", 0.0)
+    ends = _per_unit(ends, n, "--control-end", 1.0)
+    units = []
+    for model, path, module, scale, start, end in zip(models, images, modules, scales, starts, ends, strict=True):
+        if not 0 <= start < end <= 1:
+            raise typer.BadParameter(f"need 0 <= start < end <= 1, got {start} and {end}", param_hint="--control-start")
+        try:
+            pre = preprocess.get_preprocessor(module)
+        except (KeyError, ValueError) as e:
+            raise typer.BadParameter(str(e.args[0] if e.args else e), param_hint="--control-preprocess") from None
+        try:
+            with Image.open(path) as im:
+                source = np.asarray(im.convert("RGB"))
+        except (OSError, ValueError) as e:
+            raise typer.BadParameter(f"{path}: not a readable image ({e})", param_hint="--control-image") from None
+        try:
+            control_map = pre(source)
+        except (ValueError, ImportError) as e:
+            raise typer.BadParameter(f"{module}: {e}", param_hint="--control-preprocess") from None
+        units.append(metadata.ControlUnit(model, pre.name, float(scale), float(start), float(end), control_map))
+    return tuple(units)
+
+
+def _check_controlnets(pipe, units, err) -> None:
+    """Load the nets now (cached on the pipeline) so that a bad id or a net for another family fails first."""
+    from sdjax.pipelines.controlnet import control_spec
+
+    try:
+        control_spec(pipe, [u.model for u in units], None)
+    except Exception as e:  # the loader names the folder, file or key at fault
+        err.print(f"[red]error:[/red] ControlNet: {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 def _a1111_sampler(sampler: str, schedule: str) -> str:
@@ -868,6 +971,13 @@ def serve(
             "to, by folder name."
         ),
     ] = None,
+    controlnet_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="A folder of diffusers ControlNet folders that A1111 requests name in alwayson_scripts.controlnet "
+            "(listed by GET /controlnet/model_list)."
+        ),
+    ] = None,
     file_ttl: Annotated[
         float, typer.Option(min=1.0, help='Seconds an image of response_format="url" stays downloadable.')
     ] = 3600.0,
@@ -905,6 +1015,8 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--api-auth") from None
     if models_dir is not None and not Path(models_dir).is_dir():
         raise typer.BadParameter(f"{models_dir} is not a folder", param_hint="--models-dir")
+    if controlnet_dir is not None and not Path(controlnet_dir).is_dir():
+        raise typer.BadParameter(f"{controlnet_dir} is not a folder", param_hint="--controlnet-dir")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("sdjax")
@@ -974,6 +1086,7 @@ def serve(
         api_auth=users,
         cors_origins=_parse_list(cors_origins),
         models_dir=models_dir,
+        controlnet_dir=controlnet_dir,
         file_ttl_s=file_ttl,
         docs=not no_docs,
     )

@@ -91,6 +91,7 @@ class ImageParameters:
     refiner: str = ""
     refiner_switch: float | None = None
     prompt_syntax: str = "plain"  # "a1111": emphasis, BREAK, long prompts (sdjax.text.prompt_syntax)
+    control: tuple[ControlUnit, ...] = ()  # ControlNets (sdjax.pipelines.controlnet)
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -120,6 +121,7 @@ class ImageParameters:
             self.refiner,
             self.refiner_switch,
             self.prompt_syntax,
+            self.control,
         )
 
     def extra_fields(self) -> dict[str, Any]:
@@ -140,6 +142,8 @@ class ImageParameters:
             out["Hires steps"] = h.steps or None
             out["Hires upscaler"] = UPSCALER_NAMES[h.upscaler]
             out["Hires sampler"] = sampler_display_name(h.sampler) if h.sampler else None
+        for i, unit in enumerate(self.control):
+            out[f"ControlNet {i}"] = unit.infotext()
         if self.refiner:
             out["Refiner"] = self.refiner
             out["Refiner switch at"] = _number(self.refiner_switch) if self.refiner_switch is not None else None
@@ -147,6 +151,26 @@ class ImageParameters:
 
     def infotext(self) -> str:
         return format_parameters(self, self.extra_fields())
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlUnit:
+    """One ControlNet of a request: the net (folder, Hub id or name), the preprocessor that made `image` (the
+    control map, a uint8 HWC array; not part of equality), its weight and guidance window, as sd-webui-controlnet
+    writes them in the infotext ("ControlNet 0: ...")."""
+
+    model: str
+    module: str = "none"
+    weight: float = 1.0
+    guidance_start: float = 0.0
+    guidance_end: float = 1.0
+    image: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def infotext(self) -> str:
+        return (
+            f"Module: {self.module}, Model: {Path(self.model).name or self.model}, Weight: {_number(self.weight)}, "
+            f"Guidance Start: {_number(self.guidance_start)}, Guidance End: {_number(self.guidance_end)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +198,7 @@ class GenerationRequest:
     refiner: str = ""
     refiner_switch: float | None = None
     prompt_syntax: str = "plain"
+    control: tuple[ControlUnit, ...] = ()
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -199,6 +224,7 @@ class GenerationRequest:
                 refiner=self.refiner,
                 refiner_switch=self.refiner_switch,
                 prompt_syntax=self.prompt_syntax,
+                control=self.control,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -244,6 +270,8 @@ def generate_images(
     )
     if p.prompt_syntax != "plain":
         common["prompt_syntax"] = p.prompt_syntax
+    if p.control and (p.hires is not None or p.refiner_switch is not None):
+        raise ValueError("ControlNet runs with txt2img, img2img and inpainting; not with the hires fix or a refiner")
     if p.hires is not None:
         from sdjax.pipelines.recipes import hires_arrays
 
@@ -282,6 +310,24 @@ def generate_images(
             )
     if task is not None:
         common["task"] = task
+    if p.control:
+        from sdjax.pipelines.controlnet import control_request
+
+        units = p.control
+        per_image = [[unit.image for unit in im.control] for im in images]  # batch-mates may have their own maps
+        common["control"] = control_request(
+            pipeline,
+            control_image=per_image if len(units) > 1 else [maps[0] for maps in per_image],
+            controlnet=[u.model for u in units] if len(units) > 1 else units[0].model,
+            params=None,
+            count=len(images),
+            height=p.height,
+            width=p.width,
+            task=p.task,
+            controlnet_conditioning_scale=[u.weight for u in units],
+            control_guidance_start=[u.guidance_start for u in units],
+            control_guidance_end=[u.guidance_end for u in units],
+        )
     return pipeline.generate_arrays(*args, **common)
 
 

@@ -54,6 +54,7 @@ from sdjax.metadata import (
     sampler_id,
 )
 from sdjax.samplers import a1111
+from sdjax.server import controlnet as controlnet_api
 from sdjax.server.batching import Batcher, Outcome, QueueFull, ShuttingDown
 from sdjax.server.errors import APIError, error_body, internal_error
 from sdjax.server.files import FileStore
@@ -145,6 +146,7 @@ class ServerConfig:
     api_auth: tuple[tuple[str, str], ...] = ()  # (user, password) pairs accepted as HTTP basic auth
     cors_origins: tuple[str, ...] = ()
     models_dir: str | None = None  # folders of diffusers models that POST /sdapi/v1/options may switch to
+    controlnet_dir: str | None = None  # ControlNet folders A1111 requests may name (alwayson_scripts.controlnet)
     file_ttl_s: float = 3600.0  # response_format="url" images live this long
     max_files: int = 256
     max_file_bytes: int = 256 * 1024 * 1024
@@ -404,6 +406,9 @@ def create_app(
             # per-request model switching is not done: a request's checkpoint must be the served one
             check_settings(body.override_settings, settings(), field="override_settings")
         gen = resolve_a1111(body, now.pipeline, now.limits, now.defaults, now.model_name)
+        gen = await asyncio.to_thread(
+            controlnet_api.apply, gen, body.alwayson_scripts, config.controlnet_dir, now.limits, now.pipeline
+        )
         outcome, pngs = await run(request, gen, body.force_task_id)
         info = _a1111_info(gen, outcome, body)
         return {
@@ -420,6 +425,9 @@ def create_app(
             check_settings(body.override_settings, settings(), field="override_settings")
         gen = await asyncio.to_thread(
             resolve_a1111_img2img, body, now.pipeline, now.limits, now.defaults, now.model_name
+        )
+        gen = await asyncio.to_thread(
+            controlnet_api.apply, gen, body.alwayson_scripts, config.controlnet_dir, now.limits, now.pipeline
         )
         outcome, pngs = await run(request, gen, body.force_task_id)
         info = _a1111_info(gen, outcome, body)
@@ -646,6 +654,14 @@ def create_app(
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():
         return a1111.a1111_samplers()
+
+    @app.get("/controlnet/model_list", summary="ControlNets (sd-webui-controlnet API): the --controlnet-dir folders")
+    async def controlnet_models():
+        return {"model_list": list(controlnet_api.list_controlnets(config.controlnet_dir))}
+
+    @app.get("/controlnet/module_list", summary="Control-map preprocessors (sd-webui-controlnet API)")
+    async def controlnet_modules():
+        return {"module_list": controlnet_api.module_list()}
 
     @app.get("/sdapi/v1/schedulers", summary="Noise schedules (AUTOMATIC1111 API)")
     async def schedulers():

@@ -218,6 +218,9 @@ class A1111Txt2ImgRequest(BaseModel):
         None, ge=0, le=1, description="img2img: how much to change the image; txt2img: the hires pass's strength"
     )
     initial_noise_multiplier: float | None = Field(None, description="Only 1 (A1111's default) is supported")
+    alwayson_scripts: dict[str, Any] | None = Field(
+        None, description='Scripts: {"controlnet": {"args": [units]}} (sd-webui-controlnet\'s API); others 422'
+    )
 
 
 class A1111Img2ImgRequest(A1111Txt2ImgRequest):
