@@ -10,6 +10,7 @@ refiner, `StableDiffusionXLImg2ImgPipeline`).
   `requires_aesthetics_score` (the refiner) (orig_h, orig_w, crop_top, crop_left, aesthetic_score). The negative
   ids follow each diffusers pipeline's own rules, kept here as they are (`negative_time_ids`).
 - With `force_zeros_for_empty_prompt`, an empty negative prompt gives zero unconditional embeddings.
+- `clip_skip` N > 1 takes `hidden_states[-(N + 1)]` of each encoder instead (see `families.clip_skip`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+
+from sdjax.core.families.clip_skip import clip_skip_input, select_layer
 
 Pair = tuple[int, int]
 OPTIONS = (
@@ -116,9 +119,11 @@ class SDXLConditioning:
         negative_target_size=None,
         aesthetic_score: float = 6.0,
         negative_aesthetic_score: float = 2.5,
+        clip_skip: int | Sequence[int] = 1,
     ) -> dict[str, np.ndarray]:
-        """`time_ids`, `neg_time_ids` `(N, 6 or 5)` float32 and `zero_neg` `(N,)` bool for a batch (a negative
-        prompt of None is "none given": zero embeddings under `force_zeros_for_empty_prompt`, as diffusers)."""
+        """`time_ids`, `neg_time_ids` `(N, 6 or 5)` float32, `zero_neg` `(N,)` bool and `clip_skip` `(N,)` int32
+        for a batch (a negative prompt of None is "none given": zero embeddings under
+        `force_zeros_for_empty_prompt`, as diffusers)."""
         size = (height, width)
         original = _pair("original_size", original_size or size)
         target = _pair("target_size", target_size or size)
@@ -146,7 +151,9 @@ class SDXLConditioning:
             **neg,
         )
         n = len(negative_prompts)
+        layers = min(encoder.config.num_hidden_layers for _, _, encoder in self._pairs)
         return {
+            "clip_skip": clip_skip_input(clip_skip, n, layers),
             "time_ids": np.tile(np.asarray(pos, np.float32), (n, 1)),
             "neg_time_ids": np.tile(np.asarray(negative, np.float32), (n, 1)),
             "zero_neg": np.asarray([p is None and self.force_zeros_for_empty_prompt for p in negative_prompts]),
@@ -156,9 +163,10 @@ class SDXLConditioning:
         """-> (context `(2B or B, 77, sum of widths)`, `{"text_embeds", "time_ids"}`)."""
         ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
         hidden, pooled = [], None
+        skip = jnp.concatenate([inputs["clip_skip"]] * 2) if cfg else inputs["clip_skip"]
         for k, (name, _, encoder) in enumerate(self._pairs):
             out = encoder.apply({"params": params[name]}, ids[:, k])
-            hidden.append(out.hidden_states[-2])
+            hidden.append(select_layer(out.hidden_states, skip, offset=1))
             pooled = out.text_embeds
         context = jnp.concatenate(hidden, axis=-1)
         time_ids = inputs["time_ids"]
