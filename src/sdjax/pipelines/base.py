@@ -30,9 +30,10 @@ from sdjax.pipelines import common
 from sdjax.pipelines.common import PipelineOutput, Progress
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil, to_uint8
 from sdjax.pipelines.lora import LoraMixin
+from sdjax.pipelines.textual_inversion import TextualInversionMixin
 
 
-class DiffusionPipeline(LoraMixin):
+class DiffusionPipeline(LoraMixin, TextualInversionMixin):
     """Base of `StableDiffusionPipeline` and `StableDiffusionXLPipeline` (see the module docstring)."""
 
     model_index_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
