@@ -103,6 +103,12 @@ SDXL_SGM = {
     r"^down_blocks\.1\.attentions\.(\d)": lambda m: f"input_blocks.{4 + int(m.group(1))}.1",
     r"^up_blocks\.0\.attentions\.(\d)": lambda m: f"output_blocks.{int(m.group(1))}.1",
     r"^mid_block\.attentions\.0": "middle_block.1",
+    # resnet conv1 = in_layers.2 (LoCon)
+    r"^down_blocks\.(\d)\.resnets\.(\d)\.conv1$": lambda m: (
+        f"input_blocks.{1 + 3 * int(m[1]) + int(m[2])}.0.in_layers.2"
+    ),
+    r"^up_blocks\.(\d)\.resnets\.(\d)\.conv1$": lambda m: f"output_blocks.{3 * int(m[1]) + int(m[2])}.0.in_layers.2",
+    r"^mid_block\.resnets\.(\d)\.conv1$": lambda m: f"middle_block.{2 * int(m[1])}.in_layers.2",
 }
 
 
@@ -261,7 +267,9 @@ def sdxl_loras(torch_sdxl, tmp_path_factory):
     unet_a, cfg_a = peft_lora(torch_sdxl.unet, SDXL_ATTN + ["conv1"], rank=4, alpha=2, seed=5)
     te1_a, tcfg1_a = peft_lora(torch_sdxl.text_encoder, TE_TARGETS, rank=2, alpha=2, seed=6)
     te2_a, tcfg2_a = peft_lora(torch_sdxl.text_encoder_2, TE_TARGETS, rank=3, alpha=6, seed=7)
-    unet_b, cfg_b = peft_lora(torch_sdxl.unet, SDXL_ATTN + ["ff.net.0.proj", "ff.net.2"], rank=2, alpha=1, seed=8)
+    unet_b, cfg_b = peft_lora(
+        torch_sdxl.unet, SDXL_ATTN + ["ff.net.0.proj", "ff.net.2", "conv1"], rank=2, alpha=1, seed=8
+    )
     te1_b, tcfg1_b = peft_lora(torch_sdxl.text_encoder, ["q_proj", "v_proj"], rank=2, alpha=2, seed=9)
     te2_b, tcfg2_b = peft_lora(torch_sdxl.text_encoder_2, ["k_proj", "fc1"], rank=2, alpha=3, seed=10)
     a = save_diffusers(
@@ -293,6 +301,7 @@ def test_sdxl_loras_match_diffusers(sdxl_dir, sdxl_loras, torch_sdxl):
 
     kohya_keys = load_file(str(sdxl_loras[0]["xb"]))  # the kohya file really uses SGM block names
     assert "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya_keys
+    assert "lora_unet_output_blocks_5_0_in_layers_2.lora_down.weight" in kohya_keys
     pipe, _ = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))
     scales = {"xa": 0.8, "xb": 0.6}
     for name, path in sdxl_loras[0].items():

@@ -73,14 +73,21 @@ def diffusers_embeds(torch_pipe, text, clip_skip):
     return out[0].numpy(), (out[2].numpy() if len(out) > 2 else None)
 
 
-@pytest.mark.parametrize("clip_skip", [1, 2, 4])
-def test_sd1_matches_diffusers(sd1, torch_sd1, clip_skip):
-    context, _ = encode(sd1, [PROMPT], [NEGATIVE], clip_skip)
-    pos, _ = diffusers_embeds(torch_sd1, PROMPT, clip_skip)
-    neg, _ = diffusers_embeds(torch_sd1, NEGATIVE, clip_skip)
+@pytest.mark.parametrize("kind,clip_skip", [("sd1", 1), ("sd1", 2), ("sd1", 4), ("sd2", 2)])
+def test_sd_matches_diffusers(kind, clip_skip, request):
+    from sdjax import StableDiffusionPipeline
+
+    torch_pipe = request.getfixturevalue(f"torch_{kind}")
+    if kind == "sd1":
+        pipe = request.getfixturevalue("sd1")
+    else:
+        pipe = StableDiffusionPipeline.from_pretrained(str(request.getfixturevalue(f"{kind}_dir")))[0]
+    context, _ = encode(pipe, [PROMPT], [NEGATIVE], clip_skip)
+    pos, _ = diffusers_embeds(torch_pipe, PROMPT, clip_skip)
+    neg, _ = diffusers_embeds(torch_pipe, NEGATIVE, clip_skip)
     np.testing.assert_allclose(np.asarray(context), np.concatenate([neg, pos]), atol=ATOL)
     if clip_skip > 1:  # not trivially the last layer
-        last, _ = diffusers_embeds(torch_sd1, PROMPT, 1)
+        last, _ = diffusers_embeds(torch_pipe, PROMPT, 1)
         assert np.abs(last - pos).max() > 1e-2
 
 
