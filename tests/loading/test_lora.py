@@ -427,6 +427,42 @@ def test_apply_loras_is_functional(sd1, sd1_loras):
     np.testing.assert_allclose(np.asarray(out["unet"]["conv_in"]["kernel"]), want, rtol=1e-6, atol=1e-7)
 
 
+def test_peft_metadata_alpha_pattern_and_rslora(torch_sd1, sd1, tmp_path):
+    """alpha per layer from diffusers' metadata (`alpha_pattern`, `rank_pattern`, rsLoRA's alpha / sqrt(r)) equals
+    the scaling peft gives each layer."""
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import get_peft_model_state_dict
+
+    model = copy.deepcopy(torch_sd1.unet)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=3,
+        rank_pattern={"proj_out": 2},
+        alpha_pattern={"proj_in": 16, "attn2.to_k": 5},
+        use_rslora=True,
+        target_modules=["proj_in", "proj_out", "to_k", "to_v"],
+        init_lora_weights=False,
+    )
+    model.add_adapter(config)
+    want = {name: m.scaling["default"] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert len(set(want.values())) >= 3
+    path = save_diffusers(
+        tmp_path / "meta.safetensors",
+        StableDiffusionPipeline,
+        {"unet": get_peft_model_state_dict(model)},
+        {"unet": config},
+    )
+    lora = lora_lib.load_lora(path, {"unet": sd1.params["unet"]}, unet_config=sd1.unet.config)
+    got = {
+        f.name.removeprefix("unet.").removesuffix(".lora_A.weight"): f.alpha_over_rank for f in lora.factors.values()
+    }
+    assert got.keys() == want.keys()
+    for name, scaling in want.items():
+        assert got[name] == pytest.approx(scaling, rel=1e-6), name
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_sdxl_lora_on_sd1_is_a_clear_error(sd1, sdxl_loras):
     with pytest.raises(lora_lib.LoraError, match=r"xl_kohya\.safetensors.*text_encoder_2.*another base model"):
