@@ -383,41 +383,65 @@ def load_lora(path: str | Path, params: Mapping[str, Any], *, name: str | None =
 
 
 # ------------------------------------------------------------------------------------------------ applying
+def _rank_bucket(rank: int) -> int:
+    """Ranks are zero-padded to a power of two (at least 8), so LoRAs of other ranks reuse one compiled fuse."""
+    return max(8, 1 << (rank - 1).bit_length())
+
+
+def _host_delta(w: np.ndarray, kernel_shape: tuple[int, ...]) -> np.ndarray:
+    """`w (out, in * kh * kw)` as a Flax kernel of `kernel_shape`."""
+    if len(kernel_shape) == 2:
+        return w.T
+    kh, kw, cin, cout = kernel_shape
+    return w.reshape(cout, cin, kh, kw).transpose(2, 3, 1, 0)
+
+
 @jax.jit
-def _add_delta(base, delta_f32):
-    return (base.astype(jnp.float32) + delta_f32).astype(base.dtype)
+def _fuse(base, up, down):
+    """`base + up @ down` in float32, in `base`'s layout and dtype: `up (out, R)`, `down (R, in * kh * kw)` in
+    PyTorch order (the scales are folded into `up`)."""
+    w = jnp.matmul(up, down, precision=jax.lax.Precision.HIGHEST)
+    if base.ndim == 2:
+        delta = w.T
+    else:
+        kh, kw, cin, cout = base.shape
+        delta = w.reshape(cout, cin, kh, kw).transpose(2, 3, 1, 0)
+    return (base.astype(jnp.float32) + delta).astype(base.dtype)
 
 
-def lora_deltas(
-    loras: Sequence[tuple[Lora, float]], shapes: Mapping[Target, tuple[int, ...]]
-) -> dict[Target, np.ndarray]:
-    """The summed float32 delta of every kernel that the weighted `loras` touch (a scale of 0 touches nothing)."""
-    out: dict[Target, np.ndarray] = {}
+def stacked_factors(loras: Sequence[tuple[Lora, float]]) -> dict[Target, tuple[np.ndarray, np.ndarray]]:
+    """Per touched kernel, the weighted LoRAs as one low-rank pair `(up (out, R), down (R, K))` float32 whose product
+    is the summed delta in PyTorch layout: the factors side by side, each `up` times `scale * alpha / r`, R padded
+    with zeros (`_rank_bucket`). A scale of 0 touches nothing."""
+    parts: dict[Target, list[tuple[np.ndarray, np.ndarray]]] = {}
     for lora, scale in loras:
         if scale == 0:
             continue
-        for target, factor in lora.factors.items():
-            d = factor.delta(shapes[target], scale)
-            out[target] = d if target not in out else out[target] + d
+        for target, f in lora.factors.items():
+            parts.setdefault(target, []).append((f.up * np.float32(scale * f.alpha_over_rank), f.down))
+    out: dict[Target, tuple[np.ndarray, np.ndarray]] = {}
+    for target, pairs in parts.items():
+        up = np.concatenate([u for u, _ in pairs], axis=1)
+        down = np.concatenate([d for _, d in pairs], axis=0)
+        pad = _rank_bucket(up.shape[1]) - up.shape[1]
+        out[target] = (np.pad(up, ((0, 0), (0, pad))), np.pad(down, ((0, pad), (0, 0))))
     return out
 
 
 def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, float]]) -> dict[str, Any]:
     """`params` with the weighted LoRAs added to the kernels they touch -> a new dict. Untouched leaves (and, when
     `loras` is empty or all scales are 0, every leaf) are `params`' own objects; a touched kernel is computed in
-    float32 and stored in its own dtype, on its own device(s)."""
+    float32 and stored in its own dtype, on its own device(s). Only the low-rank factors travel to the device; the
+    product and the sum run there (`_fuse`, compiled once per kernel shape and rank bucket, never per scale)."""
     for lora, scale in loras:
         if not np.isfinite(scale):
             raise ValueError(f"LoRA {lora.name!r}: scale={scale!r} must be a finite number")
         missing = sorted({c for c, _ in lora.factors if c not in params})
         if missing:
             raise LoraError(f"LoRA {lora.name!r} adapts {missing}, which params does not have")
-    targets = {t for lora, _ in loras for t in lora.factors}
-    shapes = {t: tuple(_leaf(params, t).shape) for t in targets}
-    deltas = lora_deltas(loras, shapes)
     out = dict(params)
     copied: set[tuple[str, ...]] = set()
-    for (component, path), delta in deltas.items():
+    for (component, path), (up, down) in stacked_factors(loras).items():
         node_path = (component,) + path[:-1]
         parent = out
         for depth in range(len(node_path)):  # copy each dict on the way down once, so `params` is never mutated
@@ -428,9 +452,10 @@ def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, float]]) 
             parent = parent[prefix[-1]]
         base = parent[path[-1]]
         if isinstance(base, jax.Array):
-            parent[path[-1]] = _add_delta(base, jax.device_put(delta, base.sharding))
+            parent[path[-1]] = _fuse(base, up, down)
         else:
-            parent[path[-1]] = (np.asarray(base, np.float32) + delta).astype(np.asarray(base).dtype)
+            host = np.asarray(base)
+            parent[path[-1]] = (host.astype(np.float32) + _host_delta(up @ down, host.shape)).astype(host.dtype)
     return out
 
 
