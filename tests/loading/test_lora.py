@@ -545,3 +545,58 @@ def test_named_lora_from_search_dirs(sd1, sd1_loras):
     finally:
         del sd1.lora_search_dirs
         warnings.simplefilter("default")
+
+
+# ------------------------------------------------------------------------------------------------ key layouts
+def test_key_layouts_group_into_layers():
+    keys = [
+        "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight",
+        "lora_unet_down_blocks_0_attentions_0_proj_in.alpha",
+        "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight",
+        "lora_te2_text_model_encoder_layers_0_mlp_fc1.lora_up.weight",
+        "unet.mid_block.attentions.0.transformer_blocks.0.attn1.processor.to_out_lora.down.weight",
+        "text_encoder.text_model.encoder.layers.1.self_attn.to_q_lora.up.weight",
+        "text_encoder_2.encoder.layers.1.self_attn.q_proj.lora_linear_layer.down.weight",
+        "unet.conv_in.lora_B.weight",
+        "up_blocks.1.attentions.0.transformer_blocks.0.attn2.processor.to_k_lora.up.weight",  # no prefix: UNet
+        "model.diffusion_model.something.weight",  # a checkpoint key: unknown, not an unsupported ".diff"
+    ]
+    layers, unknown = lora_lib.group_layers(keys, source="x")
+    assert unknown == ["model.diffusion_model.something.weight"]
+    assert set(layers) == {
+        ("unet", "kohya", "down_blocks_0_attentions_0_proj_in"),
+        ("text_encoder", "kohya", "text_model_encoder_layers_0_mlp_fc1"),
+        ("text_encoder_2", "kohya", "text_model_encoder_layers_0_mlp_fc1"),
+        ("unet", "dotted", "mid_block.attentions.0.transformer_blocks.0.attn1.to_out.0"),
+        ("text_encoder", "dotted", "text_model.encoder.layers.1.self_attn.q_proj"),
+        ("text_encoder_2", "dotted", "encoder.layers.1.self_attn.q_proj"),
+        ("unet", "dotted", "conv_in"),
+        ("unet", "dotted", "up_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k"),
+    }
+    assert layers[("unet", "kohya", "down_blocks_0_attentions_0_proj_in")].keys.keys() == {"down", "alpha"}
+    for key, kind in (
+        ("lora_unet_conv_in.hada_w1_a", "LoHa"),
+        ("lora_unet_conv_in.lokr_w1", "LoKr"),
+        ("lora_unet_conv_in.lora_mid.weight", "Tucker"),
+        ("lora_unet_conv_in.dora_scale", "DoRA"),
+        ("lora_unet_conv_in.diff", "full weight difference"),
+        ("lora_unet_conv_in.diff_b", "full weight difference"),
+    ):
+        with pytest.raises(lora_lib.LoraError, match=rf"x: .*{kind}.* \(key '{re.escape(key)}'\)"):
+            lora_lib.group_layers([key], source="x")
+
+
+def test_linear_and_conv_weights_fit_each_others_kernels():
+    w = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)  # (out, in)
+    dense = lora_lib.to_flax_kernel(w, (4, 6))
+    np.testing.assert_array_equal(dense, w.T)
+    conv1x1 = lora_lib.to_flax_kernel(w, (1, 1, 4, 6))  # a Linear LoRA on a 1x1 conv
+    np.testing.assert_array_equal(conv1x1[0, 0], w.T)
+    np.testing.assert_array_equal(lora_lib.to_flax_kernel(w.reshape(6, 4, 1, 1), (4, 6)), w.T)
+    w3 = np.random.default_rng(0).standard_normal((6, 4, 3, 3)).astype(np.float32)
+    np.testing.assert_array_equal(lora_lib.to_flax_kernel(w3, (3, 3, 4, 6))[1, 2], w3[:, :, 1, 2].T)
+    for shape in ((6, 4), (3, 3, 4, 6), (1, 1, 6, 4)):
+        with pytest.raises(ValueError, match=r"does not fit a Flax kernel"):
+            lora_lib.to_flax_kernel(w, shape)
+    with pytest.raises(ValueError, match=r"does not fit"):
+        lora_lib.to_flax_kernel(w3, (1, 1, 4, 6))

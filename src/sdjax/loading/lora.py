@@ -11,7 +11,8 @@ conv, so the product reshapes to `(out, in, kh, kw)`: kohya's "LoCon"). The form
   `text_encoder_2.`; alpha from the `lora_adapter_metadata` JSON in the file's metadata (`unet.lora_alpha`,
   `unet.alpha_pattern`, `unet.use_rslora`), else r (scale 1).
 - older diffusers: `<module>.lora.down.weight` / `.lora.up.weight`, text encoders `.lora_linear_layer.down/up`,
-  attention processors `attn1.processor.to_q_lora.down.weight`; alpha as PEFT.
+  attention processors `attn1.processor.to_q_lora.down.weight` (the first files: UNet keys without `unet.`);
+  alpha as PEFT.
 
 Module names are matched against the params tree, not guessed from the file: sdjax names its Flax modules after
 the PyTorch attributes (`models.convert`), so every kernel path has a dotted diffusers name
@@ -63,23 +64,28 @@ _SUFFIXES = (
     (".lora_A.weight", "down"),
     (".lora_B.weight", "up"),
     (".alpha", "alpha"),
+    (".down.weight", "down"),  # diffusers' attention-processor names: `attn1.processor.to_q_lora.down.weight`
+    (".up.weight", "up"),
 )
 # Adapter kinds sdjax does not apply: marker in the key -> what it is.
-_UNSUPPORTED = (
-    ("hada_", "LoHa (hada_*)"),
-    ("lokr_", "LoKr (lokr_*)"),
-    ("lora_mid", "LoCon with a Tucker core (lora_mid)"),
-    ("dora_scale", "DoRA (dora_scale)"),
-    ("lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
-    ("lora_B.bias", "LoRA with a bias (lora_B.bias)"),
-    (".diff", "a full weight difference (.diff)"),
-    (".bias_indices", "OFT/BOFT"),
-    ("oft_", "OFT/BOFT"),
+_UNSUPPORTED = tuple(
+    (re.compile(pattern), kind)
+    for pattern, kind in (
+        (r"\.hada_", "LoHa (hada_*)"),
+        (r"\.lokr_", "LoKr (lokr_*)"),
+        (r"\.lora_mid\.", "LoCon with a Tucker core (lora_mid)"),
+        (r"\.dora_scale$", "DoRA (dora_scale)"),
+        (r"\.lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
+        (r"\.lora_B\.bias$", "LoRA with a bias (lora_B.bias)"),
+        (r"\.diff(_b)?$", "a full weight difference (.diff)"),
+        (r"\.(oft_|bias_indices)", "OFT/BOFT"),
+    )
 )
 # kohya module-name prefix / diffusers key prefix -> component.
 _KOHYA_PREFIXES = (("lora_unet_", "unet"), ("lora_te1_", "text_encoder"), ("lora_te2_", "text_encoder_2"))
 _KOHYA_TE = "lora_te_"
 _DOTTED_PREFIXES = (("unet.", "unet"), ("text_encoder_2.", "text_encoder_2"), ("text_encoder.", "text_encoder"))
+_UNET_TOP = frozenset({"down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding"})
 # diffusers' attention-processor LoRA names (before PEFT) -> module names.
 _OLD_UNET = {"to_q_lora": "to_q", "to_k_lora": "to_k", "to_v_lora": "to_v", "to_out_lora": "to_out.0"}
 _OLD_TE = {"to_q_lora": "q_proj", "to_k_lora": "k_proj", "to_v_lora": "v_proj", "to_out_lora": "out_proj"}
@@ -190,7 +196,10 @@ class _Layer:
 def _split_key(key: str) -> tuple[str, str] | None:
     for suffix, role in _SUFFIXES:
         if key.endswith(suffix):
-            return key[: -len(suffix)], role
+            module = key[: -len(suffix)]
+            if suffix in (".down.weight", ".up.weight") and not module.endswith("_lora"):
+                return None
+            return module, role
     return None
 
 
@@ -204,6 +213,8 @@ def _classify(module_key: str) -> tuple[str, str, str] | None:
     for prefix, component in _DOTTED_PREFIXES:
         if module_key.startswith(prefix):
             return component, "dotted", _normalize_dotted(module_key[len(prefix) :], component)
+    if module_key.split(".", 1)[0] in _UNET_TOP:  # the first diffusers LoRA files: UNet keys without a prefix
+        return "unet", "dotted", _normalize_dotted(module_key, "unet")
     return None
 
 
@@ -223,7 +234,7 @@ def group_layers(keys: Sequence[str], *, source: str) -> tuple[dict[tuple[str, s
     unknown: list[str] = []
     for key in keys:
         for marker, kind in _UNSUPPORTED:
-            if marker in key:
+            if marker.search(key):
                 raise LoraError(f"{source}: {kind} adapters are not supported (key {key!r}); only LoRA / LoCon")
         split = _split_key(key)
         where = _classify(split[0]) if split else None
