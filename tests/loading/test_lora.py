@@ -226,7 +226,7 @@ def compare_text(pipe, ref, component="text_encoder"):
     return theirs.last_hidden_state.numpy()
 
 
-@pytest.mark.parametrize("scales", [{"a": 0.7, "b": 0.4}, {"b": 1.0}, {"a": -0.5, "c": 0.8}])
+@pytest.mark.parametrize("scales", [{"a": 0.7, "b": 0.4}, {"a": -0.5, "c": 0.8}])
 def test_sd1_loras_match_diffusers(sd1, sd1_loras, torch_sd1, scales):
     for name, path in sd1_loras[0].items():
         sd1.load_lora(path, adapter_name=name)
