@@ -20,7 +20,7 @@ from sdjax.loading import textual_inversion as ti
 torch = pytest.importorskip("torch")
 
 ATOL = 1e-5
-PROMPT = "a photo of <cat-toy> on a beach, my-style"
+PROMPT = "a photo of <cat-toy> on a beach, my-style, old-style"
 NEGATIVE = "my-style, blurry"
 
 
@@ -40,7 +40,10 @@ def embeddings(tmp_path_factory):
         },
         str(xl),
     )
-    return {"single": single, "multi": multi, "xl": xl}
+    pickled = tmp / "old-style.pt"  # A1111's torch.save layout (its "name" is not the trigger: the file name is)
+    vec = torch.from_numpy(rng.standard_normal((2, 32)).astype(np.float32)).requires_grad_()
+    torch.save({"string_to_token": {"*": 265}, "string_to_param": {"*": vec}, "name": "other", "step": 3}, pickled)
+    return {"single": single, "multi": multi, "xl": xl, "pickled": pickled}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,11 @@ def sd1_ti(sd1_dir, torch_sd1, embeddings):
     pipe.devices = jax.devices()[:1]
     assert pipe.load_textual_inversion(embeddings["single"]) == ["<cat-toy>"]
     assert pipe.load_textual_inversion(embeddings["multi"]) == ["my-style", "my-style_1", "my-style_2"]
+    assert pipe.load_textual_inversion(embeddings["pickled"], allow_pickle=True) == ["old-style", "old-style_1"]
     ref = copy.deepcopy(torch_sd1)
     ref.load_textual_inversion(str(embeddings["single"]))
     ref.load_textual_inversion(str(embeddings["multi"]), token="my-style")
+    ref.load_textual_inversion(str(embeddings["pickled"]), token="old-style")
     return pipe, ref
 
 
@@ -74,7 +79,7 @@ def test_sd1_ids_and_embeddings_match_diffusers(sd1_ti):
     want = ref.tokenizer(expanded, padding="max_length", max_length=77, truncation=True).input_ids
     got = pipe.tokenizer([PROMPT])[0]
     np.testing.assert_array_equal(got, want)
-    assert {49408, 49409, 49410, 49411} <= set(got.tolist())  # the new ids are in the prompt
+    assert set(range(49408, 49414)) <= set(got.tolist())  # the new ids are in the prompt
     context, _ = encode(pipe, [PROMPT], [NEGATIVE])
     with torch.no_grad():
         pos, neg = ref.encode_prompt(PROMPT, "cpu", 1, True, NEGATIVE)[:2]
@@ -164,10 +169,16 @@ def test_bad_embeddings_name_the_file(sd1_ti, embeddings, tmp_path):
     save_file({"a": np.ones(32, np.float32), "b": np.ones(32, np.float32)}, str(odd))
     with pytest.raises(ti.TextualInversionError, match=r"odd\.safetensors: not a textual-inversion embedding"):
         pipe.load_textual_inversion(odd)
+    with pytest.raises(ti.TextualInversionError, match=r"old-style\.pt: a pickled embedding; pass allow_pickle=True"):
+        pipe.load_textual_inversion(embeddings["pickled"], token="again")
     pt = tmp_path / "emb.pt"
     pt.write_bytes(b"PK")
-    with pytest.raises(ti.TextualInversionError, match=r"emb\.pt: .*safetensors only"):
-        pipe.load_textual_inversion(pt)
+    with pytest.raises(ti.TextualInversionError, match=r"emb\.pt: .*torch\.save"):
+        pipe.load_textual_inversion(pt, allow_pickle=True)
+    txt = tmp_path / "emb.txt"
+    txt.write_text("x")
+    with pytest.raises(ti.TextualInversionError, match=r"emb\.txt: embeddings are \.safetensors"):
+        pipe.load_textual_inversion(txt)
     with pytest.raises(ti.TextualInversionError, match=r"token=' x' must be"):
         pipe.load_textual_inversion(wide, token=" x")
     with pytest.raises(ti.TextualInversionError, match=r"not found"):

@@ -5,6 +5,8 @@ An embedding is one or more new token vectors for a text encoder's token-embeddi
 - A1111 / kohya: `emb_params` `(n, D)`; the trigger word is the file's stem (A1111 names embeddings by file).
 - SDXL (A1111 / kohya): `clip_l` `(n, 768)` for `text_encoder` and `clip_g` `(n, 1280)` for `text_encoder_2`.
 - diffusers `learned_embeds.safetensors`: one entry `{token: (D,) or (n, D)}`; the trigger word is its key.
+- `torch.save` pickles (`.pt`, `.bin`; A1111's `{"string_to_param": {"*": (n, D)}, ...}`, trigger: the file's
+  stem, or one of the layouts above), only with `allow_pickle=True`, read by `safe_pickle`'s restricted unpickler.
 
 `token=` overrides the trigger word. A multi-vector embedding (n > 1) becomes the tokens `token, token_1, ...,
 token_{n-1}`, and a prompt's `token` is expanded to all of them, as diffusers' `load_textual_inversion` and
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.loading import files
+from sdjax.loading import files, safe_pickle
 
 SDXL_KEYS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}
 
@@ -50,17 +52,36 @@ class Embedding:
         return [self.token] + [f"{self.token}_{i}" for i in range(1, self.num_vectors)]
 
 
-def read_embedding(path: str | Path, *, token: str | None = None) -> Embedding:
+def _read_pickle(path: Path, allow_pickle: bool) -> dict[str, Any]:
+    if path.suffix not in (".pt", ".bin", ".pth"):
+        raise TextualInversionError(f"{path}: embeddings are .safetensors (or .pt / .bin pickles), not {path.suffix!r}")
+    if not allow_pickle:
+        raise TextualInversionError(
+            f"{path}: a pickled embedding; pass allow_pickle=True to read it with sdjax's restricted unpickler (it "
+            f"runs no code), or convert it to safetensors"
+        )
+    try:
+        obj = safe_pickle.read_torch_object(path)
+    except (safe_pickle.PickleFormatError, safe_pickle.UnsafePickleError) as e:
+        raise TextualInversionError(str(e)) from e
+    if isinstance(obj, np.ndarray):  # a bare tensor
+        return {"emb_params": obj}
+    if isinstance(obj, dict) and isinstance(obj.get("string_to_param"), dict) and "*" in obj["string_to_param"]:
+        return {"emb_params": obj["string_to_param"]["*"]}  # A1111
+    if isinstance(obj, dict) and all(isinstance(v, np.ndarray) for v in obj.values()):
+        return obj
+    raise TextualInversionError(f"{path}: not a textual-inversion embedding (a {type(obj).__name__})")
+
+
+def read_embedding(path: str | Path, *, token: str | None = None, allow_pickle: bool = False) -> Embedding:
     """Read an embedding file (see the module docstring); `vectors` keyed by the component they belong to."""
     path = Path(path)
     if not path.is_file():
         raise TextualInversionError(f"textual-inversion embedding not found: {path}")
-    if path.suffix != ".safetensors":
-        raise TextualInversionError(
-            f"{path}: embeddings are read from .safetensors only (got {path.suffix or 'no suffix'}); convert "
-            f"A1111 .pt embeddings to safetensors ({{'emb_params': tensor}})"
-        )
-    tensors = files.read_safetensors(path)
+    if path.suffix == ".safetensors":
+        tensors: Mapping[str, Any] = files.read_safetensors(path)
+    else:
+        tensors = _read_pickle(path, allow_pickle)
     keys = sorted(tensors)
     if "emb_params" in tensors:
         vectors, default = {"text_encoder": tensors["emb_params"]}, path.stem

@@ -24,11 +24,14 @@ _TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 class TextualInversionMixin:
     """The textual-inversion method of `DiffusionPipeline` (see the module docstring)."""
 
-    def load_textual_inversion(self, path: str | Path, token: str | None = None) -> list[str]:
+    def load_textual_inversion(
+        self, path: str | Path, token: str | None = None, *, allow_pickle: bool = False
+    ) -> list[str]:
         """Load an embedding file (A1111 `emb_params`, SDXL `clip_l`/`clip_g`, diffusers `{token: tensor}`);
         returns the tokens added (`token`, `token_1`, ... for a multi-vector embedding). `token` overrides the
-        trigger word (default: the file's stem, or the diffusers file's key)."""
-        embedding = ti.read_embedding(path, token=token)
+        trigger word (default: the file's stem, or the diffusers file's key). `.pt` / `.bin` pickles need
+        `allow_pickle=True` (a restricted unpickler that runs no code reads them)."""
+        embedding = ti.read_embedding(path, token=token, allow_pickle=allow_pickle)
         components = [c for c in _TOKENIZERS if getattr(self, c, None) is not None]
         if components == ["text_encoder_2"] and set(embedding.vectors) == {"text_encoder", "text_encoder_2"}:
             embedding = dataclasses.replace(embedding, vectors={"text_encoder_2": embedding.vectors["text_encoder_2"]})
