@@ -521,6 +521,11 @@ def test_unsupported_adapters_and_arguments(sd1, sd1_loras, tmp_path):
     )
     with pytest.raises(lora_lib.LoraError, match=r"loha\.safetensors: LoHa"):
         sd1.load_lora(loha)
+    both = {f"{name}.lora_down.weight": np.ones((2, 32, 1, 1)), f"{name}.lora_up.weight": np.ones((32, 2, 1, 1))}
+    ldm = "lora_unet_input_blocks_1_1_proj_in"  # the same layer under its LDM name
+    both |= {f"{ldm}.lora_down.weight": np.ones((2, 32, 1, 1)), f"{ldm}.lora_up.weight": np.ones((32, 2, 1, 1))}
+    with pytest.raises(lora_lib.LoraError, match=r"twice\.safetensors: two LoRA layers adapt unet .*proj_in/kernel"):
+        sd1.load_lora(write(tmp_path / "twice.safetensors", both))
     half = write(tmp_path / "half.safetensors", {f"{name}.lora_down.weight": np.ones((2, 32))})
     with pytest.raises(lora_lib.LoraError, match=r"half\.safetensors: layer .*proj_in.* lacks its down or up"):
         sd1.load_lora(half)

@@ -359,6 +359,11 @@ def resolve_lora(
                 f"{kernel_shape}"
             )
             continue
+        if (component, path) in factors:
+            raise LoraError(
+                f"{source}: two LoRA layers adapt {component} {'/'.join(path)}: {factors[(component, path)].name} "
+                f"and {layer.keys['down']}"
+            )
         factors[(component, path)] = LoraFactor(
             up=up.reshape(up.shape[0], rank),
             down=down.reshape(rank, -1),
