@@ -15,6 +15,7 @@ loading LoRAs (or `loading.lora.apply_loras(params, ...)`) for the guide API.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ class _LoraState:
     loaded: dict[str, lora_lib.Lora] = dataclasses.field(default_factory=dict)
     active: dict[str, float] = dataclasses.field(default_factory=dict)
     fused: bool = False
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # one change at a time
 
 
 class LoraMixin:
@@ -65,12 +67,13 @@ class LoraMixin:
         state = self._lora()
         path = lora_lib.resolve_lora_path(path_or_name, self.lora_search_dirs)
         name = adapter_name or path.stem
-        targets = {c: state.base[c] for c in self._lora_targets()}
-        lora = lora_lib.load_lora(path, targets, name=name, unet_config=self.unet.config)
-        state.loaded[name] = lora
-        active = {k: v for k, v in state.active.items() if k != name}
-        active[name] = float(scale)
-        self._set_active(state, active)
+        with state.lock:
+            targets = {c: state.base[c] for c in self._lora_targets()}
+            lora = lora_lib.load_lora(path, targets, name=name, unet_config=self.unet.config)
+            state.loaded[name] = lora
+            active = {k: v for k, v in state.active.items() if k != name}
+            active[name] = float(scale)
+            self._set_active(state, active)
         return name
 
     def set_loras(self, scales: Mapping[str, float]) -> None:
@@ -94,8 +97,9 @@ class LoraMixin:
         """Give `pipe.params` its base weights back (the very arrays, bit-identical); the LoRAs stay loaded and
         their scales remembered for `fuse_loras`."""
         state = self._lora()
-        self.params = state.current = state.base
-        state.fused = False
+        with state.lock:
+            self.params = state.current = state.base
+            state.fused = False
 
     def unload_loras(self, names: str | list[str] | None = None) -> None:
         """Forget the named LoRAs (default: all) and re-apply the others."""
@@ -104,9 +108,10 @@ class LoraMixin:
         unknown = [k for k in names if k not in state.loaded]
         if unknown:
             raise KeyError(f"LoRA(s) {unknown} are not loaded; loaded: {sorted(state.loaded)}")
-        for k in names:
-            del state.loaded[k]
-        self._set_active(state, {k: v for k, v in state.active.items() if k in state.loaded})
+        with state.lock:
+            for k in names:
+                del state.loaded[k]
+            self._set_active(state, {k: v for k, v in state.active.items() if k in state.loaded})
 
     @property
     def active_loras(self) -> dict[str, float]:
@@ -123,11 +128,12 @@ class LoraMixin:
         return dict(state.loaded) if state is not None else {}
 
     def _set_active(self, state: _LoraState, active: dict[str, float]) -> None:
-        weighted = [(state.loaded[k], v) for k, v in active.items()]
-        state.current = lora_lib.apply_loras(state.base, weighted) if weighted else state.base
-        state.active = active
-        state.fused = True
-        self.params = state.current
+        with state.lock:
+            weighted = [(state.loaded[k], v) for k, v in active.items()]
+            state.current = lora_lib.apply_loras(state.base, weighted) if weighted else state.base
+            state.active = active
+            state.fused = True
+            self.params = state.current
 
 
 def _check_scale(name: str, scale: Any) -> None:
