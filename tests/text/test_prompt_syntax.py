@@ -87,7 +87,7 @@ def test_weights_follow_tokens(tok):
 
 def test_long_prompts_chunk_by_75_with_comma_backtrack_and_break(tok):
     word = tok.encode("cat")[0]
-    comma = tok.token_to_id(",</w>")
+    comma = tok.token_id(",</w>")
     # 200 words: 75 + 75 + 50 tokens, three chunks, each [BOS] + 75 + [EOS]
     ids, _ = ps.tokenize(tok, [" ".join(["cat"] * 200)])
     assert ids.shape == (1, 3 * 77)

@@ -259,25 +259,7 @@ class TorchCheckpoint(Mapping[str, np.ndarray]):
             raise PickleFormatError(f"{self.path}: the checkpoint holds no tensors")
 
     def __getitem__(self, key: str) -> np.ndarray:
-        t = self._tensors[key]
-        s = t.storage
-        itemsize = s.dtype.itemsize
-        buf = np.empty(s.numel, s.dtype)
-        try:
-            with self._zf.open(s.record) as f:
-                got = f.readinto(buf.reshape(-1).view(np.uint8))
-        except (OSError, zipfile.BadZipFile, EOFError) as e:  # CRC errors and short reads of damaged files
-            raise PickleFormatError(f"{self.path}: cannot read tensor {key!r} ({type(e).__name__}: {e})") from e
-        if got != s.numel * itemsize:
-            raise PickleFormatError(f"{self.path}: truncated storage for tensor {key!r} ({got} bytes read)")
-        contiguous = tuple(int(math.prod(t.shape[i + 1 :])) for i in range(len(t.shape)))
-        n = math.prod(t.shape)
-        if t.offset == 0 and n == s.numel and (t.stride == contiguous or n <= 1):
-            return buf.reshape(t.shape)
-        view = np.lib.stride_tricks.as_strided(
-            buf[t.offset :], shape=t.shape, strides=tuple(x * itemsize for x in t.stride), writeable=False
-        )
-        return np.array(view)  # a compact copy of the view (the storage may be shared with other tensors)
+        return _read_tensor(self._zf, self._tensors[key], self.path, key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -293,6 +275,49 @@ class TorchCheckpoint(Mapping[str, np.ndarray]):
 
     def close(self) -> None:
         self._zf.close()
+
+
+def _read_tensor(zf: zipfile.ZipFile, t: LazyTensor, path: Path, key: str) -> np.ndarray:
+    """One tensor's values from its storage record (a compact copy when it views part of a storage)."""
+    s = t.storage
+    itemsize = s.dtype.itemsize
+    buf = np.empty(s.numel, s.dtype)
+    try:
+        with zf.open(s.record) as f:
+            got = f.readinto(buf.reshape(-1).view(np.uint8))
+    except (OSError, zipfile.BadZipFile, EOFError) as e:  # CRC errors and short reads of damaged files
+        raise PickleFormatError(f"{path}: cannot read tensor {key!r} ({type(e).__name__}: {e})") from e
+    if got != s.numel * itemsize:
+        raise PickleFormatError(f"{path}: truncated storage for tensor {key!r} ({got} bytes read)")
+    contiguous = tuple(int(math.prod(t.shape[i + 1 :])) for i in range(len(t.shape)))
+    n = math.prod(t.shape)
+    if t.offset == 0 and n == s.numel and (t.stride == contiguous or n <= 1):
+        return buf.reshape(t.shape)
+    view = np.lib.stride_tricks.as_strided(
+        buf[t.offset :], shape=t.shape, strides=tuple(x * itemsize for x in t.stride), writeable=False
+    )
+    return np.array(view)  # a compact copy of the view (the storage may be shared with other tensors)
+
+
+def read_torch_object(path: str | Path) -> Any:
+    """Everything a small `torch.save` file holds (e.g. an A1111 embedding: nested dicts of tensors and plain
+    values), read with the restricted unpickler, each tensor as a numpy array."""
+    path = Path(path)
+    zf, tree = _open(path)
+
+    def load(node: Any, where: str) -> Any:
+        if isinstance(node, LazyTensor):
+            return _read_tensor(zf, node, path, where)
+        if isinstance(node, dict):
+            return {k: load(v, f"{where}.{k}") for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(load(v, f"{where}[{i}]") for i, v in enumerate(node))
+        return node
+
+    try:
+        return load(tree, "")
+    finally:
+        zf.close()
 
 
 def _is_plain(value: Any) -> bool:

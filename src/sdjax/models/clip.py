@@ -250,6 +250,13 @@ class CLIPTextTransformer(nn.Module):
         )
 
 
+def final_layer_norm(config: CLIPTextConfig, params: Mapping[str, Any], x_btd, dtype=jnp.float32):
+    """The text model's `final_layer_norm` on any hidden state (CLIP skip); `params` are the encoder's params."""
+    norm = _layer_norm(config, "final_layer_norm")
+    p = params["text_model"]["final_layer_norm"]
+    return norm.apply({"params": p}, jnp.asarray(x_btd, jnp.float32)).astype(dtype)
+
+
 class _InitShapes:
     @classmethod
     def init_params_shape(cls, config: CLIPTextConfig):

@@ -29,9 +29,11 @@ from sdjax.core.tasks import TaskRequest, img2img, inpaint, txt2img
 from sdjax.pipelines import common
 from sdjax.pipelines.common import PipelineOutput, Progress
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil, to_uint8
+from sdjax.pipelines.lora import LoraMixin
+from sdjax.pipelines.textual_inversion import TextualInversionMixin
 
 
-class DiffusionPipeline:
+class DiffusionPipeline(LoraMixin, TextualInversionMixin):
     """Base of `StableDiffusionPipeline` and `StableDiffusionXLPipeline` (see the module docstring)."""
 
     model_index_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads

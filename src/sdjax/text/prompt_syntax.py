@@ -128,7 +128,7 @@ def parse_attention(text: str) -> list[tuple[str, float]]:
 
 def chunk_tokens(tokenizer, text: str) -> list[tuple[list[int], list[float]]]:
     """A prompt's chunks: (75 token ids, 75 weights) each, before BOS/EOS are added (padded with EOS, weight 1)."""
-    comma = tokenizer.token_to_id(",</w>")
+    comma = tokenizer.token_id(",</w>")
     chunks: list[tuple[list[int], list[float]]] = []
     tokens: list[int] = []
     weights: list[float] = []

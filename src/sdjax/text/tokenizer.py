@@ -24,6 +24,7 @@ upper-case `<|ENDOFTEXT|>`) follows the token's `normalized` flag as transformer
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -120,6 +121,7 @@ class CLIPTokenizer:
         self.bos_token_id = backend.token_to_id(self.special_tokens["bos_token"])
         self.eos_token_id = backend.token_to_id(self.special_tokens["eos_token"])
         self.pad_token_id = backend.token_to_id(self.special_tokens["pad_token"])
+        self._expand: dict[str, str] = {}  # prompt text replacements (multi-vector textual inversion)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -184,18 +186,42 @@ class CLIPTokenizer:
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
 
+    def with_added_tokens(self, tokens: Sequence[str], *, expand: Mapping[str, str] | None = None) -> CLIPTokenizer:
+        """A copy with `tokens` appended to the vocabulary (ids `vocab_size`, `vocab_size + 1`, ... in order), as
+        transformers' `add_tokens` adds them (not special, matched on the normalized text, anywhere in it), and with
+        `expand`: text replacements made in each prompt before tokenizing (diffusers' multi-vector textual
+        inversion turns `<tok>` into `<tok> <tok>_1 <tok>_2`). This tokenizer is left as it is."""
+        taken = [t for t in tokens if self._backend.token_to_id(t) is not None]
+        if taken or len(set(tokens)) != len(tokens):
+            raise ValueError(f"token(s) {taken or list(tokens)} already in the tokenizer's vocabulary (or repeated)")
+        new = copy.copy(self)
+        new._backend = Tokenizer.from_str(self._backend.to_str())
+        start = new.vocab_size
+        new._backend.add_tokens([AddedToken(t, special=False, normalized=True) for t in tokens])
+        got = [new._backend.token_to_id(t) for t in tokens]
+        if got != list(range(start, start + len(tokens))):  # pragma: no cover - tokenizers' own contract
+            raise RuntimeError(f"added tokens got ids {got}, expected {start}..")
+        new._expand = {**self._expand, **(expand or {})}
+        return new
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry or added token (None if absent)."""
+        return self._backend.token_to_id(token)
+
     # ------------------------------------------------------------------ use
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def _expanded(self, text: str) -> str:
+        for token, replacement in self._expand.items():
+            if token in text:
+                text = text.replace(token, replacement)
+        return text
+
     def encode(self, text: str) -> list[int]:
         """The ids of `text` alone: no BOS/EOS, no truncation, no padding."""
-        return self._backend.encode(text, add_special_tokens=False).ids
-
-    def token_to_id(self, token: str) -> int | None:
-        """The id of one vocabulary entry (e.g. `",</w>"`), None if absent."""
-        return self._backend.token_to_id(token)
+        return self._backend.encode(self._expanded(text), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """Ids -> text, special tokens dropped (word ends `</w>` become spaces)."""
@@ -212,6 +238,7 @@ class CLIPTokenizer:
             raise TypeError(f"texts must be a str or a list of str, got {type(texts).__name__}")
         room = self.model_max_length - 2
         out = np.full((len(texts), self.model_max_length), self.pad_token_id, np.int32)
+        texts = [self._expanded(t) for t in texts]
         for row, (text, enc) in enumerate(
             zip(texts, self._backend.encode_batch(list(texts), add_special_tokens=False), strict=True)
         ):

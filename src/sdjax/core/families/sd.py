@@ -1,7 +1,8 @@
 """Text conditioning of Stable Diffusion 1.x / 2.x: one CLIP text encoder (diffusers `StableDiffusionPipeline`).
 
-The UNet's context is the final-layer-normed last hidden state of the prompt `(B, 77, D)`; the unconditional
-branch encodes the negative prompt (the empty prompt when none is given), stacked before the conditional one.
+The UNet's context is the final-layer-normed last hidden state of the prompt `(B, 77, D)` (an earlier layer's with
+`clip_skip`, see `families.clip_skip`); the unconditional branch encodes the negative prompt (the empty prompt when
+none is given), stacked before the conditional one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.core.families.clip_skip import clip_skip_input, select_layer
+from sdjax.models.clip import final_layer_norm
 from sdjax.text import prompt_syntax
 
 
@@ -39,25 +42,42 @@ class SDConditioning:
         return self.tokenizer(list(prompts))
 
     def host_inputs(
-        self, *, negative_prompts: Sequence[str], height: int, width: int, task: str, **options: Any
+        self,
+        *,
+        negative_prompts: Sequence[str],
+        height: int,
+        width: int,
+        task: str,
+        clip_skip: int | Sequence[int] = 1,
+        **options: Any,
     ) -> dict[str, np.ndarray]:
-        """Per-image conditioning beyond the text: none for SD 1.x/2.x."""
+        """Per-image conditioning beyond the text: `clip_skip` `(N,)` int32."""
         if options:
             raise TypeError(
                 f"unexpected conditioning argument(s) {sorted(options)} for an SD 1.x/2.x model "
                 f"(SDXL micro-conditioning applies to SDXL models only)"
             )
-        return {}
+        layers = self.text_encoder.config.num_hidden_layers
+        return {"clip_skip": clip_skip_input(clip_skip, len(negative_prompts), layers)}
 
     def encode(self, params: dict, inputs: dict, *, cfg: bool) -> tuple[Any, dict]:
         """`inputs["ids"]`, `inputs["neg_ids"]` -> (context `(2B or B, 77, D)`, UNet keyword arguments)."""
         ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
-        if "weights" in inputs:  # A1111 prompt syntax: 77-token chunks encoded apart, weighted, concatenated
-            weights = jnp.concatenate([inputs["neg_weights"], inputs["weights"]]) if cfg else inputs["weights"]
-            batch, length = ids.shape
-            chunk = self.tokenizer.model_max_length
-            out = self.text_encoder.apply({"params": params["text_encoder"]}, ids.reshape(-1, chunk))
-            z = prompt_syntax.emphasize(out.last_hidden_state, weights.reshape(-1, chunk))
-            return z.reshape(batch, length, -1), {}
+        skip = jnp.concatenate([inputs["clip_skip"]] * 2) if cfg else inputs["clip_skip"]
+        weighted = "weights" in inputs  # A1111 prompt syntax: 77-token chunks encoded apart, weighted, concatenated
+        batch, length = ids.shape
+        chunk = self.tokenizer.model_max_length
+        if weighted:
+            ids, skip = ids.reshape(-1, chunk), jnp.repeat(skip, length // chunk)
         out = self.text_encoder.apply({"params": params["text_encoder"]}, ids)
-        return out.last_hidden_state, {}
+        earlier = final_layer_norm(
+            self.text_encoder.config,
+            params["text_encoder"],
+            select_layer(out.hidden_states, skip),
+            out.last_hidden_state.dtype,
+        )
+        z = jnp.where((skip == 1)[:, None, None], out.last_hidden_state, earlier)
+        if weighted:
+            weights = jnp.concatenate([inputs["neg_weights"], inputs["weights"]]) if cfg else inputs["weights"]
+            z = prompt_syntax.emphasize(z, weights.reshape(-1, chunk)).reshape(batch, length, -1)
+        return z, {}

@@ -10,6 +10,7 @@ refiner, `StableDiffusionXLImg2ImgPipeline`).
   `requires_aesthetics_score` (the refiner) (orig_h, orig_w, crop_top, crop_left, aesthetic_score). The negative
   ids follow each diffusers pipeline's own rules, kept here as they are (`negative_time_ids`).
 - With `force_zeros_for_empty_prompt`, an empty negative prompt gives zero unconditional embeddings.
+- `clip_skip` N > 1 takes `hidden_states[-(N + 1)]` of each encoder instead (see `families.clip_skip`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.core.families.clip_skip import clip_skip_input, select_layer
 from sdjax.text import prompt_syntax
 
 Pair = tuple[int, int]
@@ -122,9 +124,11 @@ class SDXLConditioning:
         negative_target_size=None,
         aesthetic_score: float = 6.0,
         negative_aesthetic_score: float = 2.5,
+        clip_skip: int | Sequence[int] = 1,
     ) -> dict[str, np.ndarray]:
-        """`time_ids`, `neg_time_ids` `(N, 6 or 5)` float32 and `zero_neg` `(N,)` bool for a batch (a negative
-        prompt of None is "none given": zero embeddings under `force_zeros_for_empty_prompt`, as diffusers)."""
+        """`time_ids`, `neg_time_ids` `(N, 6 or 5)` float32, `zero_neg` `(N,)` bool and `clip_skip` `(N,)` int32
+        for a batch (a negative prompt of None is "none given": zero embeddings under
+        `force_zeros_for_empty_prompt`, as diffusers)."""
         size = (height, width)
         original = _pair("original_size", original_size or size)
         target = _pair("target_size", target_size or size)
@@ -152,7 +156,9 @@ class SDXLConditioning:
             **neg,
         )
         n = len(negative_prompts)
+        layers = min(encoder.config.num_hidden_layers for _, _, encoder in self._pairs)
         return {
+            "clip_skip": clip_skip_input(clip_skip, n, layers),
             "time_ids": np.tile(np.asarray(pos, np.float32), (n, 1)),
             "neg_time_ids": np.tile(np.asarray(negative, np.float32), (n, 1)),
             "zero_neg": np.asarray([p is None and self.force_zeros_for_empty_prompt for p in negative_prompts]),
@@ -162,19 +168,23 @@ class SDXLConditioning:
         """-> (context `(2B or B, 77, sum of widths)`, `{"text_embeds", "time_ids"}`)."""
         ids = jnp.concatenate([inputs["neg_ids"], inputs["ids"]]) if cfg else inputs["ids"]
         hidden, pooled = [], None
+        skip = jnp.concatenate([inputs["clip_skip"]] * 2) if cfg else inputs["clip_skip"]
         weighted = "weights" in inputs  # A1111 prompt syntax: 77-token chunks encoded apart, weighted, concatenated
         if weighted:
             weights = jnp.concatenate([inputs["neg_weights"], inputs["weights"]]) if cfg else inputs["weights"]
         for k, (name, tok, encoder) in enumerate(self._pairs):
+            ids_k, skip_k = ids[:, k], skip
+            if weighted:
+                batch, length = ids_k.shape
+                chunk = tok.model_max_length
+                ids_k, skip_k = ids_k.reshape(-1, chunk), jnp.repeat(skip, length // chunk)
+            out = encoder.apply({"params": params[name]}, ids_k)
+            layer = select_layer(out.hidden_states, skip_k, offset=1)
             if not weighted:
-                out = encoder.apply({"params": params[name]}, ids[:, k])
-                hidden.append(out.hidden_states[-2])
+                hidden.append(layer)
                 pooled = out.text_embeds
                 continue
-            batch, length = ids[:, k].shape
-            chunk = tok.model_max_length
-            out = encoder.apply({"params": params[name]}, ids[:, k].reshape(-1, chunk))
-            z = prompt_syntax.emphasize(out.hidden_states[-2], weights.reshape(-1, chunk))
+            z = prompt_syntax.emphasize(layer, weights.reshape(-1, chunk))
             hidden.append(z.reshape(batch, length, -1))
             if out.text_embeds is not None:
                 pooled = out.text_embeds.reshape(batch, length // chunk, -1)[:, 0]  # the first chunk's, as A1111
