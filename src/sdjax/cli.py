@@ -289,6 +289,17 @@ def generate(
             "BREAK and prompts longer than 75 tokens."
         ),
     ] = PromptSyntax.plain,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="LoRA file, folder or name in --lora-dir, optionally :SCALE (e.g. detail:0.7); repeatable. With "
+            "--prompt-syntax a1111, <lora:name:scale> in the prompt does the same.",
+            rich_help_panel="LoRA",
+        ),
+    ] = None,
+    lora_dir: Annotated[
+        Path | None, typer.Option(help="Folder where LoRA names are looked up.", rich_help_panel="LoRA")
+    ] = None,
     schedule: Annotated[
         str | None,
         typer.Option(
@@ -504,6 +515,13 @@ def generate(
                 )
                 raise typer.Exit(1) from None
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
+        loras = list(lora or ())
+        if getattr(prompt_syntax, "value", prompt_syntax) == "a1111":
+            prompt, tagged = _take_lora_tags(prompt, "PROMPT")
+            negative_prompt, tagged_neg = _take_lora_tags(negative_prompt, "--negative-prompt")
+            loras += tagged + tagged_neg
+        if loras:
+            _load_loras(pipe, loras, lora_dir, err)
         if units:
             if refiner is not None or hires_scale is not None:
                 raise typer.BadParameter(
@@ -667,6 +685,39 @@ def _task_options(
     if mask_im is not None:
         out.update(mask_blur=mask_blur, inpaint_full_res_padding=only_masked)
     return out
+
+
+def _take_lora_tags(text: str, hint: str) -> tuple[str, list[str]]:
+    """A1111's `<lora:name:scale>` tags out of a prompt -> (prompt, ["name:scale", ...]); other tags are refused."""
+    from sdjax.text import prompt_syntax as syntax
+
+    try:
+        stripped, tags = syntax.extract_networks(text or "")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=hint) from None
+    other = [t for t in tags if t.kind != "lora"]
+    if other:
+        raise typer.BadParameter(f"<{other[0].kind}:{other[0].name}>: only LoRA tags are supported", param_hint=hint)
+    return stripped, [f"{t.name}:{t.weight}" for t in tags]
+
+
+def _load_loras(pipe, specs: list[str], lora_dir: Path | None, err) -> None:
+    """Load each `NAME_OR_FILE[:SCALE]` (names looked up in `lora_dir`) and activate them together."""
+    if lora_dir is not None:
+        if not lora_dir.is_dir():
+            raise typer.BadParameter(f"{lora_dir} is not a folder", param_hint="--lora-dir")
+        pipe.lora_search_dirs = (lora_dir,)
+    for spec in specs:
+        name, sep, scale = spec.rpartition(":")
+        try:
+            value = float(scale) if sep else 1.0
+        except ValueError:
+            name, value = spec, 1.0  # a path holding ':' (C:\...) without a scale
+        try:
+            pipe.load_lora(name if sep and name else spec, scale=value)
+        except Exception as e:  # the loader names the file, key or shape at fault
+            err.print(f"[red]error:[/red] LoRA {escape(spec)}: {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
 
 
 def _per_unit(values, n: int, option: str, default):

@@ -25,6 +25,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from PIL import Image
 
 from sdjax.loading import lora as lora_lib
 
@@ -605,3 +606,32 @@ def test_linear_and_conv_weights_fit_each_others_kernels():
             lora_lib.to_flax_kernel(w, shape)
     with pytest.raises(ValueError, match=r"does not fit"):
         lora_lib.to_flax_kernel(w3, (1, 1, 4, 6))
+
+
+def test_cli_lora_options_and_prompt_tags(sd1_dir, sd1_loras, tmp_path, monkeypatch):
+    """`--lora NAME:SCALE` and A1111's `<lora:name:scale>` (with --prompt-syntax a1111) give the Python API's image
+    with that LoRA loaded at that scale."""
+    from typer.testing import CliRunner
+
+    from sdjax import StableDiffusionPipeline, cli
+
+    files, _ = sd1_loras
+    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: StableDiffusionPipeline.from_pretrained(model)[0])
+    ref_pipe, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    ref_pipe.load_lora(files["b"], scale=0.6)
+    ref = np.asarray(ref_pipe.generate("a cat", seed=3, steps=2, height=64, width=64)[0], np.int16)
+    common = ["generate", "-m", str(sd1_dir), "--seed", "3", "--steps", "2", "-W", "64", "-H", "64"]
+    for i, extra in enumerate(
+        [
+            ["a cat", "--lora", f"{files['b']}:0.6"],
+            ["a cat <lora:b:0.6>", "--prompt-syntax", "a1111", "--lora-dir", str(files["b"].parent)],
+        ]
+    ):
+        out = tmp_path / str(i)
+        r = CliRunner().invoke(cli.app, [*common, *extra, "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        (png,) = out.glob("*.png")
+        got = np.asarray(Image.open(png).convert("RGB"), np.int16)
+        assert np.abs(got - ref).max() <= 1, i
+    r = CliRunner().invoke(cli.app, [*common, "x <lora:nope:1>", "--prompt-syntax", "a1111", "-o", str(tmp_path)])
+    assert r.exit_code == 1 and "nope" in r.output
