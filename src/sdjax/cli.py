@@ -1068,9 +1068,15 @@ def compile_(
 ) -> None:
     """Compile the whole generation for a TPU slice on this machine (no TPU needed, libtpu's compiler) and report
     memory per chip against its HBM, FLOPs and a roofline bound. Exit status 1 when it does not fit."""
-    _require_extra("tpu-aot", "libtpu")
     from sdjax import aot
 
+    err = Console(stderr=True)
+    try:
+        aot.parse_target(target)
+    except ValueError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    _require_extra("tpu-aot", "libtpu")
     if size is None:
         hw = None
     elif size.strip().isdigit():
@@ -1078,7 +1084,6 @@ def compile_(
     else:
         w, h = _parse_size(size, "--size")
         hw = (h, w)
-    err = Console(stderr=True)
     try:
         with err.status("compiling") as status:
             report = aot.compile_for(
