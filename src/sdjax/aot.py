@@ -74,8 +74,7 @@ SLICES: dict[str, str] = {
     "v5p-16": "v5p:2x2x2",
     "v5p-32": "v5p:2x2x4",
 }
-for _n in (4, 8, 16):
-    SLICES[f"v5litepod-{_n}"] = SLICES[f"v5e-{_n}"]
+SLICES.update({f"v5litepod-{n}": SLICES[f"v5e-{n}"] for n in (4, 8, 16)})
 
 INSTALL_HINT = "pip install 'sdjax[tpu-aot]'"
 _TOPOLOGY = re.compile(r"(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?")
