@@ -179,3 +179,22 @@ def test_bad_model_and_settings_are_named():
         aot.compile_for("v5e-4", model="tiny", task="upscale")
     with pytest.raises(ValueError, match="dtype='int8'"):
         aot.compile_for("v5e-4", model="tiny", dtype="int8")
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "target, devices, chips", [("v5e-1", 1, 1), ("v5e-8", 8, 8), ("v6e-4", 4, 4), ("v4-8", 8, 4), ("v5p-8", 4, 4)]
+)
+def test_slices_have_their_chips_on_one_host(target, devices, chips):
+    name, devs = aot.topology_devices(target)
+    assert name == aot.SLICES[target]
+    assert len(devs) == devices and len({tuple(d.coords) for d in devs}) == chips
+    assert {d.process_index for d in devs} == {0}  # a single-host slice: one process compiles for all of it
+
+
+def test_out_of_memory_messages_give_required_and_available_bytes():
+    a = "RESOURCE_EXHAUSTED: the total memory required for HLO temporaries (17.89G) exceeds available HBM (15.75G)."
+    assert aot._oom_bytes(a) == (int(17.89 * 2**30), int(15.75 * 2**30))
+    b = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm. Exceeded by 4.75G."
+    assert aot._oom_bytes(b) == (int(20.5 * 2**30), int(15.75 * 2**30))
+    assert aot._oom_bytes("RESOURCE_EXHAUSTED: something else") == (None, None)
