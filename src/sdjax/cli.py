@@ -1,5 +1,5 @@
 """The `sdjax` command: `generate` images to PNG files, `serve` the HTTP API and web page, `pnginfo` read back,
-`bench` time a workload.
+`bench` time a workload, `compile` for a TPU slice without one.
 
 A thin adapter over the pipeline: options become a `metadata.GenerationRequest`, its images run through
 `metadata.generate_images` (one `pipeline.generate_arrays` call per batch), and each PNG carries its parameters
@@ -1320,6 +1320,88 @@ def bench_samplers(
     if json_out is not None:
         lib.write_json(result, json_out)
         err.print(f"wrote {json_out}", highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------- compile
+@app.command("compile", no_args_is_help=True)
+def compile_(
+    target: Annotated[
+        str, typer.Option(help="TPU slice: v5e-1, v5e-4, v5e-8, v6e-4, v4-8, ... or a topology such as v5e:2x2.")
+    ],
+    model: Annotated[
+        str,
+        typer.Option("--model", "-m", help="A preset (sd15, sd21, sdxl, ...) or a diffusers folder (configs only)."),
+    ] = "sd15",
+    size: Annotated[str | None, typer.Option(help="Image size: 512, or WIDTHxHEIGHT. Default: the model's.")] = None,
+    batch: Annotated[int, typer.Option(min=1, help="Images per call (the global batch over all chips).")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="Sampler steps.")] = 30,
+    sampler: Annotated[str | None, typer.Option(help="Sampler. Default: the model's scheduler.")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights and compute dtype: bf16, float32, float16, ...")] = "bfloat16",
+    task: Annotated[str, typer.Option(help="txt2img, img2img or inpaint.")] = "txt2img",
+    model_parallel: Annotated[
+        int | None,
+        typer.Option(min=1, help="Devices per model replica (the mesh's model axis). Default: what the batch needs."),
+    ] = None,
+    unet_cost: Annotated[
+        bool, typer.Option(help="Also compile one UNet call for loop-corrected FLOPs, bytes and the roofline.")
+    ] = True,
+    save_cache: Annotated[
+        Path | None,
+        typer.Option(help="Write the compiled executable here (serialize_executable; same JAX/libtpu to load)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
+) -> None:
+    """Compile the whole generation for a TPU slice on this machine (no TPU needed, libtpu's compiler) and report
+    memory per chip against its HBM, FLOPs and a roofline bound. Exit status 1 when it does not fit."""
+    from sdjax import aot
+
+    err = Console(stderr=True)
+    try:
+        aot.parse_target(target)
+    except ValueError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    _require_extra("tpu-aot", "libtpu")
+    if size is None:
+        hw = None
+    elif size.strip().isdigit():
+        hw = int(size)
+    else:
+        w, h = _parse_size(size, "--size")
+        hw = (h, w)
+    try:
+        with err.status("compiling") as status:
+            report = aot.compile_for(
+                target,
+                model=model,
+                size=hw,
+                batch=batch,
+                steps=steps,
+                sampler=sampler,
+                dtype=dtype,
+                task=task,
+                model_parallel=model_parallel,
+                unet_cost=unet_cost,
+                save_cache=save_cache,
+                log=lambda s: status.update(s),
+            )
+    except (ValueError, FileNotFoundError) as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        out = Console(width=None if sys.stdout.isatty() else 160)
+        out.print(report.summary(), highlight=False)
+        table = Table("quantity", "value", title=f"sdjax compile {target}")
+        for row in report.rows():
+            table.add_row(*row)
+        out.print(table)
+        if report.saved:
+            err.print(f"wrote {report.saved}", highlight=False)
+    if not report.fits:
+        err.print(f"[red]does not fit[/red] on {target}", highlight=False)
+        raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------------------------------------- pnginfo

@@ -1,0 +1,149 @@
+"""Will it fit on a TPU slice? SD 1.5, SD 2.1 and SDXL compiled for TPU slices on a machine without a TPU.
+
+    python benchmarks/tpu_aot_table.py [--models sd15,sd21,sdxl] [--per-chip 1,4,8] \
+        [--targets v5e-1,v5e-4,v5e-8,v6e-4,v4-8] [--steps 30] [--dtype bfloat16] [--no-unet-cost] \
+        [--out tpu_aot.jsonl] [--markdown]
+
+Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-aot]'`) of the whole generation at
+the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
+process (a compile of SDXL takes minutes and a few GB of host memory). Rows are appended to `--out` as JSON lines
+as they finish, and a row already in `--out` is not compiled again, so the table can be filled over several
+sessions. `--markdown` prints the table of everything in `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {"sd15": 512, "sd21": 768, "sdxl": 1024}
+
+
+def key(row: dict) -> tuple:
+    return (row["model"], row["target"], row["batch"], row["steps"], row["dtype"])
+
+
+def child(spec: dict) -> dict:
+    from sdjax import aot
+
+    report = aot.compile_for(
+        spec["target"],
+        model=spec["model"],
+        size=SIZES.get(spec["model"]),
+        batch=spec["batch"],
+        steps=spec["steps"],
+        dtype=spec["dtype"],
+        unet_cost=spec["unet_cost"],
+    )
+    return report.to_dict()
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = [
+        "model",
+        "size",
+        "target (chips)",
+        "batch (per chip)",
+        "arguments",
+        "temporaries",
+        "code",
+        "total / device",
+        "HBM / device",
+        "fits",
+        "compile s",
+        "TFLOP / device",
+        "roofline s",
+        "roofline img/s",
+    ]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+    def gib(n):
+        return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"])):
+        total = gib(r["total_bytes"]) + ("" if r["argument_bytes"] is not None else " (temps; OOM)")
+        cells = [
+            r["model"],
+            str(r["height"]),
+            f"{r['target']} ({r['chips']})",
+            f"{r['batch']} ({r['batch'] / r['chips']:g})",
+            gib(r["argument_bytes"]),
+            gib(r["temp_bytes"]),
+            gib(r["code_bytes"]),
+            total,
+            gib(r["hbm_bytes"]),
+            "yes" if r["fits"] else "**no**",
+            f"{r['compile_s']:.0f}",
+            num(None if r["flops"] is None else r["flops"] / 1e12, ".1f"),
+            num(r["roofline_s"], ".2f"),
+            num(r["roofline_images_per_s"], ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="sd15,sd21,sdxl")
+    ap.add_argument("--per-chip", default="1,4,8")
+    ap.add_argument("--targets", default="v5e-1,v5e-4,v5e-8,v6e-4,v4-8")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-unet-cost", action="store_true", help="skip the UNet call's compile (no FLOPs/roofline)")
+    ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
+    ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()] if args.out.exists() else []
+    if args.markdown:
+        print(markdown(rows))
+        return
+    from sdjax import aot
+
+    done = {key(r) for r in rows}
+    for model in args.models.split(","):
+        for target in args.targets.split(","):
+            kind, shape = aot.parse_target(target)
+            chips = 1
+            for d in shape:
+                chips *= d
+            for per_chip in (int(x) for x in args.per_chip.split(",")):
+                spec = {
+                    "model": model,
+                    "target": target,
+                    "batch": per_chip * chips,
+                    "steps": args.steps,
+                    "dtype": args.dtype,
+                    "unet_cost": not args.no_unet_cost,
+                }
+                if (model, target, spec["batch"], args.steps, args.dtype) in done:
+                    continue
+                t0 = time.perf_counter()
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True
+                )
+                if proc.returncode != 0:
+                    print(f"{spec}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(
+                    f"{model} {target} batch {spec['batch']}: total {row['total_bytes'] / 2**30:.2f} GiB/device, "
+                    f"fits {row['fits']}, {time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,555 @@
+"""Compile a whole generation for a TPU slice without a TPU: will it fit, and how fast could it be?
+
+libtpu (`pip install 'sdjax[tpu-aot]'`) has a compile-only client: `jax.experimental.topologies.get_topology_desc`
+describes the devices of a slice (`v5e:2x2`: four v5e chips), a `Mesh` over them takes the params' and inputs'
+shardings, and `jax.jit(...).lower(abstract inputs).compile()` runs XLA's TPU compiler on this machine. The program
+is the generator's (`sdjax.core.generator.program`: text encoders -> the denoising `while` loop -> VAE decode),
+lowered by `Generator.lower` from abstract params (`jax.ShapeDtypeStruct` from the model's configs: no weights are
+read or allocated) placed by `sdjax.parallel.sharding`'s rules.
+
+What the report says, per device (one chip; on v4 libtpu's topology has one device per TensorCore, two per chip,
+and each gets half the chip's HBM):
+- XLA's buffer assignment (`Compiled.memory_analysis()`): arguments (params + inputs), outputs, temporaries and
+  generated code; their total against the chip's HBM, the margin, fits or not. The TPU runtime keeps a little
+  HBM for itself, so a small positive margin is not a guarantee.
+- FLOPs and bytes accessed (`Compiled.cost_analysis()`, per device). XLA counts a `while` loop's body once, so
+  one UNet call (the classifier-free-guidance batch, the loop's body) is compiled on its own on the same mesh and
+  its counts are added once per further model call: `total = program + (calls - 1) * unet_call`.
+- A roofline bound: `max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)` with the chip's datasheet numbers below
+  (estimates: bf16 matmul peak, also used for float32, whose matmuls run slower on the MXU). Real runs are slower.
+
+The batch is split over the mesh's `data` axis; a batch that does not divide by the chips gets a `model` axis for
+the rest (`model_parallel`), over which the rules table splits attention / MLP / conv weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Datasheet numbers of one TPU chip (estimates from Google Cloud's published specs)."""
+
+    name: str
+    hbm_bytes: int
+    bf16_flops: float  # peak bf16 FLOP/s per chip
+    hbm_bytes_per_s: float
+    dims: int  # topology dimensions (2: x by y; 3: x by y by z)
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1200e9, 3),
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 2),
+    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 3),
+    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 2),
+}
+
+# Cloud slice names -> libtpu topology names. v5e / v6e names count chips; v4 / v5p names count TensorCores
+# (two per chip).
+SLICES: dict[str, str] = {
+    "v5e-1": "v5e:1x1",
+    "v5e-4": "v5e:2x2",
+    "v5e-8": "v5e:2x4",
+    "v5e-16": "v5e:4x4",
+    "v6e-1": "v6e:1x1",
+    "v6e-4": "v6e:2x2",
+    "v6e-8": "v6e:2x4",
+    "v6e-16": "v6e:4x4",
+    "v4-8": "v4:2x2x1",
+    "v4-16": "v4:2x2x2",
+    "v4-32": "v4:2x2x4",
+    "v5p-8": "v5p:2x2x1",
+    "v5p-16": "v5p:2x2x2",
+    "v5p-32": "v5p:2x2x4",
+}
+SLICES.update({f"v5litepod-{n}": SLICES[f"v5e-{n}"] for n in (4, 8, 16)})
+
+INSTALL_HINT = "pip install 'sdjax[tpu-aot]'"
+_TOPOLOGY = re.compile(r"(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?")
+
+
+class LibtpuMissing(RuntimeError):
+    """libtpu (the TPU compiler) is not installed."""
+
+
+def valid_targets() -> str:
+    kinds = ", ".join(f"{k} ({'AxBxC' if c.dims == 3 else 'AxB'})" for k, c in CHIPS.items())
+    return f"one of {', '.join(SLICES)}, or KIND:SHAPE such as v5e:2x2 or v4:2x2x1 with KIND one of {kinds}"
+
+
+def parse_target(target: str) -> tuple[str, tuple[int, ...]]:
+    """`"v5e-4"` or `"v5e:2x2"` -> `("v5e", (2, 2))`; anything else -> ValueError listing the valid names."""
+    name = SLICES.get(str(target).strip().lower(), str(target).strip().lower())
+    m = _TOPOLOGY.fullmatch(name)
+    if m is None:
+        raise ValueError(f"target={target!r}: unknown TPU topology; expected {valid_targets()}")
+    kind = m.group(1)
+    shape = tuple(int(g) for g in m.groups()[1:] if g is not None)
+    if len(shape) != CHIPS[kind].dims or min(shape) < 1:
+        raise ValueError(
+            f"target={target!r}: a {kind} topology has {CHIPS[kind].dims} dimensions; expected {valid_targets()}"
+        )
+    return kind, shape
+
+
+def _require_libtpu() -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        raise LibtpuMissing(f"compiling for a TPU topology needs libtpu (the TPU compiler): {INSTALL_HINT}")
+    # libtpu takes a lock file (/tmp/libtpu_lockfile) for the process that drives real chips; a compile-only
+    # client drives none, so it may run beside another JAX process.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def topology_devices(target: str) -> tuple[str, list]:
+    """The compile-only devices of `target` -> `(libtpu topology name, devices)`. Slices of up to one host's chips
+    (8 for v5e / v6e, 4 for v4 / v5p) are described as one host."""
+    kind, shape = parse_target(target)
+    _require_libtpu()
+    from jax.experimental import topologies
+
+    name = f"{kind}:{'x'.join(map(str, shape))}"
+    per_host = 8 if CHIPS[kind].dims == 2 else 4
+    kwargs = {}
+    if math.prod(shape) <= per_host:
+        kwargs["chips_per_host_bounds"] = (*shape, 1) if len(shape) == 2 else shape
+    try:
+        devices = topologies.get_topology_desc(name, "tpu", **kwargs).devices
+    except Exception as e:  # libtpu's own message names what it did not accept
+        raise ValueError(
+            f"target={target!r}: libtpu rejected topology {name!r}: {e}; expected {valid_targets()}"
+        ) from e
+    return name, list(devices)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def architecture(model: str):
+    """A preset name (`sdjax.models.presets.ARCHITECTURES`) or a diffusers folder -> `Architecture` (configs only;
+    no weights are read)."""
+    from sdjax.models.presets import ARCHITECTURES, resolve_alias
+
+    if model in ARCHITECTURES:
+        return ARCHITECTURES[model]
+    folder = Path(resolve_alias(model))
+    if not (folder / "model_index.json").is_file():
+        raise ValueError(
+            f"model={model!r}: expected a preset ({', '.join(sorted(ARCHITECTURES))}) or a diffusers folder with "
+            "model_index.json"
+        )
+    return _folder_architecture(folder)
+
+
+def _folder_architecture(folder: Path):
+    from sdjax.config import read_json
+    from sdjax.models.presets import Architecture
+    from sdjax.models.unet import UNet2DConditionConfig
+    from sdjax.models.vae import AutoencoderKLConfig
+
+    index = read_json(folder / "model_index.json")
+
+    def config(name: str, file: str = "config.json") -> dict | None:
+        return read_json(folder / name / file) if name in index and (folder / name / file).is_file() else None
+
+    unet, vae = config("unet"), config("vae")
+    if unet is None or vae is None:
+        raise ValueError(f"model={str(folder)!r}: needs unet/config.json and vae/config.json")
+    unet_cfg = UNet2DConditionConfig.from_dict(unet, source=str(folder / "unet" / "config.json"))
+    vae_cfg = AutoencoderKLConfig.from_dict(vae, source=str(folder / "vae" / "config.json"))
+    scheduler = config("scheduler", "scheduler_config.json") or {"_class_name": "PNDMScheduler"}
+    pipeline = str(index.get("_class_name", "StableDiffusionPipeline")).removeprefix("Flax")
+    sample = unet_cfg.sample_size if isinstance(unet_cfg.sample_size, int) else unet_cfg.sample_size[0]
+    settings = tuple((k, index[k]) for k in ("force_zeros_for_empty_prompt", "requires_aesthetics_score") if k in index)
+    return Architecture(
+        pipeline,
+        config("text_encoder"),
+        dataclasses.asdict(unet_cfg),
+        dataclasses.asdict(vae_cfg),
+        scheduler,
+        sample * 2 ** (len(vae_cfg.block_out_channels) - 1),
+        text_encoder_2=config("text_encoder_2"),
+        settings=settings,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the report
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What compiling one generation for one TPU slice says (bytes and FLOPs per device; see the module doc)."""
+
+    target: str
+    topology: str
+    chip: str
+    chips: int
+    devices: int
+    mesh: dict[str, int]
+    model: str
+    pipeline: str
+    task: str
+    dtype: str
+    height: int
+    width: int
+    batch: int
+    steps: int
+    sampler: str
+    model_calls: int
+    weights_bytes: int  # all params, unsharded
+    argument_bytes: int | None  # None: the compiler ran out of memory (see `error`)
+    output_bytes: int | None
+    temp_bytes: int | None
+    alias_bytes: int | None
+    code_bytes: int | None
+    hbm_bytes: int  # per device (chip HBM / devices per chip)
+    compile_s: float
+    unet_compile_s: float | None
+    program_flops: float | None  # the program as XLA counts it (loop body once)
+    unet_call_flops: float | None
+    flops: float | None  # program + (calls - 1) * UNet call
+    bytes_accessed: float | None
+    peak_flops: float  # per device, datasheet estimate
+    hbm_bytes_per_s: float  # per device, datasheet estimate
+    saved: str | None = None
+    error: str | None = None  # the compiler's out-of-memory message: the program does not fit
+    required_bytes: int | None = None  # what that message says is needed ...
+    available_bytes: int | None = None  # ... and available (libtpu's usable HBM, a little under the datasheet's)
+
+    @property
+    def total_bytes(self) -> int | None:
+        if self.argument_bytes is None:
+            return self.required_bytes
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def margin_bytes(self) -> int | None:
+        return None if self.total_bytes is None else self.hbm_bytes - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None and self.margin_bytes is not None and self.margin_bytes >= 0
+
+    @property
+    def roofline_s(self) -> float | None:
+        if self.flops is None or self.bytes_accessed is None:
+            return None
+        return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bytes_per_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(
+            total_bytes=self.total_bytes,
+            margin_bytes=self.margin_bytes,
+            fits=self.fits,
+            roofline_s=self.roofline_s,
+            roofline_images_per_s=self.batch / self.roofline_s if self.roofline_s else None,
+        )
+        return out
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(quantity, value) rows of the human-readable table."""
+
+        def gib(n):
+            return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+        rows = []
+        if self.argument_bytes is not None:
+            rows += [
+                ("arguments (params + inputs)", gib(self.argument_bytes)),
+                ("outputs", gib(self.output_bytes)),
+                ("temporaries", gib(self.temp_bytes)),
+                ("generated code", gib(self.code_bytes)),
+                ("total", gib(self.total_bytes)),
+            ]
+        elif self.required_bytes is not None:
+            rows.append(("required (compiler's out-of-memory message)", gib(self.required_bytes)))
+        rows.append(("HBM per device (datasheet)", gib(self.hbm_bytes)))
+        if self.available_bytes is not None:
+            rows.append(("HBM available (compiler)", gib(self.available_bytes)))
+        if self.margin_bytes is not None:
+            rows.append(("margin", f"{gib(self.margin_bytes)} ({100 * self.margin_bytes / self.hbm_bytes:.0f}%)"))
+        rows.append(("fits", "yes" if self.fits else "NO: does not fit"))
+        unet = f" (+ {self.unet_compile_s:.1f} s UNet call)" if self.unet_compile_s else ""
+        rows.append(("compile", f"{self.compile_s:.1f} s{unet}"))
+        if self.flops is not None:
+            rows.append((f"TFLOP ({self.model_calls} model calls)", f"{self.flops / 1e12:.2f}"))
+        if self.bytes_accessed is not None:
+            rows.append(("bytes accessed", gib(int(self.bytes_accessed))))
+        if self.roofline_s is not None:
+            rows.append(
+                ("roofline bound (estimate)", f"{self.roofline_s:.3f} s, {self.batch / self.roofline_s:.2f} images/s")
+            )
+        return rows
+
+    def summary(self) -> str:
+        mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
+        return (
+            f"{self.model} ({self.pipeline}, {self.task}), {self.dtype}, {self.height}x{self.width}, batch "
+            f"{self.batch}, {self.steps} steps, {self.sampler} on {self.target} ({self.chips} x {self.chip}, "
+            f"{self.devices} devices, mesh {mesh}); per device:"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- compiling
+def compile_for(
+    target: str,
+    *,
+    model: str = "sd15",
+    size: int | tuple[int, int] | None = None,
+    batch: int = 1,
+    steps: int = 30,
+    sampler: str | None = None,
+    dtype: str = "bfloat16",
+    task: str = "txt2img",
+    model_parallel: int | None = None,
+    unet_cost: bool = True,
+    save_cache: str | os.PathLike | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> Report:
+    """Compile generation for `target` (a TPU slice such as `"v5e-4"` or `"v5e:2x2"`) and report memory, FLOPs
+    and a roofline bound per device (module doc). `model` is a preset (`sd15`, `sd21`, `sdxl`, ...) or a diffusers
+    folder (only its configs are read); `size` is `H` or `(H, W)` (default: the model's); `batch` is the global
+    batch. `unet_cost=False` skips the UNet call's compile (no loop-corrected FLOPs, bytes or roofline).
+    `save_cache` writes the executable (`save_executable`) into that folder."""
+    import jax.numpy as jnp
+
+    from sdjax.core.tasks import TASKS
+    from sdjax.parallel import sharding as sharding_lib
+    from sdjax.pipelines.presets import build_pipeline
+    from sdjax.precision import resolve_dtype
+
+    for name, value in (("batch", batch), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: expected one of {sorted(TASKS)}")
+    jdtype = jnp.dtype(resolve_dtype(dtype))
+    arch = architecture(model)
+    kind, _ = parse_target(target)
+    topology, devices = topology_devices(target)
+    chip = CHIPS[kind]
+    per_chip = len({tuple(d.coords) for d in devices})
+    per_chip = len(devices) // per_chip if per_chip else 1
+    n = len(devices)
+    if model_parallel is None:
+        model_parallel = n // math.gcd(batch, n)
+    if model_parallel < 1 or n % model_parallel or batch % (n // model_parallel):
+        raise ValueError(
+            f"model_parallel={model_parallel}: must divide the {n} devices, and the batch ({batch}) must divide by "
+            f"the data axis (devices / model_parallel)"
+        )
+    mesh = sharding_lib.make_mesh(n // model_parallel, model_parallel, devices)
+
+    log(f"building {model} with abstract params")
+    pipe, params = build_pipeline(arch, jdtype, abstract=True)
+    dh, dw = pipe.default_size
+    height, width = (size, size) if isinstance(size, int) else (size or (dh, dw))
+    pipe.validate(steps=steps, height=height, width=width, sampler=sampler)
+    gen = pipe.generator
+    sampler_obj = pipe._sampler(sampler)
+    spec = gen.spec(task=TASKS[task](), batch=batch, height=height, width=width, steps=steps, sampler=sampler_obj)
+    calls = int(sampler_obj.num_model_calls(steps))
+
+    log(f"compiling the whole generation for {topology} ({n} devices)")
+    t0 = time.perf_counter()
+    compiled = error = None
+    try:
+        compiled = gen.lower(spec, params=params, mesh=mesh).compile()
+    except Exception as e:  # the TPU compiler refuses a program that needs more HBM than the chip has
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        error = str(e).strip()
+    compile_s = time.perf_counter() - t0
+    required, available = _oom_bytes(error) if error else (None, None)
+    memory = compiled.memory_analysis() if compiled is not None else None
+    program_flops, program_bytes = _cost(compiled) if compiled is not None else (None, None)
+
+    unet_flops = unet_bytes = unet_s = None
+    if unet_cost and compiled is not None:
+        log("compiling one UNet call (the loop's body) for its FLOPs and bytes")
+        t0 = time.perf_counter()
+        unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh))
+        unet_s = time.perf_counter() - t0
+    loop_extra = calls - 1
+    flops = program_flops + loop_extra * unet_flops if None not in (program_flops, unet_flops) else None
+    nbytes = program_bytes + loop_extra * unet_bytes if None not in (program_bytes, unet_bytes) else None
+
+    weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
+    saved = None
+    if save_cache is not None and compiled is not None:
+        saved = str(save_executable(compiled, save_cache, f"{model}-{topology}-{height}x{width}-b{batch}-s{steps}"))
+    return Report(
+        target=str(target),
+        topology=topology,
+        chip=chip.name,
+        chips=n // per_chip,
+        devices=n,
+        mesh=dict(mesh.shape),
+        model=str(model),
+        pipeline=type(pipe).__name__,
+        task=task,
+        dtype=jdtype.name,
+        height=height,
+        width=width,
+        batch=batch,
+        steps=steps,
+        sampler=sampler or type(pipe.scheduler).__name__,
+        model_calls=calls,
+        weights_bytes=weights,
+        **_memory_fields(memory),
+        hbm_bytes=chip.hbm_bytes // per_chip,
+        compile_s=compile_s,
+        unet_compile_s=unet_s,
+        program_flops=program_flops,
+        unet_call_flops=unet_flops,
+        flops=flops,
+        bytes_accessed=nbytes,
+        peak_flops=chip.bf16_flops / per_chip,
+        hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip,
+        saved=saved,
+        error=error,
+        required_bytes=required,
+        available_bytes=available,
+    )
+
+
+_MEMORY_FIELDS = {
+    "argument_bytes": "argument_size_in_bytes",
+    "output_bytes": "output_size_in_bytes",
+    "temp_bytes": "temp_size_in_bytes",
+    "alias_bytes": "alias_size_in_bytes",
+    "code_bytes": "generated_code_size_in_bytes",
+}
+
+
+def _memory_fields(memory) -> dict[str, int | None]:
+    return {k: None if memory is None else int(getattr(memory, v)) for k, v in _MEMORY_FIELDS.items()}
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# libtpu's messages: "the total memory required for HLO temporaries (17.89G) exceeds available HBM (15.75G)",
+# "Used 20.50G of 15.75G hbm."
+_OOM = (
+    re.compile(r"required[^(]*\(([\d.]+)([KMGT]?)\)[^(]*available HBM \(([\d.]+)([KMGT]?)\)"),
+    re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm"),
+)
+
+
+def _oom_bytes(message: str) -> tuple[int | None, int | None]:
+    """(required, available) bytes from the TPU compiler's out-of-memory message, where it says them."""
+    for pattern in _OOM:
+        m = pattern.search(message)
+        if m:
+            a, ua, b, ub = m.groups()
+            return int(float(a) * _UNITS[ua]), int(float(b) * _UNITS[ub])
+    return None, None
+
+
+def _compile_unet_call(gen, spec, params, mesh):
+    """One model call of the loop's body (the CFG-doubled batch) compiled on `mesh` with the program's shardings."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from sdjax.parallel import sharding as sharding_lib
+
+    models = gen.models
+    params = gen.check_params(params)
+    specs = sharding_lib.param_specs(params, mesh)
+    placed = jax.tree_util.tree_map(
+        lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), params, specs
+    )
+    example = gen.example_inputs(spec)
+    context, added = jax.eval_shape(lambda p, i: models.conditioning.encode(p, i, cfg=spec.cfg), params, example)
+    rows = 2 * spec.batch if spec.cfg else spec.batch
+    f = models.vae_scale_factor
+    batch = sharding_lib.batch_sharding(mesh)
+
+    def sharded(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch)
+
+    x = jax.ShapeDtypeStruct(
+        (rows, int(models.unet.config.in_channels), spec.height // f, spec.width // f), models.dtype, sharding=batch
+    )
+    t = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch)
+
+    def call(p, x, t, c, a):
+        return models.unet.apply({"params": p["unet"]}, x, t, c, **a)
+
+    abstract = jax.tree_util.tree_map(sharded, (context, added))
+    return jax.jit(call).lower(placed, x, t, *abstract).compile()
+
+
+def _cost(compiled) -> tuple[float | None, float | None]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:
+        return None, None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    flops, nbytes = cost.get("flops"), cost.get("bytes accessed")
+    return (float(flops) if flops is not None else None, float(nbytes) if nbytes is not None else None)
+
+
+def _nbytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+# ---------------------------------------------------------------------------------------------- saving
+def save_executable(compiled, folder: str | os.PathLike, name: str) -> Path:
+    """Write `compiled` with `jax.experimental.serialize_executable` -> `folder/name.jaxexec` (a pickle of the
+    executable, its input and output tree structures, and the JAX / libtpu versions it was built with).
+
+    Loading it (`load_executable`) needs the same JAX and libtpu versions and a TPU slice of the same topology;
+    loading runs pickle, so load only files you made."""
+    import pickle
+
+    import jax
+    from jax.experimental import serialize_executable
+
+    folder = Path(folder).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    path = folder / f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}.jaxexec"
+    meta = {"jax": jax.__version__, "libtpu": _libtpu_version()}
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump({"meta": meta, "payload": payload, "in_tree": in_tree, "out_tree": out_tree}, f)
+    tmp.replace(path)
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    return path
+
+
+def load_executable(path: str | os.PathLike, backend: str = "tpu"):
+    """The `jax.stages.Compiled` saved by `save_executable`, loaded onto `backend`'s devices (a TPU slice of the
+    topology it was compiled for). Runs pickle: load only files you made."""
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    with open(path, "rb") as f:
+        saved = pickle.load(f)  # only files this user wrote (see the docstring)
+    return serialize_executable.deserialize_and_load(
+        saved["payload"], saved["in_tree"], saved["out_tree"], backend=backend
+    )
+
+
+def _libtpu_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("libtpu")
+    except PackageNotFoundError:
+        return None

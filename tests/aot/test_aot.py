@@ -1,0 +1,200 @@
+"""`sdjax.aot` and `sdjax compile`: whole generation compiled for TPU slices with libtpu's compile-only client.
+
+The tiny architecture compiles in tens of seconds on one core; the tests share one compile (a 2 x 2 mesh, so the
+weights are split) and one out-of-memory compile, which the TPU compiler refuses within seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from sdjax import aot, cli
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'sdjax[tpu-aot]')")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    if not HAS_LIBTPU:
+        pytest.skip("libtpu is not installed (pip install 'sdjax[tpu-aot]')")
+    folder = tmp_path_factory.mktemp("aot-cache")
+    return aot.compile_for("v5e:2x2", model="tiny", size=32, batch=2, steps=2, save_cache=folder), folder
+
+
+@needs_libtpu
+def test_tiny_model_compiles_for_v5e_2x2(tiny):
+    r, _ = tiny
+    assert (r.topology, r.chip, r.chips, r.devices) == ("v5e:2x2", "TPU v5e", 4, 4)
+    # batch 2 over 4 chips: 2 data-parallel replicas of 2 devices each
+    assert r.mesh == {"data": 2, "model": 2}
+    assert r.fits and r.error is None
+    assert r.hbm_bytes == 16 * 2**30 and r.margin_bytes == r.hbm_bytes - r.total_bytes > 0
+    assert r.total_bytes == r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes + r.code_bytes
+    # the output: 2 images of 32 x 32 x 3 float32 split over the data axis, + the "stopped" flag
+    assert r.output_bytes >= 32 * 32 * 3 * 4
+
+
+@needs_libtpu
+def test_arguments_hold_each_devices_share_of_the_weights(tiny):
+    r, _ = tiny
+    # the rules split attention/MLP/conv weights over the model axis (2): each device holds more than its 1/4 of
+    # the weights and less than all of them
+    assert r.weights_bytes / r.devices <= r.argument_bytes < r.weights_bytes
+    assert r.argument_bytes >= r.weights_bytes / r.mesh["model"] * 0.5
+
+
+@needs_libtpu
+def test_flops_count_the_loop_body_once_per_model_call(tiny):
+    r, _ = tiny
+    assert r.model_calls == 3  # PNDM with skip_prk_steps: steps + 1 model calls
+    assert r.flops == pytest.approx(r.program_flops + (r.model_calls - 1) * r.unet_call_flops)
+    # one UNet call per device, against the unpartitioned call's FLOPs (XLA's count on CPU): at least its share
+    # over the 4 devices, at most its share over the 2 data-parallel replicas (model-axis work fully repeated)
+    from sdjax.pipelines.presets import build_pipeline
+
+    pipe, params = build_pipeline("tiny", jnp.bfloat16, abstract=True)
+    gen = pipe.generator
+    spec = gen.spec(batch=2, height=32, width=32, steps=2)
+    context, added = jax.eval_shape(
+        lambda p, i: gen.models.conditioning.encode(p, i, cfg=True), params, gen.example_inputs(spec)
+    )
+    x = jax.ShapeDtypeStruct((4, 4, 16, 16), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((4,), jnp.float32)
+    lowered = jax.jit(lambda p, x, t, c, a: pipe.unet.apply({"params": p["unet"]}, x, t, c, **a)).lower(
+        params, x, t, context, added
+    )
+    global_flops = lowered.cost_analysis()["flops"]
+    assert global_flops / r.devices <= r.unet_call_flops <= global_flops / r.mesh["data"]
+    assert r.roofline_s == pytest.approx(
+        max(r.flops / (197e12), r.bytes_accessed / 819e9)
+    )  # v5e datasheet numbers, one device per chip
+
+
+@needs_libtpu
+def test_saved_executable_holds_the_serialized_program(tiny):
+    r, folder = tiny
+    name = "tiny-v5e_2x2-32x32-b2-s2"
+    assert {p.name for p in folder.iterdir()} == {f"{name}.json", f"{name}.jaxexec"}
+    saved = pickle.loads((folder / f"{name}.jaxexec").read_bytes())
+    assert saved["meta"]["jax"] == jax.__version__ and saved["meta"]["libtpu"]
+    assert isinstance(saved["payload"], bytes) and len(saved["payload"]) > 1000
+    # the inputs are (params, inputs, window): the window's three scalars are among the leaves
+    assert saved["in_tree"].num_leaves > 3
+    assert r.saved == str(folder / f"{name}.jaxexec")
+    assert json.loads((folder / f"{name}.json").read_text()) == saved["meta"]
+
+
+@needs_libtpu
+def test_a_program_that_cannot_fit_is_reported_and_the_cli_exits_1():
+    # 32 images of 1024 x 1024 on one v5e chip: the VAE decoder's activations alone exceed 16 GiB
+    r = runner.invoke(
+        cli.app,
+        ["compile", "--target", "v5e-1", "-m", "tiny", "--size", "1024", "--batch", "32", "--steps", "1"]
+        + ["--no-unet-cost", "--json"],
+    )
+    assert r.exit_code == 1, r.output
+    report = json.loads(r.stdout)
+    assert report["fits"] is False and "RESOURCE_EXHAUSTED" in report["error"]
+    assert report["required_bytes"] > report["available_bytes"] > 15 * 2**30
+    assert report["margin_bytes"] < 0 and report["argument_bytes"] is None
+    assert "does not fit" in r.stderr
+
+
+@needs_libtpu
+def test_cpu_path_is_unaffected(tiny):
+    assert jax.default_backend() == "cpu"
+    assert all(d.platform == "cpu" for d in jax.devices())
+    y = jax.jit(lambda a: a * 2)(np.arange(3.0))
+    assert next(iter(y.devices())).platform == "cpu"
+    np.testing.assert_array_equal(np.asarray(y), [0.0, 2.0, 4.0])
+
+
+@pytest.mark.parametrize("target", ["v7:2x2", "v5e-3", "tpu", "v5e:2x2x1", "v4:2x2"])
+def test_unknown_topology_lists_the_valid_names(target):
+    with pytest.raises(ValueError, match="unknown TPU topology|dimensions") as e:
+        aot.parse_target(target)
+    assert target in str(e.value) and "v5e-4" in str(e.value) and "v4:2x2x1" in str(e.value)
+
+
+def test_cloud_slice_names_map_to_topologies():
+    assert aot.parse_target("v5e-8") == ("v5e", (2, 4))
+    assert aot.parse_target("v5litepod-4") == ("v5e", (2, 2))
+    assert aot.parse_target("v4-8") == ("v4", (2, 2, 1))  # v4 names count TensorCores: 4 chips
+    assert aot.parse_target("V6E:2x2") == ("v6e", (2, 2))
+
+
+@needs_libtpu
+def test_topology_libtpu_rejects_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"target='v5e:3x3': libtpu rejected"):
+        aot.topology_devices("v5e:3x3")
+
+
+def test_cli_unknown_topology_exits_2_with_the_names():
+    r = runner.invoke(cli.app, ["compile", "--target", "v9-4", "-m", "tiny"])
+    assert r.exit_code == 2
+    assert "unknown TPU topology" in r.stderr and "v5e-4" in r.stderr
+
+
+def test_without_libtpu_the_error_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    with pytest.raises(aot.LibtpuMissing, match=r"pip install 'sdjax\[tpu-aot\]'"):
+        aot.compile_for("v5e-4", model="tiny")
+    r = runner.invoke(cli.app, ["compile", "--target", "v5e-4", "-m", "tiny"])
+    assert r.exit_code == 2 and "pip install 'sdjax[tpu-aot]'" in r.stderr
+
+
+def test_a_diffusers_folder_gives_the_shapes_its_weights_have(sd1_dir):
+    from sdjax.pipelines import load_pipeline
+    from sdjax.pipelines.presets import build_pipeline
+
+    arch = aot.architecture(str(sd1_dir))
+    _, abstract = build_pipeline(arch, jnp.float32, abstract=True)
+    _, loaded = load_pipeline(str(sd1_dir))
+    for name in ("text_encoder", "unet", "vae"):
+        want = jax.tree_util.tree_map(np.shape, loaded[name])
+        got = jax.tree_util.tree_map(lambda s: tuple(s.shape), abstract[name])
+        assert got == want, name
+    n = sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(loaded["unet"]))
+    assert n > 0
+
+
+def test_bad_model_and_settings_are_named():
+    with pytest.raises(ValueError, match="model='nope'.*sd15"):
+        aot.architecture("nope")
+    with pytest.raises(ValueError, match="batch=0"):
+        aot.compile_for("v5e-4", model="tiny", batch=0)
+    with pytest.raises(ValueError, match="task='upscale'"):
+        aot.compile_for("v5e-4", model="tiny", task="upscale")
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        aot.compile_for("v5e-4", model="tiny", dtype="int8")
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "target, devices, chips", [("v5e-1", 1, 1), ("v5e-8", 8, 8), ("v6e-4", 4, 4), ("v4-8", 8, 4), ("v5p-8", 4, 4)]
+)
+def test_slices_have_their_chips_on_one_host(target, devices, chips):
+    name, devs = aot.topology_devices(target)
+    assert name == aot.SLICES[target]
+    assert len(devs) == devices and len({tuple(d.coords) for d in devs}) == chips
+    assert {d.process_index for d in devs} == {0}  # a single-host slice: one process compiles for all of it
+
+
+def test_out_of_memory_messages_give_required_and_available_bytes():
+    a = "RESOURCE_EXHAUSTED: the total memory required for HLO temporaries (17.89G) exceeds available HBM (15.75G)."
+    assert aot._oom_bytes(a) == (int(17.89 * 2**30), int(15.75 * 2**30))
+    b = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm. Exceeded by 4.75G."
+    assert aot._oom_bytes(b) == (int(20.5 * 2**30), int(15.75 * 2**30))
+    assert aot._oom_bytes("RESOURCE_EXHAUSTED: something else") == (None, None)
