@@ -400,16 +400,26 @@ class TorchWorker:
         try:
             self._proc.stdin.write(json.dumps(message) + "\n")
             self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
         except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            self._proc.wait()
-            self._stderr.seek(0)
-            raise RuntimeError(
-                f"the PyTorch benchmark worker failed (exit {self._proc.returncode}):\n{self._stderr.read()[-3000:]}"
-            )
-        return json.loads(line)
+            pass
+        while True:  # a reply is one JSON line; anything a library printed at import (before the redirect) is skipped
+            try:
+                line = self._proc.stdout.readline()
+            except OSError:
+                line = ""
+            if not line:
+                self._proc.wait()
+                self._stderr.seek(0)
+                raise RuntimeError(
+                    f"the PyTorch benchmark worker failed (exit {self._proc.returncode}):\n"
+                    f"{self._stderr.read()[-3000:]}"
+                )
+            try:
+                reply = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(reply, dict):
+                return reply
 
     def call(self, piece: str) -> float:
         """Seconds one call of `piece` (text, unet, decode, e2e) took in torch."""

@@ -201,3 +201,12 @@ def test_bad_prompt_syntax_is_named(sd1_dir):
         pipe.generate("x", steps=1, prompt_syntax="comfy")
     with pytest.raises(ValueError, match="lora:detail"):
         pipe.generate("x <lora:detail:0.5>", steps=1, prompt_syntax="a1111")
+
+
+def test_changes_reading(tok):
+    assert not ps.changes_reading("a photo of a cat, 4k", tok)
+    for text in ("a (cat)", "a [cat]", "a \\(cat", "a BREAK b", "x <lora:a:1>", " ".join(["cat"] * 76)):
+        assert ps.changes_reading(text, tok), text
+    assert not ps.changes_reading(" ".join(["cat"] * 75), tok)
+    # where it does not change the reading, the ids are the plain tokenization's (so batches may be shared)
+    np.testing.assert_array_equal(ps.tokenize(tok, ["a photo of a cat, 4k"])[0], tok(["a photo of a cat, 4k"]))

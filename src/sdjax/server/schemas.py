@@ -431,6 +431,17 @@ def samplers_available() -> list[str]:
     return samplers.available()
 
 
+def _a1111_syntax(pipeline: Any, *texts: str) -> str:
+    """ "a1111" (emphasis, BREAK, long prompts, as A1111 reads them) where that changes the reading of a text, else
+    "plain", so that such requests share batches with the other APIs' requests (the numbers are the same)."""
+    from sdjax.text import prompt_syntax
+
+    tokenizer = getattr(pipeline, "tokenizer", None) or getattr(pipeline, "tokenizer_2", None)
+    if not hasattr(tokenizer, "encode"):
+        tokenizer = None
+    return "a1111" if any(prompt_syntax.changes_reading(t, tokenizer) for t in texts) else "plain"
+
+
 def _check_prompt_tags(text: str, field: str) -> None:
     from sdjax.text import prompt_syntax
 
@@ -467,7 +478,7 @@ def resolve_a1111(
         sampler=a1111_sampler(body, defaults),
         model=model_name,
         hires=_hires(body) if body.enable_hr and not isinstance(body, A1111Img2ImgRequest) else None,
-        prompt_syntax="a1111",  # emphasis, BREAK and long prompts, as A1111 reads them
+        prompt_syntax=_a1111_syntax(pipeline, body.prompt, body.negative_prompt or ""),
     )
     _check_prompt_tags(body.prompt, "prompt")
     _check_prompt_tags(body.negative_prompt or "", "negative_prompt")

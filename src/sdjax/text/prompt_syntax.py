@@ -192,6 +192,14 @@ def tokenize(tokenizer, prompts: Sequence[str], chunks: int | None = None) -> tu
     return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
+def changes_reading(text: str, tokenizer=None) -> bool:
+    """Whether A1111's syntax reads `text` differently from plain tokenization: brackets, escapes, `BREAK`, a tag,
+    or (with a tokenizer) more than 75 tokens. Prompts for which it does not can share batches with plain ones."""
+    if any(c in text for c in "()[]\\<") or _BREAK.search(text):
+        return True
+    return tokenizer is not None and len(tokenizer.encode(text)) > CHUNK
+
+
 def chunk_count(tokenizer, prompts: Sequence[str]) -> int:
     """The number of 75-token chunks the longest of `prompts` takes."""
     return max(len(chunk_tokens(tokenizer, p)) for p in prompts)
