@@ -466,6 +466,8 @@ def resolve_a1111(
             raise FieldError(field, f"{field}={value!r} is not supported by sdjax; leave it out")
     if body.initial_noise_multiplier not in (None, 1, 1.0):
         raise FieldError("initial_noise_multiplier", "only 1 is supported")
+    check_text("prompt", body.prompt)  # before the tokenizer reads them (a lone surrogate is valid JSON)
+    check_text("negative_prompt", body.negative_prompt or "")
     request = GenerationRequest(
         prompt=body.prompt,
         negative_prompt=body.negative_prompt,
