@@ -670,7 +670,7 @@ def test_vae_override(other_vae, single_file, sd1_dir, folder_load, tmp_path):
     want = _sdjax_vae_params(other_vae)
     path = _save_st(vae_to_original(other_vae.state_dict(), dict(other_vae.config)), tmp_path / "v.safetensors")
     _, base, _ = folder_load("sd1")
-    components, params, _ = load_pipeline_components(sd1_dir, vae=path)
+    components, params, _ = load_pipeline_components(sd1_dir, vae=path, vae_loader=load_vae)
     assert max_diff(params["vae"], want) == 0.0 and max_diff(params["unet"], base["unet"]) == 0.0
     assert components["vae"].config.scaling_factor == 0.18215  # the pipeline's vae/config.json
     components, params, _ = load_single_file(single_file("sd1"), config=sd1_dir, vae=path)
@@ -679,7 +679,7 @@ def test_vae_override(other_vae, single_file, sd1_dir, folder_load, tmp_path):
     _, params, _ = load_single_file(single_file("sd1"), config=sd1_dir, vae=pair)
     assert params["vae"] is pair[1]
     with pytest.raises(ValueError, match="either as vae= or as overrides"):
-        load_pipeline_components(sd1_dir, vae=path, overrides={"vae": pair[0]})
+        load_pipeline_components(sd1_dir, vae=path, vae_loader=load_vae, overrides={"vae": pair[0]})
     with pytest.raises(TypeError, match=r"vae= takes a path"):
         load_pipeline_components(sd1_dir, vae=3)
 

@@ -376,18 +376,19 @@ def _plan(
 _PENDING = object()  # the `vae=` override before it is loaded
 
 
-def resolve_vae(vae: Any, *, dtype: Any, config: Any = None) -> tuple[Any, Any]:
-    """A `vae=` argument -> `(module, params)`: a `(module, params)` pair is returned as is, anything else is
-    loaded by `single_file.load_vae` (`config`: the VAE config for a single file that has none)."""
+def resolve_vae(vae: Any, *, dtype: Any, config: Any = None, loader: Any = None) -> tuple[Any, Any]:
+    """A `vae=` argument -> `(module, params)`: a `(module, params)` pair is returned as is, a path or repo id is
+    loaded by `loader` (`single_file.load_vae`, passed in by the layer above so that this module does not import
+    the single-file loader that imports it; `config`: the VAE config for a single file that has none)."""
     if isinstance(vae, tuple):
         if len(vae) != 2 or not hasattr(vae[0], "config"):
             raise TypeError("vae= takes a path, a Hub repo id or a (module, params) pair from load_vae")
         return vae
     if not isinstance(vae, (str, os.PathLike)):
         raise TypeError(f"vae= takes a path, a Hub repo id or a (module, params) pair, got {type(vae).__name__}")
-    from sdjax.loading.single_file import load_vae
-
-    return load_vae(vae, dtype=dtype, config=config)
+    if loader is None:
+        raise TypeError("vae= as a path or repo id needs vae_loader=sdjax.loading.single_file.load_vae")
+    return loader(vae, dtype=dtype, config=config)
 
 
 def load_pipeline_components(
@@ -402,6 +403,7 @@ def load_pipeline_components(
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
     vae: Any = None,
+    vae_loader: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load a diffusers pipeline folder or Hub repo id -> `(components, params, model_index)`.
 
@@ -474,7 +476,10 @@ def load_pipeline_components(
     params: dict[str, Any] = {}
     if vae is not None:
         overrides["vae"], params["vae"] = resolve_vae(
-            vae, dtype=dtype, config=folder / "vae" if (folder / "vae" / "config.json").is_file() else None
+            vae,
+            dtype=dtype,
+            config=folder / "vae" if (folder / "vae" / "config.json").is_file() else None,
+            loader=vae_loader,
         )
     for name, (library, cls) in todo.items():
         obj, p = find_loader(library, cls)(LoadRequest(name, folder / name, variant, dtype))

@@ -595,7 +595,7 @@ def _load_checkpoint(
             raise ValueError(f"{config_dir}/{files.MODEL_INDEX}: sdjax cannot load {name}: [{library}, {cls}]")
     if vae is not None:
         vae_config = config_dir / "vae" if (config_dir / "vae" / "config.json").is_file() else None
-        overrides["vae"] = comp.resolve_vae(vae, dtype=dtype, config=vae_config)
+        overrides["vae"] = comp.resolve_vae(vae, dtype=dtype, config=vae_config, loader=load_vae)
     for name, obj in overrides.items():
         if obj is None:
             continue

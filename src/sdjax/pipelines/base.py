@@ -120,6 +120,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin):
         is accepted for compatibility and has no effect: PyTorch-format weights are always converted.
         """
         from sdjax.loading.components import load_pipeline_components
+        from sdjax.loading.single_file import load_vae
         from sdjax.models.presets import resolve_alias
 
         del from_pt
@@ -143,6 +144,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin):
             local_files_only=local_files_only,
             overrides=components,
             vae=vae,
+            vae_loader=load_vae,
         )
         return cls._assemble(
             loaded,
