@@ -25,12 +25,12 @@ def test_soak_short_form(tmp_path):
     import run_soak
 
     report = run_soak.main(
-        ["--users", "8", "--seconds", "60", "--max-batch", "4", "--json-out", str(tmp_path / "r.json")]
+        ["--users", "8", "--seconds", "30", "--max-batch", "4", "--json-out", str(tmp_path / "r.json")]
     )
     clients = report["clients"]
     print(json.dumps({k: report[k] for k in ("clients", "rss_mib", "server", "checks")}, indent=1))
     assert report["checks"] and all(report["checks"].values()), report["checks"]
-    assert clients["valid_ok"] >= 50 and clients["images_checked"] >= 50
+    assert clients["valid_ok"] >= 25 and clients["images_checked"] >= 25
     for kind in ("invalid_ok", "oversized_ok", "slow_cut", "disconnects"):
         assert clients[kind] > 0, kind  # every kind of client took part
     assert clients["valid_p50_s"] is not None and clients["valid_p99_s"] >= clients["valid_p50_s"]
