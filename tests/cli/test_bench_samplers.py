@@ -13,28 +13,27 @@ from sdjax.cli import app
 @pytest.fixture(scope="module")
 def result(sd1_dir):
     cfg = bench_samplers.SamplerBenchConfig(
-        model=str(sd1_dir), samplers=("euler", "dpmpp_2m", "ddim"), steps=(4, 12), reference_steps=24, timing_steps=2
+        model=str(sd1_dir), samplers=("ddim", "dpmpp_2m"), steps=(4, 12), reference_steps=24, timing_steps=2
     )
     return bench_samplers.run(cfg)
 
 
 def test_errors_shrink_with_steps_and_order(result):
     err = {(r["sampler"], r["steps"]): r["error"] for r in result["rows"]}
-    for name in ("euler", "dpmpp_2m", "ddim"):
+    for name in ("ddim", "dpmpp_2m"):  # ddim converges only with x0 clipping off
         assert 0 < err[name, 12] < err[name, 4], (name, err)
     # first order: about 4x less error for 4x the steps at best; second order: clearly more than first order's gain
-    assert err["dpmpp_2m", 4] / err["dpmpp_2m", 12] > err["euler", 4] / err["euler", 12]
+    assert err["dpmpp_2m", 4] / err["dpmpp_2m", 12] > err["ddim", 4] / err["ddim", 12]
     nfe = {(r["sampler"], r["steps"]): r["nfe"] for r in result["rows"]}
-    assert nfe["euler", 12] == 12 and nfe["dpmpp_2m", 4] == 4
+    assert nfe["ddim", 12] == 12 and nfe["dpmpp_2m", 4] == 4
     assert result["seconds_per_model_call"] > 0 and all(v > 0 for v in result["sampler_seconds_per_call"].values())
 
 
 def test_table_and_plot(result, tmp_path):
     cols, rows = bench_samplers.table(result)
     assert cols == ["sampler", "4 steps", "12 steps", "own cost / call"] and [r[0] for r in rows] == [
-        "euler",
-        "dpmpp_2m",
         "ddim",
+        "dpmpp_2m",
     ]
     assert bench_samplers.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
