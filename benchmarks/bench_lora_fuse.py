@@ -68,7 +68,7 @@ def make_lora(folder: Path, out: Path, rank: int, alpha: float, seed: int = 0) -
         if ".attentions." in name and name.endswith(UNET_TARGETS) and hasattr(m, "weight"):
             add("lora_unet_", name, tuple(m.weight.shape))
     for name, m in text.named_modules():
-        if ".encoder.layers." in name and name.endswith(TE_TARGETS) and hasattr(m, "weight"):
+        if "encoder.layers." in name and name.endswith(TE_TARGETS) and hasattr(m, "weight"):
             name = name if name.startswith("text_model.") else "text_model." + name
             add("lora_te_", name, tuple(m.weight.shape))
     path = out / f"lora-kohya-r{rank}.safetensors"

@@ -86,9 +86,12 @@ def make_files(out: Path, width: int, dtype: str, arch: str | None = None) -> tu
     if arch == "sd15":
         import full_size
 
-        unet = full_size.torch_unet(full_size.SD15_UNET)
+        # Each model goes to the file's dtype as soon as it exists: host memory stays near the file's size.
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        unet = full_size.torch_unet(full_size.SD15_UNET).to(torch_dtype)
         text = full_size.torch_text({**full_size.SD15_TEXT, "bos_token_id": 49406, "eos_token_id": 49407})
-        vae = full_size.torch_vae(full_size.SD15_VAE)
+        text = text.to(torch_dtype)
+        vae = full_size.torch_vae(full_size.SD15_VAE).to(torch_dtype)
     else:
         unet, text, vae = _small_models(reference, w)
     pipe = StableDiffusionPipeline(
