@@ -131,4 +131,6 @@ def test_bad_settings_name_the_argument(tiny):
     with pytest.raises(ValueError, match="overlap_factor"):
         T.VaeTiling(64, 8, overlap_factor=1.0)
     with pytest.raises(ValueError, match="sample_size=40"):  # 5-latent tiles: crops of 30 px step 24 px
-        T.tiled_decode(vae, None, jnp.zeros((1, 4, 12, 12)), T.VaeTiling.for_config(vae.config, sample_size=40))
+        T.VaeTiling.for_config(vae.config, sample_size=40)
+    with pytest.raises(ValueError, match="sample_size=40"):  # the same tiles built by hand fail when used
+        T.tiled_decode(vae, None, jnp.zeros((1, 4, 12, 12)), T.VaeTiling(40, 5))

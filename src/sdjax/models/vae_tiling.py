@@ -70,7 +70,17 @@ class VaeTiling:
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"VaeTiling: sample_size={size!r} must be a positive int (pixels)")
         f = 2 ** (len(config.block_out_channels) - 1)
-        return cls(int(size), int(size / f), float(overlap_factor))
+        tiling = cls(int(size), int(size / f), float(overlap_factor))
+        ov = tiling.overlap_factor
+        steps_like_crops = tiling.sample_size - int(tiling.sample_size * ov) == int(
+            tiling.latent_size * (1 - ov)
+        ) * f and (tiling.latent_size - int(tiling.latent_size * ov)) * f == int(tiling.sample_size * (1 - ov))
+        if not steps_like_crops:
+            raise ValueError(
+                f"VaeTiling: sample_size={tiling.sample_size} with overlap_factor={ov} gives tiles whose crops do not "
+                f"step like the tiles (the result would be the wrong size); with overlap 0.25 use a multiple of {4 * f}"
+            )
+        return tiling
 
 
 # ------------------------------------------------------------------------------------------------- the grid
