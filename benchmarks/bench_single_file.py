@@ -1,6 +1,7 @@
 """Single-file loading: time and peak host memory of sdjax `load_single_file` vs diffusers `from_single_file`.
 
     python benchmarks/bench_single_file.py [--width 64] [--dtype fp16] [--reps 3] [--json out.json]
+    python benchmarks/bench_single_file.py --arch sd15 --keep /tmp/sdjax-sd15 [--reps 3]   # full-size SD 1.5
 
 Builds a small but not trivial SD 1.x-shaped pipeline with random weights (UNet `block_out_channels` = `width` x
 (1, 2, 4, 4), a 6-layer CLIP text encoder, a 4-level VAE: about 40 M parameters at `--width 64`), writes it once as
@@ -9,6 +10,11 @@ an original-layout single file (fp16 by default, as civitai ships them; the test
 loader runs in fresh Python processes (`--reps` each, median reported): the time of the load call alone (imports
 apart), and the peak resident memory the load adds (`VmHWM` after the load minus after the imports). Both load
 into float32. Needs torch, diffusers and transformers (test extras). Runs in well under a minute at the default size.
+
+`--arch sd15` writes the released SD 1.5 architecture instead (`benchmarks/full_size.py`: the configs sdjax
+embeds, random weights; 1.07 G parameters, a 2.0 GiB fp16 file); the diffusers folder then keeps only its configs
+and tokenizer (what `config=` reads). `--keep DIR` writes the files into DIR and reuses them on the next run
+(`benchmarks/bench_lora_fuse.py` loads the same file).
 """
 
 from __future__ import annotations
@@ -63,15 +69,57 @@ def child_diffusers(path: str, config: str) -> dict:
     return {"import_s": import_s, "load_s": time.perf_counter() - t0, "base_mb": base, "peak_mb": _rss_mb()}
 
 
-def make_files(out: Path, width: int, dtype: str) -> tuple[Path, Path, int]:
-    """Write the pipeline as a diffusers folder and as one original-layout file; returns (file, folder, #params)."""
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "loading")]
+def make_files(out: Path, width: int, dtype: str, arch: str | None = None) -> tuple[Path, Path, int]:
+    """Write the pipeline as a diffusers folder and as one original-layout file; returns (file, folder, #params).
+    Files already in `out` (from an earlier run with the same settings) are reused."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "loading"), str(ROOT / "benchmarks")]
     import ldm_fixtures
     import reference
     import torch
     from diffusers import PNDMScheduler, StableDiffusionPipeline
 
+    tag = f"{arch or f'w{width}'}-{dtype}"
+    folder, path, done = out / f"pipeline-{tag}", out / f"model-{tag}.safetensors", out / f"params-{tag}.json"
+    if done.exists() and path.exists() and (folder / "model_index.json").exists():
+        return path, folder, json.loads(done.read_text())["params"]
     w = width
+    if arch == "sd15":
+        import full_size
+
+        # Each model goes to the file's dtype as soon as it exists: host memory stays near the file's size.
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        unet = full_size.torch_unet(full_size.SD15_UNET).to(torch_dtype)
+        text = full_size.torch_text({**full_size.SD15_TEXT, "bos_token_id": 49406, "eos_token_id": 49407})
+        text = text.to(torch_dtype)
+        vae = full_size.torch_vae(full_size.SD15_VAE).to(torch_dtype)
+    else:
+        unet, text, vae = _small_models(reference, w)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text,
+        tokenizer=reference.clip_tokenizer(),
+        unet=unet,
+        scheduler=PNDMScheduler(
+            beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
+        ),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(folder)
+    if arch is not None:  # configs and tokenizer only: what config= reads
+        for f in folder.rglob("*"):
+            if f.suffix in (".safetensors", ".bin"):
+                f.unlink()
+    state = ldm_fixtures.pipeline_to_original(pipe, "sd1")
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    path = ldm_fixtures.save_original(state, path, dtype=torch_dtype)
+    n = sum(p.numel() for m in (unet, text, vae) for p in m.parameters())
+    done.write_text(json.dumps({"params": n}))
+    return path, folder, n
+
+
+def _small_models(reference, w: int):
     unet = reference.unet(
         dict(
             reference.UNET_SD1,
@@ -90,30 +138,14 @@ def make_files(out: Path, width: int, dtype: str) -> tuple[Path, Path, int]:
         )
     )
     vae = reference.vae(dict(reference.VAE, block_out_channels=(w // 2, w, 2 * w, 2 * w), layers_per_block=2))
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text,
-        tokenizer=reference.clip_tokenizer(),
-        unet=unet,
-        scheduler=PNDMScheduler(
-            beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
-        ),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    folder = out / "pipeline"
-    pipe.save_pretrained(folder)
-    state = ldm_fixtures.pipeline_to_original(pipe, "sd1")
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    path = ldm_fixtures.save_original(state, out / f"model-{dtype}.safetensors", dtype=torch_dtype)
-    n = sum(p.numel() for m in (unet, text, vae) for p in m.parameters())
-    return path, folder, n
+    return unet, text, vae
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=64, help="UNet base channels (SD 1.5: 320)")
+    p.add_argument("--arch", choices=("sd15",), help="the released SD 1.5 architecture instead of --width")
+    p.add_argument("--keep", help="write (or reuse) the files in this folder instead of a temporary one")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="tensors in the file")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json")
@@ -126,7 +158,9 @@ def main() -> None:
         print(json.dumps(fn(args.file, args.config)))
         return
     with tempfile.TemporaryDirectory(prefix="sdjax-single-file-") as tmp:
-        path, folder, n_params = make_files(Path(tmp), args.width, args.dtype)
+        out = Path(args.keep) if args.keep else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        path, folder, n_params = make_files(out, args.width, args.dtype, args.arch)
         size_mb = path.stat().st_size / 2**20
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
         runs: dict[str, list[dict]] = {"sdjax": [], "diffusers": []}
@@ -153,6 +187,7 @@ def main() -> None:
         Path(args.json).write_text(
             json.dumps(
                 {
+                    "arch": args.arch or f"small (width {args.width})",
                     "params_m": n_params / 1e6,
                     "file_dtype": args.dtype,
                     "file_mib": size_mb,

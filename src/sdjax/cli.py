@@ -339,6 +339,14 @@ def generate(
     ),
     grid: Annotated[bool, typer.Option("--grid", help="Also write all images as one grid PNG.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or timing summary.")] = False,
+    vae_tiling: Annotated[
+        bool,
+        typer.Option(
+            "--vae-tiling",
+            help="Encode/decode through the VAE in overlapping tiles (diffusers' enable_vae_tiling): bounded memory "
+            "for large images; images larger than one tile (the VAE's sample_size, 512 px for SD 1.5) change slightly.",
+        ),
+    ] = False,
     image: Annotated[
         Path | None,
         typer.Option(
@@ -478,6 +486,8 @@ def generate(
             )
             raise typer.Exit(1) from None
         timings.load = time.perf_counter() - t0
+        if vae_tiling:
+            pipe.enable_vae_tiling()
         if bars:
             bars.update(task, total=1, completed=1)
         task = _task_options(
@@ -507,6 +517,8 @@ def generate(
                 raise typer.BadParameter("must lie strictly between 0 and 1", param_hint="--refiner-start")
             try:
                 refiner_pipe = load_pipeline(refiner, dtype)
+                if vae_tiling:
+                    refiner_pipe.enable_vae_tiling()
             except Exception as e:
                 err.print(
                     f"[red]error:[/red] could not load the refiner {refiner}: {escape(str(e))}",

@@ -7,7 +7,8 @@
 - decode: the inverse scaling, the decoder, then `images / 2 + 0.5` clipped to [0, 1], NHWC float32.
 
 A VAE whose config says `force_upcast` runs in float32 when the pipeline computes in float16 (SDXL's VAE
-overflows in float16), as diffusers does.
+overflows in float16), as diffusers does. `tiling` (a `models.vae_tiling.VaeTiling`) runs the encoder/decoder
+tile by tile as diffusers' `enable_vae_tiling()` does; None runs it on the whole image.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sdjax.models import vae_tiling
 from sdjax.ops import conv as ops_conv
 
 
@@ -50,21 +52,28 @@ def from_unet_latents(cfg, latents: jax.Array) -> jax.Array:
     return latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
 
 
-def encode(vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, dtype) -> jax.Array:
+def encode(vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, dtype, tiling=None) -> jax.Array:
     """Images NCHW in [-1, 1] -> UNet latents NCHW float32 (the posterior sample with `eps`, or its mean when
     `eps` is None)."""
     module, p = _runtime(vae, vae_params, dtype)
     p = ops_conv.prepare(p)
-    posterior = module.apply({"params": p}, images_nchw.astype(module.dtype), method=module.encode)
+    x = images_nchw.astype(module.dtype)
+    if tiling is not None:
+        posterior = vae_tiling.tiled_encode(module, p, x, tiling)
+    else:
+        posterior = module.apply({"params": p}, x, method=module.encode)
     z = posterior.mean if eps is None else posterior.mean + posterior.std * eps.astype(jnp.float32)
     return to_unet_latents(vae.config, z.astype(jnp.float32))
 
 
-def decode(vae, vae_params: Any, latents: jax.Array, dtype) -> jax.Array:
+def decode(vae, vae_params: Any, latents: jax.Array, dtype, tiling=None) -> jax.Array:
     """UNet latents NCHW -> images NHWC float32 in [0, 1]."""
     module, p = _runtime(vae, vae_params, dtype)
     p = ops_conv.prepare(p)
-    z = from_unet_latents(vae.config, latents.astype(jnp.float32))
-    images = module.apply({"params": p}, z.astype(module.dtype), method=module.decode)
+    z = from_unet_latents(vae.config, latents.astype(jnp.float32)).astype(module.dtype)
+    if tiling is not None:
+        images = vae_tiling.tiled_decode(module, p, z, tiling)
+    else:
+        images = module.apply({"params": p}, z, method=module.decode)
     images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
     return images.transpose(0, 2, 3, 1)

@@ -67,6 +67,7 @@ class ProgramSpec:
     explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
     text_chunks: int = 0  # A1111 prompt syntax: that many 77-token chunks per prompt, with token weights (0: plain)
     control: Any = None  # a `core.controlnet.ControlSpec` (the nets and guess mode) or None
+    vae_tiling: Any = None  # a `models.vae_tiling.VaeTiling`: encode/decode tile by tile (diffusers' VAE tiling)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -109,7 +110,7 @@ def program(
 
     def encode(images_nchw, stream):
         eps = rng.per_image_normal(keys, stream, shape[1:])
-        return autoencoder.encode(models.vae, params["vae"], images_nchw, eps, models.dtype)
+        return autoencoder.encode(models.vae, params["vae"], images_nchw, eps, models.dtype, spec.vae_tiling)
 
     ctx = Context(
         sampler=sampler,
@@ -162,7 +163,7 @@ def program(
     images = jax.lax.cond(
         stopped,
         lambda z: jnp.zeros((z.shape[0], height, width, 3), jnp.float32),
-        lambda z: autoencoder.decode(models.vae, params["vae"], z, models.dtype),
+        lambda z: autoencoder.decode(models.vae, params["vae"], z, models.dtype, spec.vae_tiling),
         latents,
     )
     return images, stopped
@@ -290,6 +291,7 @@ class Generator:
         self.models = Models(conditioning, unet, vae, dtype)
         self.sampler = sampler
         self.params = params
+        self.vae_tiling = None  # a `models.vae_tiling.VaeTiling` that `spec()` puts in every program, or None
         self.mesh = mesh
         self.devices = list(devices) if devices is not None else None
         self.cache = ProgramCache(cache_size, cache_bytes)
@@ -378,6 +380,7 @@ class Generator:
             previews=bool(previews) and bool(interactive),
             text_chunks=int(text_chunks),
             control=control,
+            vae_tiling=self.vae_tiling,
         )
 
     def window(self, spec: ProgramSpec, task: TaskRequest) -> tuple[int, int]:

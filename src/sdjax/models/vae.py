@@ -292,7 +292,9 @@ class AutoencoderKL(nn.Module):
         self.quant_conv = conv(2 * cfg.latent_channels, 1, dtype=self.dtype) if cfg.use_quant_conv else None
         self.post_quant_conv = conv(cfg.latent_channels, 1, dtype=self.dtype) if cfg.use_post_quant_conv else None
 
-    def encode(self, images_nchw: jax.Array) -> DiagonalGaussian:
+    def moments(self, images_nchw: jax.Array) -> jax.Array:
+        """The encoder and `quant_conv`: images NCHW -> the posterior's moments NCHW `(B, 2 * latent_channels, h,
+        w)` (mean, then logvar before clamping; diffusers `_encode`)."""
         if images_nchw.ndim != 4 or images_nchw.shape[1] != self.config.in_channels:
             raise ValueError(
                 f"VAE.encode: images must be NCHW (B, {self.config.in_channels}, H, W); got shape {images_nchw.shape}"
@@ -300,7 +302,10 @@ class AutoencoderKL(nn.Module):
         moments = self.encoder(nchw_to_nhwc(images_nchw))
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
-        return DiagonalGaussian.from_moments(nhwc_to_nchw(moments))
+        return nhwc_to_nchw(moments)
+
+    def encode(self, images_nchw: jax.Array) -> DiagonalGaussian:
+        return DiagonalGaussian.from_moments(self.moments(images_nchw))
 
     def decode(self, latents_nchw: jax.Array) -> jax.Array:
         if latents_nchw.ndim != 4 or latents_nchw.shape[1] != self.config.latent_channels:

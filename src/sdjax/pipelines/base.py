@@ -31,9 +31,10 @@ from sdjax.pipelines.common import PipelineOutput, Progress
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil, to_uint8
 from sdjax.pipelines.lora import LoraMixin
 from sdjax.pipelines.textual_inversion import TextualInversionMixin
+from sdjax.pipelines.vae_tiling import VaeTilingMixin
 
 
-class DiffusionPipeline(LoraMixin, TextualInversionMixin):
+class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
     """Base of `StableDiffusionPipeline` and `StableDiffusionXLPipeline` (see the module docstring)."""
 
     model_index_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
