@@ -515,7 +515,7 @@ def generate(
         try:
             pipe = load_pipeline(model, dtype) if weights.vae is None else _load_with_vae(model, dtype, weights.vae)
             for path in weights.embeddings:
-                pipe.load_textual_inversion(path)
+                pipe.load_textual_inversion(path, token=path.stem)  # A1111: the file name triggers it
             model_hash = cli_models.model_hash(weights)
         except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
             if bars:
@@ -1054,9 +1054,14 @@ def serve(
     models_dir: Annotated[
         str | None,
         typer.Option(
-            help="A folder of diffusers model folders that POST /sdapi/v1/options (sd_model_checkpoint) may switch "
-            "to, by folder name."
+            help="AUTOMATIC1111 models folder (Stable-diffusion/, Lora/, embeddings/, VAE/, ControlNet/), or a folder "
+            "of diffusers model folders: --model names, POST /sdapi/v1/options (sd_model_checkpoint) switches, "
+            "GET /sdapi/v1/sd-models, loras, embeddings (loaded at start-up) and sd-vae list them."
         ),
+    ] = None,
+    vae: Annotated[
+        str | None,
+        typer.Option(help="Serve with this VAE: file, diffusers folder, Hub id or name in --models-dir's VAE/."),
     ] = None,
     controlnet_dir: Annotated[
         str | None,
@@ -1104,6 +1109,17 @@ def serve(
         raise typer.BadParameter(f"{models_dir} is not a folder", param_hint="--models-dir")
     if controlnet_dir is not None and not Path(controlnet_dir).is_dir():
         raise typer.BadParameter(f"{controlnet_dir} is not a folder", param_hint="--controlnet-dir")
+    from sdjax import cli_models
+
+    md = cli_models.open_models_dir(Path(models_dir) if models_dir else None)
+    model, model_label, _ = cli_models.resolve_model(md, model)
+    vae_target, vae_label = cli_models.resolve_vae(md, vae)
+    checkpoint = ""  # the served model's A1111 title when it comes from the models directory
+    entry = next((e for e in md.list("checkpoint") if str(e.path) == model), None) if md is not None else None
+    if entry is not None:
+        checkpoint = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
+    if controlnet_dir is None and md is not None and md.folder("controlnet") is not None:
+        controlnet_dir = str(md.folder("controlnet"))
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("sdjax")
@@ -1113,7 +1129,7 @@ def serve(
     t0 = time.perf_counter()
     with err.status(f"Loading {model or 'the embedded model'}"):
         try:
-            pipe = load_pipeline(model, dtype)
+            pipe = load_pipeline(model, dtype) if vae_target is None else _load_with_vae(model, dtype, vae_target)
         except Exception as e:
             err.print(
                 f"[red]error:[/red] could not load {model or 'the embedded model'}: {escape(str(e))}",
@@ -1138,7 +1154,9 @@ def serve(
         h, w = pipe.default_size
         allowed = sizes or ((w, h),)
     config = server.ServerConfig(
-        model_name=metadata.model_label(model),
+        model_name=model_label or metadata.model_label(model),
+        checkpoint=checkpoint,
+        vae_name=vae_label,
         max_batch=max_batch,
         batch_sizes=batch,
         batch_window_s=batch_window_ms / 1000,
@@ -1183,7 +1201,11 @@ def serve(
         host=host,
         port=port,
         log_level=log_level,
-        loader=(lambda path: load_pipeline(path, dtype)) if models_dir else None,
+        loader=(
+            (lambda path: load_pipeline(path, dtype) if vae_target is None else _load_with_vae(path, dtype, vae_target))
+            if models_dir
+            else None
+        ),
     )
 
 
