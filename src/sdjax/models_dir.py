@@ -172,8 +172,12 @@ class ModelsDir:
             if escaping:
                 raise ValueError(f"{label} {name!r} is a link pointing outside the models directory; it is not served")
             names = self.names(kind)
-            by_stem = {e.stem.lower(): n for e, n in zip(self.list(kind), names, strict=True)}
-            close = [by_stem[s] for s in difflib.get_close_matches(text.lower(), list(by_stem), n=5, cutoff=0.5)]
+            shown = {}  # what a user might have meant (the stem, or the file name alone) -> the name to show
+            for e, n in zip(self.list(kind), names, strict=True):
+                shown.setdefault(e.short_name.lower(), n)
+                shown.setdefault(e.stem.lower(), n)
+            close = difflib.get_close_matches(text.lower(), list(shown), n=5, cutoff=0.5)
+            close = list(dict.fromkeys(shown[c] for c in close))
             hint = f"did you mean {close}?" if close else f"available: {names[:50]}" if names else "none available"
             raise LookupError(f"no {label} {name!r} in {folder}; {hint}")
         return entry
