@@ -167,8 +167,10 @@ def resolve_weights(
     specs = [(*parse_lora_spec(s), "--lora") for s in loras or ()]
     tags: list[tuple[str, float]] = []
     if a1111_syntax:
-        tags = take_lora_tags(prompt, "PROMPT") + take_lora_tags(negative_prompt, "--negative-prompt")
-        specs += [(name, w, "PROMPT") for name, w in tags]
+        for text, hint in ((prompt, "PROMPT"), (negative_prompt, "--negative-prompt")):
+            found = take_lora_tags(text, hint)
+            tags += found
+            specs += [(name, w, hint) for name, w in found]
     lora_files = tuple((resolve_lora(md, lora_dir, name, option), scale) for name, scale, option in specs)
     return Weights(target, label, model_file, vae_target, vae_label, files, lora_files, tuple(tags))
 
