@@ -79,7 +79,7 @@ def test_override_settings_honoured_or_refused(http):
     for settings, key, words in (
         ({"CLIP_stop_at_last_layers": 2}, "override_settings.CLIP_stop_at_last_layers", "no CLIP text encoder"),
         ({"CLIP_stop_at_last_layers": "2"}, "override_settings.CLIP_stop_at_last_layers", "not an int"),
-        ({"sd_vae": "other.safetensors"}, "override_settings.sd_vae", "cannot be honoured"),
+        ({"sd_vae": "other.safetensors"}, "override_settings.sd_vae", "no VAE/ folder"),
         ({"sd_model_checkpoint": "other"}, "override_settings.sd_model_checkpoint", "cannot be honoured"),
         ({"enable_pnginfo": False}, "override_settings.enable_pnginfo", "not supported"),
         ({"samples_format": "jpg"}, "override_settings.samples_format", "png"),

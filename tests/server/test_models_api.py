@@ -123,12 +123,14 @@ def test_model_settings_honoured_or_refused(served):
     check_image(r.json()["images"][0])
     assert json.loads(r.json()["info"])["clip_skip"] == 1
     for settings, key, words in (
-        ({"sd_vae": "mse.safetensors"}, "override_settings.sd_vae", "['mse.safetensors', 'xl-vae']"),
+        ({"sd_vae": "msee"}, "override_settings.sd_vae", "did you mean ['mse.safetensors']"),
+        ({"sd_vae": "../VAE/mse"}, "override_settings.sd_vae", "not a name inside"),
+        ({"sd_vae": "mse.safetensors"}, "override_settings.sd_vae", "cannot switch VAEs"),  # the fake has no VAE
         ({"CLIP_stop_at_last_layers": 2}, "override_settings.CLIP_stop_at_last_layers", "no CLIP text encoder"),
         ({"CLIP_stop_at_last_layers": True}, "override_settings.CLIP_stop_at_last_layers", "not an int"),
     ):
         assert_error(c.post(A1111, json={"prompt": "x", "override_settings": settings}), 422, key, words)
-    assert_error(c.post("/sdapi/v1/options", json={"sd_vae": "xl-vae"}), 422, "sd_vae", "cannot be honoured")
+    assert_error(c.post("/sdapi/v1/options", json={"sd_vae": "xl-vae"}), 422, "sd_vae", "cannot switch VAEs")
     assert c.post("/sdapi/v1/options", json={"sd_vae": "None"}).status_code == 200
     assert_error(
         c.post("/sdapi/v1/options", json={"CLIP_stop_at_last_layers": 3}), 422, "CLIP_stop_at_last_layers", "no CLIP"
@@ -137,10 +139,16 @@ def test_model_settings_honoured_or_refused(served):
 
 def test_prompt_lora_tags_name_what_exists(served):
     _, c, _ = served
-    r = c.post(A1111, json={"prompt": "a cat <lora:detail:0.6>"})
-    assert_error(r, 422, "prompt", "it is one of ['broken', 'detail']")
+    r = c.post(A1111, json={"prompt": "a cat <lora:detial:0.6>"})
+    assert_error(r, 422, "prompt", "did you mean ['detail']")
     r = c.post(A1111, json={"prompt": "a cat", "negative_prompt": "<lora:nope:1>"})
-    assert_error(r, 422, "negative_prompt", "LoRAs in the models directory: ['broken', 'detail']")
+    assert_error(r, 422, "negative_prompt", "available: ['broken', 'detail']")
+    r = c.post(A1111, json={"prompt": "a cat <lora:../Lora/detail:1>"})
+    assert_error(r, 422, "prompt", "not a name inside")
+    r = c.post(A1111, json={"prompt": "a cat <hypernet:detail:1>"})
+    assert_error(r, 422, "prompt", "only <lora:...> tags")
+    r = c.post(A1111, json={"prompt": "a cat <lora:detail:0.6>"})  # the real model: test_models_real.py
+    assert_error(r, 422, "prompt", "this pipeline cannot apply LoRAs")
 
 
 def test_without_a_models_directory_the_served_model_is_listed():

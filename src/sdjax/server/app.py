@@ -52,6 +52,7 @@ from sdjax.metadata import (
     png_bytes,
     sampler_display_name,
     sampler_id,
+    strip_lora_tags,
 )
 from sdjax.samplers import a1111
 from sdjax.server import controlnet as controlnet_api
@@ -61,6 +62,7 @@ from sdjax.server.errors import APIError, error_body, internal_error
 from sdjax.server.files import FileStore
 from sdjax.server.guard import Auth, Guard, call_when_exiting, protocol_class, request_id_of
 from sdjax.server.metrics import Metrics
+from sdjax.server.networks import Networks
 from sdjax.server.schemas import (
     VARIATION_STRENGTH,
     A1111Img2ImgRequest,
@@ -223,6 +225,7 @@ def create_app(
     checkpoint = config.checkpoint or config.model_name
     embeddings = models_api.load_embeddings(pipeline, md, checkpoint)  # before start-up compiles: vocab grows
     box = {"served": served_for(pipeline, config.model_name, config, checkpoint=checkpoint, embeddings=embeddings)}
+    networks = Networks(md, served_vae=config.vae_name)  # <lora:...> tags and sd_vae per request, as params
     batcher = Batcher(
         pipeline,
         metrics=metrics,
@@ -235,9 +238,11 @@ def create_app(
         warm_guidance=box["served"].defaults.guidance_scale,
         warm_no_guidance=config.pin,
         progress=config.progress,
+        params_for=networks.params_for,
     )
     files = FileStore(ttl_s=config.file_ttl_s, max_files=config.max_files, max_bytes=config.max_file_bytes)
-    state: dict[str, Any] = {"switching": False, "clip_skip": 1}  # clip_skip: CLIP_stop_at_last_layers (options)
+    # clip_skip, vae: the defaults POST /sdapi/v1/options set (CLIP_stop_at_last_layers, sd_vae; "": the served VAE)
+    state: dict[str, Any] = {"switching": False, "clip_skip": 1, "vae": ""}
     gate = asyncio.Event()  # cleared while a model switch is under way: new requests wait
     gate.set()
     switch_lock = asyncio.Lock()
@@ -411,7 +416,7 @@ def create_app(
             "samples_format": "png",
             "CLIP_stop_at_last_layers": state["clip_skip"],
             "eta_noise_seed_delta": 0,
-            "sd_vae": config.vae_name or "Automatic",
+            "sd_vae": state["vae"] or config.vae_name or "Automatic",
         }
 
     def same_checkpoint(value: Any) -> bool:
@@ -429,7 +434,7 @@ def create_app(
     def model_settings(overrides: dict[str, Any], now: Served, field: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model settings of `overrides` checked and taken out -> (GenerationRequest changes, the rest)."""
         rest = dict(overrides)
-        changes: dict[str, Any] = {"clip_skip": state["clip_skip"], "vae": config.vae_name}
+        changes: dict[str, Any] = {"clip_skip": state["clip_skip"], "vae": state["vae"] or config.vae_name}
         prefix = f"{field}." if field else ""
         if "CLIP_stop_at_last_layers" in rest:
             value = rest.pop("CLIP_stop_at_last_layers")
@@ -438,33 +443,38 @@ def create_app(
             )
         if "sd_vae" in rest:
             value = rest.pop("sd_vae")
-            if not (config.vae_name and isinstance(value, str) and value.strip() == config.vae_name):
-                models_api.vae_setting(value, md, f"{prefix}sd_vae")
-                if config.vae_name:
-                    raise FieldError(
-                        f"{prefix}sd_vae", f"{value!r} cannot be honoured: this server serves the VAE "
-                        f"{config.vae_name!r}", code="unsupported"
-                    )  # fmt: skip
+            if not isinstance(value, str):
+                raise FieldError(f"{prefix}sd_vae", f"{value!r} is not a VAE name")
+            if value.strip().lower() in models_api.OWN_VAE or (config.vae_name and value.strip() == config.vae_name):
+                changes["vae"] = config.vae_name  # the served params' own VAE
+            else:
+                changes["vae"] = networks.vae(now.pipeline, value, f"{prefix}sd_vae")
         if "sd_model_checkpoint" in rest and same_checkpoint(rest["sd_model_checkpoint"]):
             rest.pop("sd_model_checkpoint")
         return changes, rest
 
-    async def request_settings(body: A1111Txt2ImgRequest, now: Served) -> dict[str, Any]:
-        """`override_settings` of an A1111 request: the changes to its GenerationRequest (422 for the rest)."""
+    def request_settings(body: A1111Txt2ImgRequest, now: Served) -> tuple[dict[str, Any], A1111Txt2ImgRequest]:
+        """`override_settings` and `<lora:...>` tags of an A1111 request (files loaded here: run in a thread) ->
+        (the changes to its GenerationRequest, the body to resolve: its prompts without the tags). 422 for the rest."""
         changes, rest = model_settings(body.override_settings or {}, now, "override_settings")
         if rest:
             # per-request model switching is not done: a request's checkpoint must be the served one
             check_settings(rest, settings(), field="override_settings")
-        models_api.check_prompt_networks(md, {"prompt": body.prompt, "negative_prompt": body.negative_prompt or ""})
-        return changes
+        texts = {"prompt": body.prompt, "negative_prompt": body.negative_prompt or ""}
+        loras = networks.prompt_loras(now.pipeline, texts)
+        if not loras:
+            return changes, body
+        stripped = dict(zip(texts, strip_lora_tags(list(texts.values()), loras), strict=True))
+        changes.update(loras=loras, **texts)  # the tags stay in the prompt of the infotext, as A1111 writes it
+        return changes, body.model_copy(update=stripped)
 
     @app.post("/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse,
               summary="Text to image (AUTOMATIC1111 web UI API)")  # fmt: skip
     async def a1111_txt2img(request: Request, body: A1111Txt2ImgRequest) -> dict:
         now = await wait_for_model()
-        changes = await request_settings(body, now)
+        changes, plain = await asyncio.to_thread(request_settings, body, now)
         gen = dataclasses.replace(
-            resolve_a1111(body, now.pipeline, now.limits, now.defaults, now.model_name), **changes
+            resolve_a1111(plain, now.pipeline, now.limits, now.defaults, now.model_name), **changes
         )
         gen = await asyncio.to_thread(
             controlnet_api.apply, gen, body.alwayson_scripts, config.controlnet_dir, now.limits, now.pipeline
@@ -481,9 +491,9 @@ def create_app(
               summary="Image to image and inpainting (AUTOMATIC1111 web UI API)")  # fmt: skip
     async def a1111_img2img(request: Request, body: A1111Img2ImgRequest) -> dict:
         now = await wait_for_model()
-        changes = await request_settings(body, now)
+        changes, plain = await asyncio.to_thread(request_settings, body, now)
         gen = await asyncio.to_thread(
-            resolve_a1111_img2img, body, now.pipeline, now.limits, now.defaults, now.model_name
+            resolve_a1111_img2img, plain, now.pipeline, now.limits, now.defaults, now.model_name
         )
         gen = dataclasses.replace(gen, **changes)
         gen = await asyncio.to_thread(
@@ -589,7 +599,7 @@ def create_app(
     @app.post("/sdapi/v1/options", summary="Set options: sd_model_checkpoint switches the model (with a models dir)")
     async def set_options(request: Request, body: dict[str, Any]):
         switchable = frozenset({"sd_model_checkpoint"}) if loader is not None and config.models_dir else frozenset()
-        _, rest = model_settings(body, served(), "")
+        model, rest = await asyncio.to_thread(model_settings, body, served(), "")
         try:
             changes = check_settings(rest, settings(), field="", switchable=switchable)
         except FieldError as e:
@@ -607,6 +617,8 @@ def create_app(
             state["clip_skip"] = models_api.clip_skip_setting(
                 body["CLIP_stop_at_last_layers"], served().pipeline, "CLIP_stop_at_last_layers"
             )  # checked against the model now served
+        if "sd_vae" in body and "sd_model_checkpoint" not in changes:
+            state["vae"] = "" if model["vae"] == config.vae_name else model["vae"]
         return None
 
     async def switch_model(request: Request, value: Any) -> None:
@@ -647,6 +659,8 @@ def create_app(
                 if getattr(getattr(pipe, "generator", None), "cache", None) is not None:
                     metrics.watch_cache(pipe.generator.cache)
                 batcher.set_pipeline(pipe)
+                networks.clear()
+                state["vae"] = ""  # a VAE is checked against the model it was chosen for
                 box["served"] = new
                 if config.warm:
                     await batcher.warm(new.warm_shapes)

@@ -11,7 +11,7 @@ start-up and after a model switch; their file names then trigger them in any pro
 
 Settings: `CLIP_stop_at_last_layers` (A1111's Clip skip) is a per-image input of the program, honoured per request
 and as the server's default (POST /sdapi/v1/options) without splitting batches or compiling; `sd_vae` "Automatic"
-and "None" are the model's own VAE (other VAEs: 422 naming the key, see `vae_setting`).
+and "None" are the served model's own VAE, a name in `VAE/` is applied per batch as params (`server.networks`).
 """
 
 from __future__ import annotations
@@ -133,40 +133,3 @@ def clip_skip_setting(value: Any, pipeline: Any, field: str) -> int:
     if not 1 <= value <= min(layers):
         raise FieldError(field, f"{value} is outside 1..{min(layers)} (this text encoder's number of layers)")
     return value
-
-
-def vae_setting(value: Any, md: ModelsDir | None, field: str) -> str:
-    """An `sd_vae` value: "Automatic" and "None" are the model's own VAE (returned as ""); a VAE of `VAE/` is not
-    switched per request or per server (422 naming `field`, listing what exists)."""
-    if not isinstance(value, str):
-        raise FieldError(field, f"{value!r} is not a VAE name")
-    if value.strip().lower() in OWN_VAE:
-        return ""
-    names = [v["model_name"] for v in sd_vae(md)]
-    raise FieldError(
-        field,
-        f"{value!r} cannot be honoured: sdjax serves the model's own VAE ('Automatic' or 'None'); to use another "
-        f"VAE start the server with it (sdjax serve --vae). VAEs in the models directory: {names}",
-        code="unsupported",
-    )
-
-
-def check_prompt_networks(md: ModelsDir | None, texts: dict[str, str]) -> None:
-    """`<lora:...>` and other extra-network tags are not applied per request: 422 naming the field, and the LoRAs
-    the directory holds (for `sdjax generate --lora`, or a server started with the LoRA fused)."""
-    from sdjax.text import prompt_syntax
-
-    for field, text in texts.items():
-        try:
-            _, tags = prompt_syntax.extract_networks(text or "")
-        except ValueError as e:
-            raise FieldError(field, str(e)) from None
-        if tags:
-            names = [e.short_name for e in md.list("lora")] if md is not None else []
-            tag = tags[0]
-            known = "it is one of" if tag.name in names else "LoRAs in the models directory:"
-            raise FieldError(
-                field,
-                f"<{tag.kind}:{tag.name}:...>: extra networks in prompts are not applied per request by this server "
-                f"({known} {names})",
-            )
