@@ -69,6 +69,7 @@ def test_listing_follows_a1111(root):
         ("embedding", "old", "old.pt"),
         ("vae", "mse", "mse.safetensors"),
         ("vae", "xl-vae", "xl-vae"),
+        ("lora", "ink.safetensors", "styles/ink.safetensors"),  # a file name alone, as A1111's VAE names
     ],
 )
 def test_names_with_and_without_extension(root, kind, name, expected):

@@ -202,7 +202,7 @@ class ModelsDir:
             lambda e: e.name == text,
             lambda e: e.stem == text,
             lambda e: kind == "checkpoint" and e.model_name == text,
-            lambda e: kind != "checkpoint" and e.short_name == text and "/" not in text,
+            lambda e: kind != "checkpoint" and "/" not in text and text in (e.short_name, e.path.name),
             lambda e: e.name.lower() == text.lower() or e.stem.lower() == text.lower(),
         ):
             found = [e for e in entries if accept(e)]

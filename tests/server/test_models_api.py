@@ -156,3 +156,28 @@ def test_without_a_models_directory_the_served_model_is_listed():
         assert [m["title"] for m in c.get("/sdapi/v1/sd-models").json()] == ["fake-model"]
         assert c.get("/sdapi/v1/loras").json() == [] and c.get("/sdapi/v1/sd-vae").json() == []
         assert c.post("/sdapi/v1/refresh-checkpoints").status_code == 200
+
+
+def test_serve_resolves_names_in_the_models_directory(models, monkeypatch):
+    from typer.testing import CliRunner
+
+    from sdjax import cli, server
+
+    loads, seen = [], {}
+    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: loads.append(model) or FakePipeline())
+    monkeypatch.setattr(cli, "_load_with_vae", lambda model, dtype, vae: loads.append((model, vae)) or FakePipeline())
+    monkeypatch.setattr(server, "serve", lambda pipe, config, **kw: seen.update(config=config, **kw))
+    r = CliRunner().invoke(cli.app, ["serve", "--models-dir", str(models), "-m", "anime/waifu", "--vae", "mse"])
+    assert r.exit_code == 0, r.output
+    path = (models / "Stable-diffusion" / "anime" / "waifu.safetensors").resolve()
+    assert loads == [(str(path), str((models / "VAE" / "mse.safetensors").resolve()))]
+    config = seen["config"]
+    short = hashlib.sha256(b"waifu").hexdigest()[:10]
+    assert (config.model_name, config.checkpoint, config.vae_name) == (
+        "waifu",
+        f"anime/waifu.safetensors [{short}]",
+        "mse.safetensors",
+    )
+    for args, option in ((["-m", "wiafu"], "--model"), (["--vae", "../VAE/mse"], "--vae")):
+        r = CliRunner().invoke(cli.app, ["serve", "--models-dir", str(models), *args])
+        assert r.exit_code == 2 and option in r.output, r.output

@@ -108,8 +108,8 @@ class Networks:
 
         params = dict(base)
         if loras:
-            files = {e.short_name: str(e.path) for e in self.md.list("lora")}
-            weighted = [(self._lora(pipeline, files[name], name), w) for name, w in loras]
+            paths = {name: str(self.md.resolve("lora", name).path) for name, _ in loras}
+            weighted = [(self._lora(pipeline, paths[name], name), w) for name, w in loras]
             params = lora_lib.apply_loras(params, weighted)
         if vae:
             params["vae"] = self._vae(pipeline, str(self.md.resolve("vae", vae).path))
