@@ -115,3 +115,28 @@ def test_a_single_file_checkpoint_by_name_is_hashed_for_the_infotext(models):
     # a Hub id is still a Hub id when the directory has no folder of that name
     hub = cli_models.resolve_model(cli_models.open_models_dir(models), "org/some-model")
     assert hub == ("org/some-model", None, None)
+
+
+def test_infotext_fields_and_batch_keys_of_model_settings():
+    from fake_pipeline import FakePipeline
+
+    base = metadata.ImageParameters("a cat <lora:ink:0.5>", "", 4, "euler_a", 7.0, 1, 64, 64, model="m")
+    p = metadata.dataclasses.replace(base, clip_skip=2, vae="v.safetensors", model_hash="0123456789",
+                                     loras=(("ink", 0.5),))  # fmt: skip
+    text = p.infotext()
+    assert text.startswith("a cat <lora:ink:0.5>\n")
+    assert "Size: 64x64, Model hash: 0123456789, Model: m, VAE: v.safetensors, Clip skip: 2" in text
+    back = metadata.parameters_from_text(text)
+    assert (back.clip_skip, back.vae, back.model_hash) == (2, "v.safetensors", "0123456789")
+    assert "Clip skip" not in base.infotext()  # A1111 writes it only above 1
+    # CLIP skip is an input of the program: batch-mates may differ; a LoRA set or a VAE is a batch of its own
+    assert metadata.dataclasses.replace(base, clip_skip=2).shape_key == base.shape_key
+    assert p.shape_key != metadata.dataclasses.replace(p, loras=()).shape_key
+    assert p.shape_key != metadata.dataclasses.replace(p, vae="").shape_key
+    # generate_images takes out the tags of the applied LoRAs (and refuses any other)
+    fake = FakePipeline()
+    tagged = metadata.dataclasses.replace(base, loras=(("ink", 0.5),))
+    metadata.generate_images(fake, [tagged])
+    assert fake.calls[-1]["prompts"] == ["a cat "]
+    with pytest.raises(ValueError, match="<lora:ink:...> is not among the applied LoRAs"):
+        metadata.generate_images(fake, [metadata.dataclasses.replace(base, loras=(("other", 1.0),))])

@@ -10,9 +10,12 @@ Endpoints:
   behind those urls, for `file_ttl_s`), `GET /v1/models`;
 - AUTOMATIC1111: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/interrupt`, `POST /sdapi/v1/skip`,
   `GET /sdapi/v1/progress` (with a latent preview as `current_image` when the pipeline reports latents; null
-  otherwise), `GET /sdapi/v1/samplers`, `GET /sdapi/v1/schedulers`, `GET /sdapi/v1/sd-models`,
-  `GET|POST /sdapi/v1/options` (POST switches `sd_model_checkpoint` when the server has a models directory; any
-  setting it cannot honour answers 422), `POST /sdapi/v1/png-info`.
+  otherwise), `GET /sdapi/v1/samplers`, `GET /sdapi/v1/schedulers`, `GET /sdapi/v1/sd-models`, `/loras`,
+  `/embeddings`, `/sd-vae`, `POST /sdapi/v1/refresh-checkpoints`, `/refresh-loras`, `/refresh-vae` (the models
+  directory: `server.models_api`), `GET|POST /sdapi/v1/options` (POST switches `sd_model_checkpoint` when the
+  server has a models directory, and sets the default `CLIP_stop_at_last_layers` and `sd_vae`; any setting it
+  cannot honour answers 422), `POST /sdapi/v1/png-info`. `<lora:...>` prompt tags and `override_settings.sd_vae`
+  are applied per batch as params (`server.networks`).
 
 Errors have one shape per API (`sdjax.server.errors`): invalid input 422 naming the field, a body too large 413,
 truncated 400, too slow 408, bad credentials 401, queue full 429 with `Retry-After`, no result within the request
@@ -199,17 +202,6 @@ def served_for(
         if config.max_program_bytes is not None:
             cache.max_bytes = config.max_program_bytes
     return Served(pipeline, model_name, defaults, limits, shapes, tuple(sizes), checkpoint or model_name, embeddings)
-
-
-def list_models(models_dir: str | None) -> dict[str, Path]:
-    """Name -> folder of each diffusers model (a folder with model_index.json) directly inside `models_dir`. A
-    request names a model only by a name from this listing, so no name can reach outside the directory."""
-    if not models_dir:
-        return {}
-    root = Path(models_dir)
-    if not root.is_dir():
-        return {}
-    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and (p / "model_index.json").is_file()}
 
 
 # ---------------------------------------------------------------------------------------------- app
