@@ -173,3 +173,17 @@ def test_flat_folder_of_diffusers_models_still_works(tmp_path):
             md.resolve("checkpoint", bad)
     with pytest.raises(LookupError):
         md.resolve("checkpoint", "not-a-model")
+
+
+def test_network_hash_skips_the_safetensors_header(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "x.safetensors"
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(path), metadata={"ss_output_name": "x"})
+    data = path.read_bytes()
+    body = data[8 + int.from_bytes(data[:8], "little") :]
+    md_hashes = ModelsDir(tmp_path).hashes
+    assert md_hashes.network_hash(path) == hashlib.sha256(body).hexdigest()  # A1111's "addnet" hash
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(path), metadata={"ss_output_name": "renamed"})
+    assert md_hashes.network_hash(path) == hashlib.sha256(body).hexdigest()  # metadata edits keep it

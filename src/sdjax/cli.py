@@ -567,7 +567,8 @@ def generate(
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
         if weights.loras:
             _load_loras(pipe, weights.loras, err)
-        task.update(clip_skip=clip_skip, loras=weights.tags, vae=weights.vae_label, model_hash=model_hash)
+        task.update(clip_skip=clip_skip, loras=weights.tags, vae=weights.vae_label, model_hash=model_hash,
+                    lora_hashes=metadata.lora_hashes(weights.tag_files))  # fmt: skip
         if units:
             if refiner is not None or hires_scale is not None:
                 raise typer.BadParameter(

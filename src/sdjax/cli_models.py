@@ -31,6 +31,7 @@ class Weights:
     embeddings: tuple[Path, ...]
     loras: tuple[tuple[Path, float], ...]  # (file, scale): --lora options and prompt tags
     tags: tuple[tuple[str, float], ...]  # the prompt's <lora:name:w> tags (they stay in the infotext)
+    tag_files: tuple[tuple[str, Path], ...] = ()  # (tag name, file) for the infotext's "Lora hashes"
 
 
 def open_models_dir(models_dir: Path | None) -> ModelsDir | None:
@@ -172,7 +173,8 @@ def resolve_weights(
             tags += found
             specs += [(name, w, hint) for name, w in found]
     lora_files = tuple((resolve_lora(md, lora_dir, name, option), scale) for name, scale, option in specs)
-    return Weights(target, label, model_file, vae_target, vae_label, files, lora_files, tuple(tags))
+    tag_files = tuple((name, path) for (name, _, option), (path, _) in zip(specs, lora_files) if option != "--lora")
+    return Weights(target, label, model_file, vae_target, vae_label, files, lora_files, tuple(tags), tag_files)
 
 
 def model_hash(weights: Weights, hashes: HashCache | None = None) -> str:

@@ -96,6 +96,7 @@ class ImageParameters:
     loras: tuple[tuple[str, float], ...] = ()  # the <lora:name:w> tags of the prompt, applied to the params
     vae: str = ""  # the VAE's name when it is not the model's own (infotext "VAE")
     model_hash: str = ""  # the checkpoint's short hash (infotext "Model hash")
+    lora_hashes: str = ""  # A1111's "Lora hashes": "name: hash, ..." of the prompt's LoRAs
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -150,6 +151,8 @@ class ImageParameters:
             out["Hires sampler"] = sampler_display_name(h.sampler) if h.sampler else None
         if self.clip_skip > 1:
             out["Clip skip"] = self.clip_skip
+        if self.lora_hashes:
+            out["Lora hashes"] = self.lora_hashes
         for i, unit in enumerate(self.control):
             out[f"ControlNet {i}"] = unit.infotext()
         if self.refiner:
@@ -211,6 +214,7 @@ class GenerationRequest:
     loras: tuple[tuple[str, float], ...] = ()
     vae: str = ""
     model_hash: str = ""
+    lora_hashes: str = ""
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -241,6 +245,7 @@ class GenerationRequest:
                 loras=self.loras,
                 vae=self.vae,
                 model_hash=self.model_hash,
+                lora_hashes=self.lora_hashes,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -351,6 +356,16 @@ def generate_images(
             control_guidance_end=[u.guidance_end for u in units],
         )
     return pipeline.generate_arrays(*args, **common)
+
+
+def lora_hashes(named_files: Sequence[tuple[str, str | Path]], hashes: Any = None) -> str:
+    """A1111's `Lora hashes` value, "name: hash12, ...", for (name as written in the prompt, file) pairs; `hashes`:
+    a `models_dir.HashCache` (default: a new one)."""
+    from sdjax.models_dir import HashCache
+
+    cache = hashes or HashCache()
+    clean = str.maketrans("", "", ":,")  # A1111 takes these out of the names
+    return ", ".join(f"{name.translate(clean)}: {cache.network_hash(path)[:12]}" for name, path in named_files)
 
 
 def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float], ...]) -> list[str]:
@@ -568,6 +583,7 @@ def parameters_from_text(text: str) -> ImageParameters:
             clip_skip=int(raw.get("Clip skip", 1)),
             vae=raw.get("VAE", ""),
             model_hash=raw.get("Model hash", ""),
+            lora_hashes=raw.get("Lora hashes", ""),
         )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None

@@ -76,7 +76,7 @@ class HashCache:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._known: dict[tuple[str, int, int], str] = {}
+        self._known: dict[tuple, str] = {}
 
     @staticmethod
     def _key(path: Path) -> tuple[str, int, int]:
@@ -91,6 +91,26 @@ class HashCache:
                 return self._known[key]
         h = hashlib.sha256()
         with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        with self._lock:
+            self._known[key] = h.hexdigest()
+        return self._known[key]
+
+    def network_hash(self, path: str | os.PathLike) -> str:
+        """A1111's hash of a LoRA file (its "addnet" hash: the SHA-256 of a .safetensors file's bytes after the
+        header, so that editing the metadata keeps it); A1111 writes the first 12 hex digits as `Lora hashes`."""
+        key = ("network", *self._key(Path(path)))
+        with self._lock:
+            if key in self._known:
+                return self._known[key]
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            header = f.read(8)
+            if str(path).endswith(".safetensors") and len(header) == 8:
+                f.seek(8 + int.from_bytes(header, "little"))
+            else:
+                f.seek(0)
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         with self._lock:

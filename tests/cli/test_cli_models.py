@@ -64,6 +64,9 @@ def test_names_from_the_models_directory_give_the_python_apis_image(models, tmp_
     text = metadata.read_parameters(png)
     assert text.startswith(prompt + "\n")  # the tag stays in the prompt, as A1111 writes it
     assert "Model: tiny, VAE: shift" in text and "Clip skip: 2" in text
+    data = (models / "Lora" / "ink-lora.safetensors").read_bytes()
+    addnet = hashlib.sha256(data[8 + int.from_bytes(data[:8], "little") :]).hexdigest()[:12]
+    assert f'Lora hashes: "ink-lora: {addnet}"' in text  # A1111's field
     p = metadata.parameters_from_text(text)
     assert (p.clip_skip, p.vae, p.seed, p.steps) == (2, "shift", 3, 2)
 
@@ -122,12 +125,13 @@ def test_infotext_fields_and_batch_keys_of_model_settings():
 
     base = metadata.ImageParameters("a cat <lora:ink:0.5>", "", 4, "euler_a", 7.0, 1, 64, 64, model="m")
     p = metadata.dataclasses.replace(base, clip_skip=2, vae="v.safetensors", model_hash="0123456789",
-                                     loras=(("ink", 0.5),))  # fmt: skip
+                                     loras=(("ink", 0.5),), lora_hashes="ink: 0123456789ab")  # fmt: skip
     text = p.infotext()
     assert text.startswith("a cat <lora:ink:0.5>\n")
     assert "Size: 64x64, Model hash: 0123456789, Model: m, VAE: v.safetensors, Clip skip: 2" in text
     back = metadata.parameters_from_text(text)
     assert (back.clip_skip, back.vae, back.model_hash) == (2, "v.safetensors", "0123456789")
+    assert back.lora_hashes == "ink: 0123456789ab" and 'Lora hashes: "ink: 0123456789ab"' in text
     assert "Clip skip" not in base.infotext()  # A1111 writes it only above 1
     # CLIP skip is an input of the program: batch-mates may differ; a LoRA set or a VAE is a batch of its own
     assert metadata.dataclasses.replace(base, clip_skip=2).shape_key == base.shape_key

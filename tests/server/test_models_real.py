@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import shutil
@@ -128,6 +129,9 @@ def test_model_settings_and_networks_per_request(models):
     assert [c[2] for c in calls[1:]] == [True, True] and compiles == [], (calls, compiles)
     got, text = pixels(tagged.json()["images"][0])
     assert text.startswith("a red circle <lora:fc:0.8>\n") and "VAE: shift" in text
+    data = (models / "Lora" / "fc.safetensors").read_bytes()
+    addnet = hashlib.sha256(data[8 + int.from_bytes(data[:8], "little") :]).hexdigest()[:12]
+    assert f'Lora hashes: "fc: {addnet}"' in text
     assert json.loads(tagged.json()["info"])["sd_vae_name"] == "shift"
     from sdjax.pipelines import load_pipeline
 

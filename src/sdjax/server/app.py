@@ -457,7 +457,7 @@ def create_app(
         if not loras:
             return changes, body
         stripped = dict(zip(texts, strip_lora_tags(list(texts.values()), loras), strict=True))
-        changes.update(loras=loras, **texts)  # the tags stay in the prompt of the infotext, as A1111 writes it
+        changes.update(loras=loras, lora_hashes=networks.lora_hashes(loras), **texts)  # the tags stay in the prompt
         return changes, body.model_copy(update=stripped)
 
     @app.post("/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse,

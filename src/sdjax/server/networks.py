@@ -74,6 +74,12 @@ class Networks:
                 found.append((tag.name, float(tag.weight)))
         return tuple(found)
 
+    def lora_hashes(self, loras: tuple[tuple[str, float], ...]) -> str:
+        """A1111's `Lora hashes` infotext value for the LoRAs `prompt_loras` returned."""
+        from sdjax.metadata import lora_hashes
+
+        return lora_hashes([(name, self.md.resolve("lora", name).path) for name, _ in loras], self.md.hashes)
+
     def vae(self, pipeline: Any, name: str, field: str) -> str:
         """Load the VAE `name` of `VAE/` for `pipeline` (FieldError naming `field` if it is unknown or of another
         architecture) -> its A1111 name (the file name)."""
