@@ -215,7 +215,7 @@ def create_app(
         metrics.watch_cache(pipeline.generator.cache)
     md = models_api.open_models_dir(config.models_dir)
     checkpoint = config.checkpoint or config.model_name
-    embeddings = models_api.load_embeddings(pipeline, md, checkpoint)  # before start-up compiles: vocab grows
+    embeddings = models_api.load_embeddings(pipeline, md)  # before start-up compiles: vocab grows
     box = {"served": served_for(pipeline, config.model_name, config, checkpoint=checkpoint, embeddings=embeddings)}
     networks = Networks(md, served_vae=config.vae_name)  # <lora:...> tags and sd_vae per request, as params
     batcher = Batcher(
@@ -625,7 +625,7 @@ def create_app(
         def load() -> tuple[Any, Any, str]:
             pipe = loader(str(entry.path))
             title = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
-            return pipe, models_api.load_embeddings(pipe, md, title), title
+            return pipe, models_api.load_embeddings(pipe, md), title
 
         async with switch_lock:
             if same_checkpoint(entry.name):

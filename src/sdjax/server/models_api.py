@@ -92,10 +92,11 @@ def sd_vae(md: ModelsDir | None) -> list[dict[str, Any]]:
     return [{"model_name": e.name.rsplit("/", 1)[-1], "filename": _relative(md, e)} for e in md.list("vae")]
 
 
-def load_embeddings(pipeline: Any, md: ModelsDir | None, checkpoint: str = "") -> dict[str, dict[str, Any]]:
+def load_embeddings(pipeline: Any, md: ModelsDir | None) -> dict[str, dict[str, Any]]:
     """Load every embedding of `embeddings/` into `pipeline` (trigger word: the file name without extension, as
     A1111); those that do not fit the model (or are pickles) are skipped with a log line. Returns A1111's
-    `{"loaded": {...}, "skipped": {...}}` body of `GET /sdapi/v1/embeddings`."""
+    `{"loaded": {...}, "skipped": {...}}` body of `GET /sdapi/v1/embeddings` (`step`, `sd_checkpoint` and
+    `sd_checkpoint_name` describe the embedding's training in A1111's pickles; .safetensors files carry none)."""
     body: dict[str, dict[str, Any]] = {"loaded": {}, "skipped": {}}
     if md is None or not hasattr(pipeline, "load_textual_inversion"):
         return body
@@ -114,7 +115,6 @@ def load_embeddings(pipeline: Any, md: ModelsDir | None, checkpoint: str = "") -
             log.warning("embedding %s skipped: %s", e.name, err)
             body["skipped"][name] = info
             continue
-        info["sd_checkpoint_name"] = checkpoint or None
         body["loaded"][name] = info
     return body
 
