@@ -98,9 +98,12 @@ def test_links_pointing_outside_are_refused_by_name(root, kind, name):
         md.resolve(kind, name)
 
 
-def test_links_inside_are_served(root):
+def test_links_inside_are_served_and_cycles_end(root):
     os.symlink(root / "Stable-diffusion" / "base.safetensors", root / "Stable-diffusion" / "alias.safetensors")
-    assert ModelsDir(root).resolve("checkpoint", "alias").path.name == "alias.safetensors"
+    os.symlink(root / "Stable-diffusion", root / "Stable-diffusion" / "anime" / "loop")  # a cycle
+    md = ModelsDir(root)
+    assert md.resolve("checkpoint", "alias").path.name == "alias.safetensors"
+    assert md.names("checkpoint") == ["alias.safetensors", "anime/waifu.safetensors", "base.safetensors", "xl"]
 
 
 def test_unknown_names_list_close_matches_or_what_exists(root):

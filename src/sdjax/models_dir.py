@@ -253,6 +253,7 @@ class ModelsDir:
         _, extensions, marker = KINDS[kind]
         top = folder.resolve()  # entries must lie inside it (the kind's folder may itself be a link: the admin's)
         out: list[Entry] = []
+        seen = {top}  # folders walked, resolved: a link back to one of them (a cycle) is not followed
         for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
             here = Path(dirpath)
             if not _inside(here.resolve(), top):
@@ -263,8 +264,10 @@ class ModelsDir:
                 if d.startswith("."):
                     continue
                 sub = here / d
-                if not _inside(sub.resolve(), top):
+                real = sub.resolve()
+                if not _inside(real, top) or real in seen:
                     continue
+                seen.add(real)
                 if marker is not None and (sub / marker).is_file():
                     out.append(Entry(kind, _relative(sub, folder), sub))
                     continue  # a model folder: not searched for more models
