@@ -24,10 +24,12 @@ LAYERS = {
     "core": 4,
     "pipelines": 5,
     "metadata": 6,
+    "models_dir": 6,
     "bench": 6,
     "aot": 6,
     "bench_samplers": 6,
     "cli": 7,
+    "cli_models": 7,
     "server": 7,
     "__init__": 8,
     # tooling outside the runtime path: may import the library, never imported by it

@@ -275,7 +275,10 @@ def generate(
     model: Annotated[
         str | None,
         typer.Option(
-            "--model", "-m", help="A diffusers folder or Hugging Face Hub id. Default: the embedded tiny model."
+            "--model",
+            "-m",
+            help="A diffusers folder, a .safetensors checkpoint, a Hugging Face Hub id, or a name in --models-dir's "
+            "Stable-diffusion/. Default: the embedded tiny model.",
         ),
     ] = None,
     sampler: Annotated[
@@ -300,6 +303,35 @@ def generate(
     lora_dir: Annotated[
         Path | None, typer.Option(help="Folder where LoRA names are looked up.", rich_help_panel="LoRA")
     ] = None,
+    models_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="AUTOMATIC1111 models folder (Stable-diffusion/, Lora/, embeddings/, VAE/) where --model, --vae, "
+            "--embedding and --lora names are looked up.",
+            rich_help_panel="Models directory",
+        ),
+    ] = None,
+    embedding: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Textual-inversion embedding (file, or name in the models directory's embeddings/); its name is "
+            "then a word of the prompt, as in AUTOMATIC1111. Repeatable.",
+            rich_help_panel="Models directory",
+        ),
+    ] = None,
+    vae: Annotated[
+        str | None,
+        typer.Option(
+            help="Replacement VAE: file, diffusers folder, Hub id, or name in the models directory's VAE/.",
+            rich_help_panel="Models directory",
+        ),
+    ] = None,
+    clip_skip: Annotated[
+        int,
+        typer.Option(
+            min=1, help="CLIP skip (AUTOMATIC1111's): 1 conditions on the last text-encoder layer, 2 on the one before."
+        ),
+    ] = 1,
     schedule: Annotated[
         str | None,
         typer.Option(
@@ -466,6 +498,20 @@ def generate(
     """Generate images from a prompt (or from an image: --image, --mask, --outpaint) and write PNGs carrying their
     parameters (AUTOMATIC1111 format)."""
     units = _control_units(controlnet, control_image, control_preprocess, control_scale, control_start, control_end)
+    from sdjax import cli_models
+
+    weights = cli_models.resolve_weights(
+        models_dir=models_dir,
+        model=model,
+        vae=vae,
+        embeddings=embedding,
+        loras=lora,
+        lora_dir=lora_dir,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        a1111_syntax=getattr(prompt_syntax, "value", prompt_syntax) == "a1111",
+    )
+    model = weights.model
     err = Console(stderr=True, quiet=quiet)
     _jnp_dtype(dtype)
     timings = Timings()
@@ -475,7 +521,10 @@ def generate(
         task = bars.add_task(f"Loading {model or 'the embedded model'}", total=None) if bars else None
         t0 = time.perf_counter()
         try:
-            pipe = load_pipeline(model, dtype)
+            pipe = load_pipeline(model, dtype) if weights.vae is None else _load_with_vae(model, dtype, weights.vae)
+            for path in weights.embeddings:
+                pipe.load_textual_inversion(path, token=path.stem)  # A1111: the file name triggers it
+            model_hash = cli_models.model_hash(weights)
         except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
             if bars:
                 bars.stop()
@@ -485,6 +534,7 @@ def generate(
                 soft_wrap=True,
             )
             raise typer.Exit(1) from None
+        cli_models.check_clip_skip(pipe, clip_skip)
         timings.load = time.perf_counter() - t0
         if vae_tiling:
             pipe.enable_vae_tiling()
@@ -527,13 +577,10 @@ def generate(
                 )
                 raise typer.Exit(1) from None
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
-        loras = list(lora or ())
-        if getattr(prompt_syntax, "value", prompt_syntax) == "a1111":
-            prompt, tagged = _take_lora_tags(prompt, "PROMPT")
-            negative_prompt, tagged_neg = _take_lora_tags(negative_prompt, "--negative-prompt")
-            loras += tagged + tagged_neg
-        if loras:
-            _load_loras(pipe, loras, lora_dir, err)
+        if weights.loras:
+            _load_loras(pipe, weights.loras, err)
+        task.update(clip_skip=clip_skip, loras=weights.tags, vae=weights.vae_label, model_hash=model_hash,
+                    lora_hashes=metadata.lora_hashes(weights.tag_files))  # fmt: skip
         if units:
             if refiner is not None or hires_scale is not None:
                 raise typer.BadParameter(
@@ -558,6 +605,8 @@ def generate(
             prompt_syntax=getattr(prompt_syntax, "value", prompt_syntax),
             **task,
         )
+        if weights.model_label:
+            request = dataclasses.replace(request, model=weights.model_label)
         images = request.images()
         size = batch_size or len(images)
         batches = [images[i : i + size] for i in range(0, len(images), size)]
@@ -699,36 +748,21 @@ def _task_options(
     return out
 
 
-def _take_lora_tags(text: str, hint: str) -> tuple[str, list[str]]:
-    """A1111's `<lora:name:scale>` tags out of a prompt -> (prompt, ["name:scale", ...]); other tags are refused."""
-    from sdjax.text import prompt_syntax as syntax
+def _load_with_vae(model: str | None, dtype, vae: str) -> Any:
+    """The pipeline with its VAE replaced (`--vae`)."""
+    from sdjax.pipelines import load_pipeline as load
 
-    try:
-        stripped, tags = syntax.extract_networks(text or "")
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint=hint) from None
-    other = [t for t in tags if t.kind != "lora"]
-    if other:
-        raise typer.BadParameter(f"<{other[0].kind}:{other[0].name}>: only LoRA tags are supported", param_hint=hint)
-    return stripped, [f"{t.name}:{t.weight}" for t in tags]
+    pipe, _ = load(model, dtype=_jnp_dtype(dtype), vae=vae)
+    return pipe
 
 
-def _load_loras(pipe, specs: list[str], lora_dir: Path | None, err) -> None:
-    """Load each `NAME_OR_FILE[:SCALE]` (names looked up in `lora_dir`) and activate them together."""
-    if lora_dir is not None:
-        if not lora_dir.is_dir():
-            raise typer.BadParameter(f"{lora_dir} is not a folder", param_hint="--lora-dir")
-        pipe.lora_search_dirs = (lora_dir,)
-    for spec in specs:
-        name, sep, scale = spec.rpartition(":")
+def _load_loras(pipe, loras, err) -> None:
+    """Load each (file, scale) and activate them together."""
+    for path, scale in loras:
         try:
-            value = float(scale) if sep else 1.0
-        except ValueError:
-            name, value = spec, 1.0  # a path holding ':' (C:\...) without a scale
-        try:
-            pipe.load_lora(name if sep and name else spec, scale=value)
+            pipe.load_lora(path, scale=scale)
         except Exception as e:  # the loader names the file, key or shape at fault
-            err.print(f"[red]error:[/red] LoRA {escape(spec)}: {escape(str(e))}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] LoRA {escape(str(path))}: {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
 
@@ -833,11 +867,14 @@ def _request(
         model=metadata.model_label(model),
         **task,
     )
+    texts = [prompt, negative_prompt]
+    if request.loras:  # the <lora:...> tags were resolved; the text encoder reads the rest
+        texts = metadata.strip_lora_tags(texts, request.loras)
     for hint, kwargs in (
         ("--sampler", dict(sampler=request.sampler)),
         ("--steps", dict(steps=request.steps)),
         ("--width/--height", dict(height=request.height, width=request.width)),
-        ("PROMPT", dict(prompts=[prompt], negative_prompts=[negative_prompt])),
+        ("PROMPT", dict(prompts=[texts[0]], negative_prompts=[texts[1]])),
     ):
         try:
             pipe.validate(**kwargs)
@@ -1030,9 +1067,14 @@ def serve(
     models_dir: Annotated[
         str | None,
         typer.Option(
-            help="A folder of diffusers model folders that POST /sdapi/v1/options (sd_model_checkpoint) may switch "
-            "to, by folder name."
+            help="AUTOMATIC1111 models folder (Stable-diffusion/, Lora/, embeddings/, VAE/, ControlNet/), or a folder "
+            "of diffusers model folders: --model names, POST /sdapi/v1/options (sd_model_checkpoint) switches, "
+            "GET /sdapi/v1/sd-models, loras, embeddings (loaded at start-up) and sd-vae list them."
         ),
+    ] = None,
+    vae: Annotated[
+        str | None,
+        typer.Option(help="Serve with this VAE: file, diffusers folder, Hub id or name in --models-dir's VAE/."),
     ] = None,
     controlnet_dir: Annotated[
         str | None,
@@ -1080,6 +1122,17 @@ def serve(
         raise typer.BadParameter(f"{models_dir} is not a folder", param_hint="--models-dir")
     if controlnet_dir is not None and not Path(controlnet_dir).is_dir():
         raise typer.BadParameter(f"{controlnet_dir} is not a folder", param_hint="--controlnet-dir")
+    from sdjax import cli_models
+
+    md = cli_models.open_models_dir(Path(models_dir) if models_dir else None)
+    model, model_label, _ = cli_models.resolve_model(md, model)
+    vae_target, vae_label = cli_models.resolve_vae(md, vae)
+    checkpoint = ""  # the served model's A1111 title when it comes from the models directory
+    entry = next((e for e in md.list("checkpoint") if str(e.path) == model), None) if md is not None else None
+    if entry is not None:
+        checkpoint = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
+    if controlnet_dir is None and md is not None and md.folder("controlnet") is not None:
+        controlnet_dir = str(md.folder("controlnet"))
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("sdjax")
@@ -1089,7 +1142,7 @@ def serve(
     t0 = time.perf_counter()
     with err.status(f"Loading {model or 'the embedded model'}"):
         try:
-            pipe = load_pipeline(model, dtype)
+            pipe = load_pipeline(model, dtype) if vae_target is None else _load_with_vae(model, dtype, vae_target)
         except Exception as e:
             err.print(
                 f"[red]error:[/red] could not load {model or 'the embedded model'}: {escape(str(e))}",
@@ -1114,7 +1167,9 @@ def serve(
         h, w = pipe.default_size
         allowed = sizes or ((w, h),)
     config = server.ServerConfig(
-        model_name=metadata.model_label(model),
+        model_name=model_label or metadata.model_label(model),
+        checkpoint=checkpoint,
+        vae_name=vae_label,
         max_batch=max_batch,
         batch_sizes=batch,
         batch_window_s=batch_window_ms / 1000,
@@ -1159,7 +1214,11 @@ def serve(
         host=host,
         port=port,
         log_level=log_level,
-        loader=(lambda path: load_pipeline(path, dtype)) if models_dir else None,
+        loader=(
+            (lambda path: load_pipeline(path, dtype) if vae_target is None else _load_with_vae(path, dtype, vae_target))
+            if models_dir
+            else None
+        ),
     )
 
 

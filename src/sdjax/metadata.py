@@ -92,6 +92,11 @@ class ImageParameters:
     refiner_switch: float | None = None
     prompt_syntax: str = "plain"  # "a1111": emphasis, BREAK, long prompts (sdjax.text.prompt_syntax)
     control: tuple[ControlUnit, ...] = ()  # ControlNets (sdjax.pipelines.controlnet)
+    clip_skip: int = 1  # A1111's "Clip skip" (a per-image input of the program: not part of the shape key)
+    loras: tuple[tuple[str, float], ...] = ()  # the <lora:name:w> tags of the prompt, applied to the params
+    vae: str = ""  # the VAE's name when it is not the model's own (infotext "VAE")
+    model_hash: str = ""  # the checkpoint's short hash (infotext "Model hash")
+    lora_hashes: str = ""  # A1111's "Lora hashes": "name: hash, ..." of the prompt's LoRAs
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -122,6 +127,8 @@ class ImageParameters:
             self.refiner_switch,
             self.prompt_syntax,
             self.control,
+            self.loras,
+            self.vae,
         )
 
     def extra_fields(self) -> dict[str, Any]:
@@ -142,6 +149,10 @@ class ImageParameters:
             out["Hires steps"] = h.steps or None
             out["Hires upscaler"] = UPSCALER_NAMES[h.upscaler]
             out["Hires sampler"] = sampler_display_name(h.sampler) if h.sampler else None
+        if self.clip_skip > 1:
+            out["Clip skip"] = self.clip_skip
+        if self.lora_hashes:
+            out["Lora hashes"] = self.lora_hashes
         for i, unit in enumerate(self.control):
             out[f"ControlNet {i}"] = unit.infotext()
         if self.refiner:
@@ -199,6 +210,11 @@ class GenerationRequest:
     refiner_switch: float | None = None
     prompt_syntax: str = "plain"
     control: tuple[ControlUnit, ...] = ()
+    clip_skip: int = 1
+    loras: tuple[tuple[str, float], ...] = ()
+    vae: str = ""
+    model_hash: str = ""
+    lora_hashes: str = ""
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -225,6 +241,11 @@ class GenerationRequest:
                 refiner_switch=self.refiner_switch,
                 prompt_syntax=self.prompt_syntax,
                 control=self.control,
+                clip_skip=self.clip_skip,
+                loras=self.loras,
+                vae=self.vae,
+                model_hash=self.model_hash,
+                lora_hashes=self.lora_hashes,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -258,9 +279,12 @@ def generate_images(
             f"batch; got {len(keys)} different ones"
         )
     p = images[0]
+    prompts, negatives = [im.prompt for im in images], [im.negative_prompt for im in images]
+    if p.loras:  # the tags stay in the infotext; the caller applied the LoRAs to the params
+        prompts, negatives = strip_lora_tags(prompts, p.loras), strip_lora_tags(negatives, p.loras)
     args = (
-        [im.prompt for im in images],
-        [im.negative_prompt for im in images],
+        prompts,
+        negatives,
         [im.seed for im in images],
         [im.image_index for im in images],
         [im.guidance_scale for im in images],
@@ -270,6 +294,9 @@ def generate_images(
     )
     if p.prompt_syntax != "plain":
         common["prompt_syntax"] = p.prompt_syntax
+    skips = [im.clip_skip for im in images]
+    if any(s != 1 for s in skips):  # a per-image input: one batch may mix values
+        common["clip_skip"] = skips[0] if len(set(skips)) == 1 else skips
     if p.control and (p.hires is not None or p.refiner_switch is not None):
         raise ValueError("ControlNet runs with txt2img, img2img and inpainting; not with the hires fix or a refiner")
     if p.hires is not None:
@@ -329,6 +356,31 @@ def generate_images(
             control_guidance_end=[u.guidance_end for u in units],
         )
     return pipeline.generate_arrays(*args, **common)
+
+
+def lora_hashes(named_files: Sequence[tuple[str, str | Path]], hashes: Any = None) -> str:
+    """A1111's `Lora hashes` value, "name: hash12, ...", for (name as written in the prompt, file) pairs; `hashes`:
+    a `models_dir.HashCache` (default: a new one)."""
+    from sdjax.models_dir import HashCache
+
+    cache = hashes or HashCache()
+    clean = str.maketrans("", "", ":,")  # A1111 takes these out of the names
+    return ", ".join(f"{name.translate(clean)}: {cache.network_hash(path)[:12]}" for name, path in named_files)
+
+
+def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float], ...]) -> list[str]:
+    """The texts without their `<lora:...>` tags, each of which must name one of `loras` (those applied)."""
+    from sdjax.text import prompt_syntax
+
+    names = {name for name, _ in loras}
+    out = []
+    for text in texts:
+        stripped, tags = prompt_syntax.extract_networks(text)
+        stray = [t for t in tags if t.kind != "lora" or t.name not in names]
+        if stray:
+            raise ValueError(f"prompt tag <{stray[0].kind}:{stray[0].name}:...> is not among the applied LoRAs {names}")
+        out.append(stripped)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- sampler names
@@ -437,7 +489,9 @@ def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -
         "CFG scale": _number(p.guidance_scale),
         "Seed": p.seed,
         "Size": f"{p.width}x{p.height}",
+        "Model hash": p.model_hash or None,
         "Model": p.model or None,
+        "VAE": p.vae or None,
         "Image index": p.image_index or None,  # sdjax: the fold_in index; 0 (omitted) for CLI and server images
         **(extra or {}),
     }
@@ -526,6 +580,10 @@ def parameters_from_text(text: str) -> ImageParameters:
             hires=hires,
             refiner=raw.get("Refiner", ""),
             refiner_switch=float(raw["Refiner switch at"]) if "Refiner switch at" in raw else None,
+            clip_skip=int(raw.get("Clip skip", 1)),
+            vae=raw.get("VAE", ""),
+            model_hash=raw.get("Model hash", ""),
+            lora_hashes=raw.get("Lora hashes", ""),
         )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None

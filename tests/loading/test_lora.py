@@ -634,4 +634,4 @@ def test_cli_lora_options_and_prompt_tags(sd1_dir, sd1_loras, tmp_path, monkeypa
         got = np.asarray(Image.open(png).convert("RGB"), np.int16)
         assert np.abs(got - ref).max() <= 1, i
     r = CliRunner().invoke(cli.app, [*common, "x <lora:nope:1>", "--prompt-syntax", "a1111", "-o", str(tmp_path)])
-    assert r.exit_code == 1 and "nope" in r.output
+    assert r.exit_code == 2 and "nope" in r.output and "PROMPT" in r.output  # before the model loads

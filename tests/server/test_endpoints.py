@@ -73,11 +73,13 @@ def test_scheduler_field(http):
 
 
 def test_override_settings_honoured_or_refused(http):
-    ok = {"sd_model_checkpoint": "fake-model", "CLIP_stop_at_last_layers": 1, "samples_format": "PNG"}
+    ok = {"sd_model_checkpoint": "fake-model", "CLIP_stop_at_last_layers": 1, "samples_format": "PNG", "sd_vae": "None"}
     assert http.post(A1111, json={"prompt": "x", "override_settings": ok}).status_code == 200
     assert http.post(A1111, json={"prompt": "x", "override_settings": {}}).status_code == 200
     for settings, key, words in (
-        ({"CLIP_stop_at_last_layers": 2}, "override_settings.CLIP_stop_at_last_layers", "cannot be honoured"),
+        ({"CLIP_stop_at_last_layers": 2}, "override_settings.CLIP_stop_at_last_layers", "no CLIP text encoder"),
+        ({"CLIP_stop_at_last_layers": "2"}, "override_settings.CLIP_stop_at_last_layers", "not an int"),
+        ({"sd_vae": "other.safetensors"}, "override_settings.sd_vae", "no VAE/ folder"),
         ({"sd_model_checkpoint": "other"}, "override_settings.sd_model_checkpoint", "cannot be honoured"),
         ({"enable_pnginfo": False}, "override_settings.enable_pnginfo", "not supported"),
         ({"samples_format": "jpg"}, "override_settings.samples_format", "png"),

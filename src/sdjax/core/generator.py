@@ -513,6 +513,9 @@ class Generator:
         if len(negative_prompts) != n:
             raise ValueError(f"negative_prompts: got {len(negative_prompts)} for {n} images")
         neg_texts = [p if isinstance(p, str) else "" for p in negs]
+        skip = (conditioning or {}).get("clip_skip")
+        if pad and isinstance(skip, (list, tuple, np.ndarray)) and len(skip) == n:  # per-image: padding takes 1
+            conditioning = {**conditioning, "clip_skip": [*skip, *[1] * pad]}
         if prompt_syntax not in (None, "plain", "a1111"):
             raise ValueError(f"prompt_syntax={prompt_syntax!r} must be 'plain' or 'a1111'")
         chunks = 0

@@ -10,9 +10,12 @@ Endpoints:
   behind those urls, for `file_ttl_s`), `GET /v1/models`;
 - AUTOMATIC1111: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/interrupt`, `POST /sdapi/v1/skip`,
   `GET /sdapi/v1/progress` (with a latent preview as `current_image` when the pipeline reports latents; null
-  otherwise), `GET /sdapi/v1/samplers`, `GET /sdapi/v1/schedulers`, `GET /sdapi/v1/sd-models`,
-  `GET|POST /sdapi/v1/options` (POST switches `sd_model_checkpoint` when the server has a models directory; any
-  setting it cannot honour answers 422), `POST /sdapi/v1/png-info`.
+  otherwise), `GET /sdapi/v1/samplers`, `GET /sdapi/v1/schedulers`, `GET /sdapi/v1/sd-models`, `/loras`,
+  `/embeddings`, `/sd-vae`, `POST /sdapi/v1/refresh-checkpoints`, `/refresh-loras`, `/refresh-vae` (the models
+  directory: `server.models_api`), `GET|POST /sdapi/v1/options` (POST switches `sd_model_checkpoint` when the
+  server has a models directory, and sets the default `CLIP_stop_at_last_layers` and `sd_vae`; any setting it
+  cannot honour answers 422), `POST /sdapi/v1/png-info`. `<lora:...>` prompt tags and `override_settings.sd_vae`
+  are applied per batch as params (`server.networks`).
 
 Errors have one shape per API (`sdjax.server.errors`): invalid input 422 naming the field, a body too large 413,
 truncated 400, too slow 408, bad credentials 401, queue full 429 with `Retry-After`, no result within the request
@@ -52,14 +55,17 @@ from sdjax.metadata import (
     png_bytes,
     sampler_display_name,
     sampler_id,
+    strip_lora_tags,
 )
 from sdjax.samplers import a1111
 from sdjax.server import controlnet as controlnet_api
+from sdjax.server import models_api
 from sdjax.server.batching import Batcher, Outcome, QueueFull, ShuttingDown
 from sdjax.server.errors import APIError, error_body, internal_error
 from sdjax.server.files import FileStore
 from sdjax.server.guard import Auth, Guard, call_when_exiting, protocol_class, request_id_of
 from sdjax.server.metrics import Metrics
+from sdjax.server.networks import Networks
 from sdjax.server.schemas import (
     VARIATION_STRENGTH,
     A1111Img2ImgRequest,
@@ -108,6 +114,12 @@ ENDPOINTS = (
     "/sdapi/v1/schedulers",
     "/sdapi/v1/progress",
     "/sdapi/v1/sd-models",
+    "/sdapi/v1/loras",
+    "/sdapi/v1/embeddings",
+    "/sdapi/v1/sd-vae",
+    "/sdapi/v1/refresh-checkpoints",
+    "/sdapi/v1/refresh-loras",
+    "/sdapi/v1/refresh-vae",
     "/sdapi/v1/options",
     "/sdapi/v1/png-info",
 )
@@ -145,7 +157,9 @@ class ServerConfig:
     api_key: str | None = None  # required as `Authorization: Bearer <key>`
     api_auth: tuple[tuple[str, str], ...] = ()  # (user, password) pairs accepted as HTTP basic auth
     cors_origins: tuple[str, ...] = ()
-    models_dir: str | None = None  # folders of diffusers models that POST /sdapi/v1/options may switch to
+    models_dir: str | None = None  # A1111 models directory (or a folder of diffusers models): see models_api
+    checkpoint: str = ""  # the served model's name in the models directory (sd_model_checkpoint); "": model_name
+    vae_name: str = ""  # the VAE the server was started with (sd_vae); "": the model's own ("Automatic")
     controlnet_dir: str | None = None  # ControlNet folders A1111 requests may name (alwayson_scripts.controlnet)
     file_ttl_s: float = 3600.0  # response_format="url" images live this long
     max_files: int = 256
@@ -163,9 +177,13 @@ class Served:
     limits: Limits
     warm_shapes: tuple[tuple[int, int, int, str], ...]
     warm_sizes: tuple[tuple[int, int], ...]
+    checkpoint: str = ""  # its name in the models directory (what sd_model_checkpoint shows)
+    embeddings: Any = None  # GET /sdapi/v1/embeddings: what loading the directory's embeddings into it gave
 
 
-def served_for(pipeline: Any, model_name: str, config: ServerConfig) -> Served:
+def served_for(
+    pipeline: Any, model_name: str, config: ServerConfig, *, checkpoint: str = "", embeddings: Any = None
+) -> Served:
     """Defaults, warm shapes and (with `config.pin`) the pinned limits for `pipeline`."""
     defaults = Defaults.of(pipeline, steps=config.default_steps, sampler=config.default_sampler)
     sizes = config.warm_sizes or ((defaults.width, defaults.height),)
@@ -183,18 +201,7 @@ def served_for(pipeline: Any, model_name: str, config: ServerConfig) -> Served:
             cache.max_entries = config.max_programs
         if config.max_program_bytes is not None:
             cache.max_bytes = config.max_program_bytes
-    return Served(pipeline, model_name, defaults, limits, shapes, tuple(sizes))
-
-
-def list_models(models_dir: str | None) -> dict[str, Path]:
-    """Name -> folder of each diffusers model (a folder with model_index.json) directly inside `models_dir`. A
-    request names a model only by a name from this listing, so no name can reach outside the directory."""
-    if not models_dir:
-        return {}
-    root = Path(models_dir)
-    if not root.is_dir():
-        return {}
-    return {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and (p / "model_index.json").is_file()}
+    return Served(pipeline, model_name, defaults, limits, shapes, tuple(sizes), checkpoint or model_name, embeddings)
 
 
 # ---------------------------------------------------------------------------------------------- app
@@ -206,7 +213,11 @@ def create_app(
     metrics = Metrics(config.max_batch)
     if getattr(getattr(pipeline, "generator", None), "cache", None) is not None:
         metrics.watch_cache(pipeline.generator.cache)
-    box = {"served": served_for(pipeline, config.model_name, config)}
+    md = models_api.open_models_dir(config.models_dir)
+    checkpoint = config.checkpoint or config.model_name
+    embeddings = models_api.load_embeddings(pipeline, md)  # before start-up compiles: vocab grows
+    box = {"served": served_for(pipeline, config.model_name, config, checkpoint=checkpoint, embeddings=embeddings)}
+    networks = Networks(md, served_vae=config.vae_name)  # <lora:...> tags and sd_vae per request, as params
     batcher = Batcher(
         pipeline,
         metrics=metrics,
@@ -219,9 +230,11 @@ def create_app(
         warm_guidance=box["served"].defaults.guidance_scale,
         warm_no_guidance=config.pin,
         progress=config.progress,
+        params_for=networks.params_for,
     )
     files = FileStore(ttl_s=config.file_ttl_s, max_files=config.max_files, max_bytes=config.max_file_bytes)
-    state = {"switching": False}
+    # clip_skip, vae: the defaults POST /sdapi/v1/options set (CLIP_stop_at_last_layers, sd_vae; "": the served VAE)
+    state: dict[str, Any] = {"switching": False, "clip_skip": 1, "vae": ""}
     gate = asyncio.Event()  # cleared while a model switch is under way: new requests wait
     gate.set()
     switch_lock = asyncio.Lock()
@@ -391,21 +404,70 @@ def create_app(
 
     def settings() -> dict[str, Any]:
         return {
-            "sd_model_checkpoint": served().model_name,
+            "sd_model_checkpoint": served().checkpoint,
             "samples_format": "png",
-            "CLIP_stop_at_last_layers": 1,
+            "CLIP_stop_at_last_layers": state["clip_skip"],
             "eta_noise_seed_delta": 0,
-            "sd_vae": "Automatic",
+            "sd_vae": state["vae"] or config.vae_name or "Automatic",
         }
+
+    def same_checkpoint(value: Any) -> bool:
+        """Whether an sd_model_checkpoint value names the served model (any of its names in the directory)."""
+        now = served()
+        if isinstance(value, str) and value.strip().lower() in (now.checkpoint.lower(), now.model_name.lower()):
+            return True
+        if md is None or not isinstance(value, str):
+            return False
+        try:
+            return md.resolve("checkpoint", value).name == md.resolve("checkpoint", now.checkpoint).name
+        except (ValueError, LookupError):
+            return False
+
+    def model_settings(overrides: dict[str, Any], now: Served, field: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model settings of `overrides` checked and taken out -> (GenerationRequest changes, the rest)."""
+        rest = dict(overrides)
+        changes: dict[str, Any] = {"clip_skip": state["clip_skip"], "vae": state["vae"] or config.vae_name}
+        prefix = f"{field}." if field else ""
+        if "CLIP_stop_at_last_layers" in rest:
+            value = rest.pop("CLIP_stop_at_last_layers")
+            changes["clip_skip"] = models_api.clip_skip_setting(
+                value, now.pipeline, f"{prefix}CLIP_stop_at_last_layers"
+            )
+        if "sd_vae" in rest:
+            value = rest.pop("sd_vae")
+            if not isinstance(value, str):
+                raise FieldError(f"{prefix}sd_vae", f"{value!r} is not a VAE name")
+            if value.strip().lower() in models_api.OWN_VAE or (config.vae_name and value.strip() == config.vae_name):
+                changes["vae"] = config.vae_name  # the served params' own VAE
+            else:
+                changes["vae"] = networks.vae(now.pipeline, value, f"{prefix}sd_vae")
+        if "sd_model_checkpoint" in rest and same_checkpoint(rest["sd_model_checkpoint"]):
+            rest.pop("sd_model_checkpoint")
+        return changes, rest
+
+    def request_settings(body: A1111Txt2ImgRequest, now: Served) -> tuple[dict[str, Any], A1111Txt2ImgRequest]:
+        """`override_settings` and `<lora:...>` tags of an A1111 request (files loaded here: run in a thread) ->
+        (the changes to its GenerationRequest, the body to resolve: its prompts without the tags). 422 for the rest."""
+        changes, rest = model_settings(body.override_settings or {}, now, "override_settings")
+        if rest:
+            # per-request model switching is not done: a request's checkpoint must be the served one
+            check_settings(rest, settings(), field="override_settings")
+        texts = {"prompt": body.prompt, "negative_prompt": body.negative_prompt or ""}
+        loras = networks.prompt_loras(now.pipeline, texts)
+        if not loras:
+            return changes, body
+        stripped = dict(zip(texts, strip_lora_tags(list(texts.values()), loras), strict=True))
+        changes.update(loras=loras, lora_hashes=networks.lora_hashes(loras), **texts)  # the tags stay in the prompt
+        return changes, body.model_copy(update=stripped)
 
     @app.post("/sdapi/v1/txt2img", response_model=A1111Txt2ImgResponse,
               summary="Text to image (AUTOMATIC1111 web UI API)")  # fmt: skip
     async def a1111_txt2img(request: Request, body: A1111Txt2ImgRequest) -> dict:
         now = await wait_for_model()
-        if body.override_settings:
-            # per-request model switching is not done: a request's checkpoint must be the served one
-            check_settings(body.override_settings, settings(), field="override_settings")
-        gen = resolve_a1111(body, now.pipeline, now.limits, now.defaults, now.model_name)
+        changes, plain = await asyncio.to_thread(request_settings, body, now)
+        gen = dataclasses.replace(
+            resolve_a1111(plain, now.pipeline, now.limits, now.defaults, now.model_name), **changes
+        )
         gen = await asyncio.to_thread(
             controlnet_api.apply, gen, body.alwayson_scripts, config.controlnet_dir, now.limits, now.pipeline
         )
@@ -421,11 +483,11 @@ def create_app(
               summary="Image to image and inpainting (AUTOMATIC1111 web UI API)")  # fmt: skip
     async def a1111_img2img(request: Request, body: A1111Img2ImgRequest) -> dict:
         now = await wait_for_model()
-        if body.override_settings:
-            check_settings(body.override_settings, settings(), field="override_settings")
+        changes, plain = await asyncio.to_thread(request_settings, body, now)
         gen = await asyncio.to_thread(
-            resolve_a1111_img2img, body, now.pipeline, now.limits, now.defaults, now.model_name
+            resolve_a1111_img2img, plain, now.pipeline, now.limits, now.defaults, now.model_name
         )
+        gen = dataclasses.replace(gen, **changes)
         gen = await asyncio.to_thread(
             controlnet_api.apply, gen, body.alwayson_scripts, config.controlnet_dir, now.limits, now.pipeline
         )
@@ -529,8 +591,9 @@ def create_app(
     @app.post("/sdapi/v1/options", summary="Set options: sd_model_checkpoint switches the model (with a models dir)")
     async def set_options(request: Request, body: dict[str, Any]):
         switchable = frozenset({"sd_model_checkpoint"}) if loader is not None and config.models_dir else frozenset()
+        model, rest = await asyncio.to_thread(model_settings, body, served(), "")
         try:
-            changes = check_settings(body, settings(), field="", switchable=switchable)
+            changes = check_settings(rest, settings(), field="", switchable=switchable)
         except FieldError as e:
             if e.field == "sd_model_checkpoint" and not switchable:
                 raise FieldError(
@@ -541,17 +604,31 @@ def create_app(
                 ) from None
             raise
         if "sd_model_checkpoint" in changes:
-            await switch_model(request, str(changes["sd_model_checkpoint"]))
+            await switch_model(request, changes["sd_model_checkpoint"])
+        if "CLIP_stop_at_last_layers" in body:
+            state["clip_skip"] = models_api.clip_skip_setting(
+                body["CLIP_stop_at_last_layers"], served().pipeline, "CLIP_stop_at_last_layers"
+            )  # checked against the model now served
+        if "sd_vae" in body and "sd_model_checkpoint" not in changes:
+            state["vae"] = "" if model["vae"] == config.vae_name else model["vae"]
         return None
 
-    async def switch_model(request: Request, name: str) -> None:
-        models = list_models(config.models_dir)
-        if name not in models:
-            raise FieldError(
-                "sd_model_checkpoint", f"no model {name!r} in the models directory; known: {sorted(models)}"
-            )
+    async def switch_model(request: Request, value: Any) -> None:
+        if md is None or not isinstance(value, str):
+            raise FieldError("sd_model_checkpoint", f"{value!r} is not a model name")
+        try:
+            entry = md.resolve("checkpoint", value)
+        except (ValueError, LookupError) as e:
+            raise FieldError("sd_model_checkpoint", str(e.args[0] if e.args else e)) from None
+        name = entry.name if entry.is_folder else entry.short_name
+
+        def load() -> tuple[Any, Any, str]:
+            pipe = loader(str(entry.path))
+            title = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
+            return pipe, models_api.load_embeddings(pipe, md), title
+
         async with switch_lock:
-            if name == served().model_name:
+            if same_checkpoint(entry.name):
                 return
             gate.clear()
             state["switching"] = True
@@ -559,7 +636,7 @@ def create_app(
                 await batcher.idle()
                 log.info("switching model to %s", name)
                 try:
-                    pipe = await batcher.run_on_worker(loader, str(models[name]))
+                    pipe, embeddings, title = await batcher.run_on_worker(load)
                 except Exception as e:
                     request_id = request_id_of(request.scope)
                     log.error("could not load %s (request id %s)", name, request_id, exc_info=e)
@@ -570,10 +647,12 @@ def create_app(
                         "model_load_failed",
                         "server_error",
                     ) from None
-                new = served_for(pipe, name, config)
+                new = served_for(pipe, name, config, checkpoint=title, embeddings=embeddings)
                 if getattr(getattr(pipe, "generator", None), "cache", None) is not None:
                     metrics.watch_cache(pipe.generator.cache)
                 batcher.set_pipeline(pipe)
+                networks.clear()
+                state["vae"] = ""  # a VAE is checked against the model it was chosen for
                 box["served"] = new
                 if config.warm:
                     await batcher.warm(new.warm_shapes)
@@ -669,10 +748,35 @@ def create_app(
 
     @app.get("/sdapi/v1/sd-models", summary="Models (AUTOMATIC1111 API): the models directory, or the served one")
     async def sd_models():
-        names = list(list_models(config.models_dir)) or [served().model_name]
-        return [
-            {"title": n, "model_name": n, "hash": None, "sha256": None, "filename": n, "config": None} for n in names
-        ]
+        return await asyncio.to_thread(models_api.sd_models, md, served().checkpoint)
+
+    @app.get("/sdapi/v1/loras", summary="LoRAs of the models directory's Lora/ (AUTOMATIC1111 API)")
+    async def list_loras():
+        return await asyncio.to_thread(models_api.loras, md)
+
+    @app.get("/sdapi/v1/embeddings", summary="Embeddings loaded from the models directory (AUTOMATIC1111 API)")
+    async def list_embeddings():
+        return served().embeddings or {"loaded": {}, "skipped": {}}
+
+    @app.get("/sdapi/v1/sd-vae", summary="VAEs of the models directory's VAE/ (AUTOMATIC1111 API)")
+    async def list_vaes():
+        return await asyncio.to_thread(models_api.sd_vae, md)
+
+    def refresher(kind: str):
+        async def refresh():
+            if md is not None:
+                md.refresh(kind)
+            return None
+
+        return refresh
+
+    for kind, path in (("checkpoint", "checkpoints"), ("lora", "loras"), ("vae", "vae")):
+        app.add_api_route(
+            f"/sdapi/v1/refresh-{path}",
+            refresher(kind),
+            methods=["POST"],
+            summary=f"Rescan the models directory's {kind} folder (AUTOMATIC1111 API)",
+        )
 
     @app.get("/sdapi/v1/progress", summary="Progress of the running batch or of one task (AUTOMATIC1111 API)")
     async def progress(id_task: str | None = None, skip_current_image: bool = False):
@@ -771,7 +875,7 @@ def _a1111_info(request: GenerationRequest, outcome: Outcome, body: A1111Txt2Img
         "face_restoration_model": None,
         "sd_model_name": request.model,
         "sd_model_hash": None,
-        "sd_vae_name": None,
+        "sd_vae_name": request.vae or None,
         "sd_vae_hash": None,
         "seed_resize_from_w": -1,
         "seed_resize_from_h": -1,
@@ -781,7 +885,7 @@ def _a1111_info(request: GenerationRequest, outcome: Outcome, body: A1111Txt2Img
         "infotexts": [im.infotext() for im in images],
         "styles": [],
         "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
-        "clip_skip": 1,
+        "clip_skip": request.clip_skip,
         "is_using_inpainting_conditioning": False,
         "version": f"sdjax {_version()}",
         "stopped": outcome.stopped,

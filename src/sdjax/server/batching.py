@@ -202,6 +202,7 @@ class Batcher:
         warm_guidance: float = 7.5,
         warm_no_guidance: bool = False,
         progress: bool = True,
+        params_for: Callable[[Any, ImageParameters], dict | None] | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be at least 1")
@@ -217,6 +218,7 @@ class Batcher:
         self.warm_guidance = warm_guidance
         self.warm_no_guidance = warm_no_guidance
         self.use_progress = progress
+        self.params_for = params_for  # per-batch params (LoRA sets, VAEs: `server.networks`); None: the pipeline's
         self.set_pipeline(pipeline)
         self.ready = False
         self.stopping = False
@@ -591,6 +593,9 @@ class Batcher:
         kwargs: dict[str, Any] = {}
         if self.supports_stop if pipeline is self.pipeline else accepts_should_stop(pipeline):
             kwargs["should_stop"] = should_stop
+        params = self.params_for(pipeline, images[0]) if self.params_for is not None else None
+        if params is not None:
+            kwargs["params"] = params
         return generate_images(pipeline, images, pad_to=pad_to, progress=progress, **kwargs)
 
     def _on_progress(self, status: BatchStatus, stage: str, step: int, total: int, latents=None, **_: Any) -> None:
