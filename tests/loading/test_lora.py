@@ -259,6 +259,28 @@ def test_sd1_images_match_diffusers(sd1, sd1_loras, torch_sd1):
     assert np.abs(plain - theirs).max() > 2e-2
 
 
+def test_lcm_lora_style_use_matches_diffusers(sd1, sd1_loras, torch_sd1):
+    """The LCM-LoRA recipe (a kohya file over convolutions, resnets' time projections and attention, the LCM
+    sampler, guidance 1 = one branch) gives diffusers' image: `load_lora_weights` + `LCMScheduler.from_config`.
+    One step (LCM adds fresh noise between steps, which the two libraries draw differently)."""
+    from diffusers import LCMScheduler
+
+    sd1.load_lora(sd1_loras[0]["b"], adapter_name="lcm")
+    sd1.set_loras({"lcm": 1.0})
+    ref = diffusers_with(torch_sd1, sd1_loras, {"b": 1.0})
+    ref.scheduler = LCMScheduler.from_config(ref.scheduler.config)
+    kw = dict(num_inference_steps=1, guidance_scale=1.0, output_type="np", height=64, width=64)
+    with torch.no_grad():
+        theirs = ref(prompt="a red boat", latents=torch.from_numpy(LATENTS), **kw).images
+    run = dict(sampler="lcm", guidance_scale=1.0, **{**GENERATE, "steps": 1})
+    ours = sd1.generate("a red boat", **run)
+    sd1.set_loras({})
+    without = sd1.generate("a red boat", **run)
+    err = np.abs(ours - theirs).max()
+    assert err < 1e-3, f"images: max abs error {err:.2e}"
+    assert np.abs(without - theirs).max() > 2e-2  # the LoRA changes the image
+
+
 # ------------------------------------------------------------------------------------------------ SDXL
 @pytest.fixture(scope="module")
 def sdxl_loras(torch_sdxl, tmp_path_factory):
