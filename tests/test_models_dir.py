@@ -33,6 +33,7 @@ def root(tmp_path):
     touch(r / "VAE" / "mse.safetensors")
     touch(r / "VAE" / "xl-vae" / "config.json", b"{}")
     touch(r / "ControlNet" / "canny" / "config.json", b"{}")
+    touch(r / "ControlNet" / "control_v11p_sd15_depth.safetensors")
     outside = tmp_path / "outside"
     touch(outside / "secret.safetensors")
     (outside / "model_index.json").write_text("{}")
@@ -51,7 +52,7 @@ def test_listing_follows_a1111(root):
     assert md.names("lora") == ["detail", "styles/ink"]
     assert md.names("embedding") == ["bad-hands", "old"]
     assert [e.name for e in md.list("vae")] == ["mse.safetensors", "xl-vae"]
-    assert [e.name for e in md.list("controlnet")] == ["canny"]
+    assert [e.name for e in md.list("controlnet")] == ["canny", "control_v11p_sd15_depth.safetensors"]
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ Layout (A1111's `models/` folder; the root may also be the web UI folder that ho
     <root>/Lora/              LoRA files (*.safetensors), named by file name without the extension
     <root>/embeddings/        textual-inversion embeddings (*.safetensors, *.pt, *.bin), named by file name stem
     <root>/VAE/               VAE files (*.safetensors) and diffusers VAE folders (config.json)
-    <root>/ControlNet/        diffusers ControlNet folders (config.json)
+    <root>/ControlNet/        ControlNet files (.safetensors, original or diffusers layout) and diffusers folders
 
 A root without `Stable-diffusion/` is read the way `sdjax serve --models-dir` always read it: a folder that directly
 holds diffusers model folders (the checkpoints), with no LoRA, embedding, VAE or ControlNet folders.
@@ -37,7 +37,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...], str | None]] = {
     "lora": ("Lora", (".safetensors",), None),
     "embedding": ("embeddings", (".safetensors", ".pt", ".bin"), None),
     "vae": ("VAE", (".safetensors",), "config.json"),
-    "controlnet": ("ControlNet", (), "config.json"),
+    "controlnet": ("ControlNet", (".safetensors",), "config.json"),
 }
 _LABELS = {"checkpoint": "model", "lora": "LoRA", "embedding": "embedding", "vae": "VAE", "controlnet": "ControlNet"}
 

@@ -245,3 +245,22 @@ def save_original(
 
 def numpy_state(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+
+
+def controlnet_to_original(sd: dict, config: dict, prefix: str = "") -> dict:
+    """A diffusers ControlNet state dict in the original `cldm` layout: the UNet's encoder half under the UNet's
+    names, the conditioning embedding as `input_hint_block` (SiLUs at the odd indices), `zero_convs.i.0` and
+    `middle_block_out.0`."""
+    unet = {k: v for k, v in sd.items() if not k.startswith("controlnet_")}
+    out = unet_to_original(unet, config, prefix)
+    w = _Writer({k: v for k, v in sd.items() if k.startswith("controlnet_")}, prefix)
+    w.subtree("input_hint_block.0", "controlnet_cond_embedding.conv_in")
+    n = 2 * (len(config["conditioning_embedding_out_channels"]) - 1)
+    for i in range(n):
+        w.subtree(f"input_hint_block.{2 * (i + 1)}", f"controlnet_cond_embedding.blocks.{i}")
+    w.subtree(f"input_hint_block.{2 * (n + 1)}", "controlnet_cond_embedding.conv_out")
+    i = 0
+    while w.subtree(f"zero_convs.{i}.0", f"controlnet_down_blocks.{i}"):
+        i += 1
+    w.subtree("middle_block_out.0", "controlnet_mid_block")
+    return {**out, **w.done()}

@@ -870,3 +870,20 @@ def test_convert_command(single_file, sd1_dir, folder_load, tmp_path, monkeypatc
     res = runner.invoke(cli.app, ["convert", str(single_file("sd1")), str(target), "--config", str(sd1_dir)])
     assert res.exit_code == 1 and "disk full while writing unet" in res.output
     assert not target.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+
+
+def test_safetensors_header_length_ending_in_0x80_is_not_a_pickle(tmp_path):
+    """Regression: a safetensors file whose header length's low byte is 0x80 (the byte a raw pickle starts with)
+    was refused as a pickle. One header size in 256 does that."""
+    from safetensors.numpy import save_file
+
+    from sdjax.loading.single_file import open_checkpoint
+
+    path = tmp_path / "w.safetensors"
+    for pad in range(300):
+        save_file({"w": np.arange(6, dtype=np.float32)}, str(path), metadata={"pad": "x" * pad})
+        if path.read_bytes()[0] == 0x80:
+            break
+    assert path.read_bytes()[0] == 0x80
+    with open_checkpoint(path) as ckpt:
+        np.testing.assert_array_equal(np.asarray(ckpt["w"]), np.arange(6, dtype=np.float32))

@@ -24,6 +24,7 @@ def setup(sd1_dir, torch_sd1, tmp_path_factory):
     root = tmp_path_factory.mktemp("controlnets")
     torch_controlnet(torch_sd1.unet, 11).save_pretrained(root / "tiny_canny", safe_serialization=True)
     (root / "not-a-net").mkdir()
+    (root / "control_v11p_sd15_depth.safetensors").write_bytes(b"")  # single files are listed by their stem
     pipe = cli.load_pipeline(str(sd1_dir), "float32")
     pixels = ((np.random.default_rng(4).random((64, 64, 3)) > 0.5) * 255).astype(np.uint8)
     buf = io.BytesIO()
@@ -43,7 +44,7 @@ def _body(image_b64, **unit):
 
 def test_listings(setup):
     *_, c = setup
-    assert c.get("/controlnet/model_list").json() == {"model_list": ["tiny_canny"]}
+    assert c.get("/controlnet/model_list").json() == {"model_list": ["control_v11p_sd15_depth", "tiny_canny"]}
     modules = c.get("/controlnet/module_list").json()["module_list"]
     assert {"none", "canny", "invert", "depth"} <= set(modules)
 

@@ -249,6 +249,33 @@ def openclip_source(key: str, config: Any = None) -> Source:
     raise KeyError(key)
 
 
+# ---------------------------------------------------------------------------------------------------- ControlNet
+CONTROLNET_PREFIX = "control_model."  # ControlNet 1.0 files (beside the whole SD model); 1.1 files have no prefix
+_HINT = re.compile(r"controlnet_cond_embedding\.blocks[._](\d+)\.(weight|bias)")
+_ZERO = re.compile(r"controlnet_down_blocks[._](\d+)\.(weight|bias)")
+
+
+def controlnet_source(key: str, config: Any) -> Source:
+    """The original (`cldm`) key of diffusers ControlNet key `key`: the UNet's encoder half under the UNet's names,
+    `input_hint_block.{0,2,...}` (the conditioning embedding's convolutions, SiLUs between them), `zero_convs.i.0`
+    and `middle_block_out.0`."""
+    module, param = _split(key)
+    if module == "controlnet_cond_embedding.conv_in":
+        return Source(f"input_hint_block.0.{param}")
+    if m := _HINT.fullmatch(key):
+        return Source(f"input_hint_block.{2 * (int(m.group(1)) + 1)}.{param}")
+    if module == "controlnet_cond_embedding.conv_out":
+        n = 2 * (len(config.conditioning_embedding_out_channels) - 1)
+        return Source(f"input_hint_block.{2 * (n + 1)}.{param}")
+    if m := _ZERO.fullmatch(key):
+        return Source(f"zero_convs.{m.group(1)}.0.{param}")
+    if module == "controlnet_mid_block":
+        return Source(f"middle_block_out.0.{param}")
+    if module in ("conv_norm_out", "conv_out"):
+        raise KeyError(key)
+    return unet_source(key, config)
+
+
 # Per layout kind: the source function and the keys (relative to the prefix) an original file may hold that the
 # diffusers model does not use: buffers (`position_ids`, OpenCLIP's causal `attn_mask`), CLIP's `logit_scale`, the
 # VAE's training loss (`loss.*`, kept by some un-pruned files).
@@ -257,10 +284,12 @@ SOURCES: dict[str, Callable[[str, Any], Source]] = {
     "vae": vae_source,
     "clip": clip_source,
     "openclip": openclip_source,
+    "controlnet": controlnet_source,
 }
 IGNORED: dict[str, tuple[re.Pattern, ...]] = {
     "unet": (),
     "vae": (re.compile(r"loss\..*"),),
     "clip": (re.compile(r"(text_model\.)?embeddings\.position_ids"), re.compile(r"logit_scale")),
     "openclip": (re.compile(r"logit_scale"), re.compile(r"attn_mask")),
+    "controlnet": (),
 }

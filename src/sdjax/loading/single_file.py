@@ -162,8 +162,14 @@ def open_checkpoint(path: str | os.PathLike, *, allow_pickle: bool = False) -> C
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     with path.open("rb") as f:
-        head = f.read(8)
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80" or path.suffix.lower() in PICKLE_SUFFIXES:
+        head = f.read(9)
+    # safetensors: an 8-byte little-endian header length, then the JSON header. Checked first: the length's low
+    # byte may be 0x80, which is also how a raw pickle starts.
+    looks_safetensors = (
+        len(head) == 9 and head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= path.stat().st_size
+    )
+    pickled = head[:4] == b"PK\x03\x04" or head[:1] == b"\x80" or path.suffix.lower() in PICKLE_SUFFIXES
+    if pickled and not looks_safetensors:
         if not allow_pickle:
             raise PickleRefusedError(_pickle_refusal(path))
         try:

@@ -30,10 +30,17 @@ _UNIT_KEYS = {
 
 
 def list_controlnets(controlnet_dir: str | None) -> dict[str, Path]:
-    """Name -> folder of each ControlNet (a folder with config.json) directly inside `controlnet_dir`."""
+    """Name -> path of each ControlNet directly inside `controlnet_dir`: a diffusers folder (with config.json) by
+    its name, a `.safetensors` file (`control_v11p_sd15_canny.safetensors`) by its stem."""
     if not controlnet_dir or not Path(controlnet_dir).is_dir():
         return {}
-    return {p.name: p for p in sorted(Path(controlnet_dir).iterdir()) if (p / "config.json").is_file()}
+    out = {}
+    for p in sorted(Path(controlnet_dir).iterdir()):
+        if (p / "config.json").is_file():
+            out[p.name] = p
+        elif p.is_file() and p.suffix.lower() == ".safetensors":
+            out.setdefault(p.stem, p)
+    return out
 
 
 def module_list() -> list[str]:
