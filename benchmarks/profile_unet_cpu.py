@@ -6,6 +6,7 @@ same diffusers PyTorch module with the same random weights, calls interleaved in
     python benchmarks/profile_unet_cpu.py --reps 5 --json unet_pieces.json
     python benchmarks/profile_unet_cpu.py --only attn --hlo  # attention pieces + XLA temp memory / HLO notes
     python benchmarks/profile_unet_cpu.py --full             # also the whole UNet step (two 3.4 GB copies)
+    python benchmarks/profile_unet_cpu.py --only none --full # the whole step alone
     python benchmarks/profile_unet_cpu.py --torch-profile    # torch.profiler op table of the 4096-token attention
 
 Pieces (`PIECES`): time embedding, conv_in, the output head (GroupNorm, SiLU, conv_out), every ResnetBlock2D shape
@@ -377,7 +378,7 @@ def main(argv=None) -> int:
             r["best_s"].setdefault(v, r["best_s"]["sdjax"])
     totals = {v: sum(r["count"] * r["median_s"][v] for r in step_rows) for v in ["torch", *variant_specs]}
     for r in step_rows:
-        r["share"] = {v: r["count"] * r["median_s"][v] / totals[v] for v in ("sdjax", "torch")}
+        r["share"] = {v: r["count"] * r["median_s"][v] / max(totals[v], 1e-12) for v in ("sdjax", "torch")}
     result = {"rows": rows, "step_sum_s": totals, "reps": args.reps, "variants": variant_specs}
 
     if args.torch_profile:
@@ -385,8 +386,9 @@ def main(argv=None) -> int:
     if args.full:
         result["full_step"] = _full_step(jax, jnp, torch, ops_conv, args.reps)
 
-    print()
-    print(table(result))
+    if rows:
+        print()
+        print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

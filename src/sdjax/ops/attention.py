@@ -8,14 +8,15 @@ implementations compute the same function (scores and softmax in float32); they 
   (T = S = 4096, B*H = 16) the scores are 1 GiB: every pass over them streams that through memory.
 - "deferred": the same, but the softmax normalization is applied after `p @ v` (`(exp(s - max) @ v) / sum`),
   dividing a `(B, H, T, Dv)` tensor instead of the scores: one pass over the scores fewer (as flash attention).
-- "chunked": the softmax on blocks of `chunk_size` queries, one (batch, head) at a time (`lax.map`), so each
-  block's scores stay in cache; memory O(chunk * S).
+- "chunked": the softmax on blocks of `chunk_size` queries, one (batch, head) at a time (`lax.map`), each block
+  two plain 2-D matrix products, so each block's scores stay in cache; memory O(chunk * S).
 - "flash": online softmax over key blocks of `block_size` (Dao et al. 2022, "FlashAttention"), all heads at once.
 - "dot_product": `jax.nn.dot_product_attention`: cuDNN flash attention on GPU for half-precision inputs with head
   widths it supports, XLA's lowering elsewhere.
 - "auto" (the default; see `resolve`): "dot_product" on GPU, "chunked" on CPU above `AUTO_CHUNK_ABOVE` query
-  tokens (a 512x512 image's 64x64 latent), "xla" otherwise. On XLA:CPU chunking made the SD 1.5 UNet step 17.3 s
-  -> 11.6 s (docs/benchmarks.md).
+  tokens (the 32x32 and 64x64 levels of a 512x512 image's UNet), "xla" otherwise. On XLA:CPU chunking made the
+  SD 1.5 UNet step 17.3 s -> 11.6 s; chunking the 1024-token level too and 2-D block products took the
+  1024-token self-attention from 2.3x to 0.6x PyTorch's time (docs/benchmarks.md).
 
 `split_head_dim` keeps heads on their own axis `(B, T, H, D)` instead of folding them into the batch; `upcast`
 computes q k^T from float32 q and k (diffusers `upcast_attention`, SD 2.1). Neither changes the numbers beyond
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product")
-AUTO_CHUNK_ABOVE = 1024
+AUTO_CHUNK_ABOVE = 256
 
 
 def resolve(implementation: str, query_tokens: int) -> str:
