@@ -29,6 +29,17 @@ def test_matches_torch(impl, t, s):
     np.testing.assert_allclose(np.asarray(got), _torch_sdpa(q, k, v, heads), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("chunk", [16, 50, 1024])
+def test_chunked_any_chunk_size_matches_torch(chunk):
+    """Blocks that divide the queries, that need padding, and one block larger than the sequence (one block per
+    head, CPU's "auto" above AUTO_CHUNK_ABOVE tokens)."""
+    rng = np.random.default_rng(chunk)
+    heads, d = 2, 40
+    q, k, v = (rng.standard_normal((2, n, heads * d), dtype=np.float32) for n in (50, 77, 77))
+    got = jax.jit(lambda q, k, v: attention(q, k, v, heads=heads, implementation="chunked", chunk_size=chunk))(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), _torch_sdpa(q, k, v, heads), rtol=2e-5, atol=2e-5)
+
+
 def test_bad_arguments():
     x = np.zeros((1, 4, 6), np.float32)
     with pytest.raises(ValueError, match="unknown implementation 'sparse'"):

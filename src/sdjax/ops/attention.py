@@ -8,14 +8,15 @@ implementations compute the same function (scores and softmax in float32); they 
   (T = S = 4096, B*H = 16) the scores are 1 GiB: every pass over them streams that through memory.
 - "deferred": the same, but the softmax normalization is applied after `p @ v` (`(exp(s - max) @ v) / sum`),
   dividing a `(B, H, T, Dv)` tensor instead of the scores: one pass over the scores fewer (as flash attention).
-- "chunked": the softmax on blocks of `chunk_size` queries, one (batch, head) at a time (`lax.map`), so each
-  block's scores stay in cache; memory O(chunk * S).
+- "chunked": the softmax on blocks of `chunk_size` queries, one (batch, head) at a time (`lax.map`), each block
+  two plain 2-D matrix products, so each block's scores stay in cache; memory O(chunk * S).
 - "flash": online softmax over key blocks of `block_size` (Dao et al. 2022, "FlashAttention"), all heads at once.
 - "dot_product": `jax.nn.dot_product_attention`: cuDNN flash attention on GPU for half-precision inputs with head
   widths it supports, XLA's lowering elsewhere.
 - "auto" (the default; see `resolve`): "dot_product" on GPU, "chunked" on CPU above `AUTO_CHUNK_ABOVE` query
-  tokens (a 512x512 image's 64x64 latent), "xla" otherwise. On XLA:CPU chunking made the SD 1.5 UNet step 17.3 s
-  -> 11.6 s (docs/benchmarks.md).
+  tokens (the 32x32 and 64x64 levels of a 512x512 image's UNet), "xla" otherwise. On XLA:CPU chunking made the
+  SD 1.5 UNet step 17.3 s -> 11.6 s; chunking the 1024-token level too and 2-D block products took the
+  1024-token self-attention from 2.3x to 0.6x PyTorch's time (docs/benchmarks.md).
 
 `split_head_dim` keeps heads on their own axis `(B, T, H, D)` instead of folding them into the batch; `upcast`
 computes q k^T from float32 q and k (diffusers `upcast_attention`, SD 2.1). Neither changes the numbers beyond
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product")
-AUTO_CHUNK_ABOVE = 1024
+AUTO_CHUNK_ABOVE = 256
 
 
 def resolve(implementation: str, query_tokens: int) -> str:
@@ -72,32 +73,42 @@ def _fold_heads(x_btnd):
     return jnp.transpose(x_btnd, (0, 2, 1, 3)).reshape(b * n, t, d)
 
 
-def _softmax_block(q_ntd, k_nsd, v_nsd):
-    """Softmax attention of head-folded `(N, T, D)` blocks, normalization deferred after `p @ v`."""
-    s = jnp.einsum("ntd,nsd->nts", q_ntd, k_nsd, preferred_element_type=jnp.float32)
-    s = s * (1.0 / math.sqrt(q_ntd.shape[-1]))
-    e = jnp.exp(s - lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
-    o = jnp.einsum("nts,nsd->ntd", e.astype(v_nsd.dtype), v_nsd, preferred_element_type=jnp.float32)
-    return (o / jnp.sum(e, axis=-1, keepdims=True)).astype(v_nsd.dtype)
+def _softmax_block(q_td, k_sd, v_sw, dv):
+    """Softmax attention of one head's `(T, D)` query block as plain 2-D matrix products, normalization deferred
+    after `p @ v`. `v_sw` is the head's values with a column of ones at `dv` (zero-padded after it): the product
+    `exp(s - max) @ v_sw` gives the softmax denominators in that column, with no pass of its own over the scores.
+
+    On XLA:CPU a 2-D `dot` runs faster than the same product written with a batch axis of size 1
+    (`(1, T, D) x (1, S, D)`); scaling q instead of the scores and the ones column each save a pass over the
+    `(T, S)` block (measured in `docs/benchmarks.md`).
+    """
+    q_td = q_td * jnp.asarray(1.0 / math.sqrt(q_td.shape[-1]), q_td.dtype)
+    s_ts = jnp.dot(q_td, k_sd.T, preferred_element_type=jnp.float32)
+    e = jnp.exp(s_ts - lax.stop_gradient(jnp.max(s_ts, axis=-1, keepdims=True)))
+    o = jnp.dot(e.astype(v_sw.dtype), v_sw, preferred_element_type=jnp.float32)
+    return (o[:, :dv] / o[:, dv : dv + 1]).astype(v_sw.dtype)
 
 
 def _attend_chunked(q_btnd, k_bsnd, v_bsnd, chunk):
     """One (batch, head) at a time, queries in blocks of `chunk`: a block's scores are `chunk * S` floats."""
     b, t, n, _ = q_btnd.shape
-    if t <= chunk:
-        return _attend_xla(q_btnd, k_bsnd, v_bsnd)
+    chunk = min(chunk, t)
     q_ntd, k_nsd, v_nsd = _fold_heads(q_btnd), _fold_heads(k_bsnd), _fold_heads(v_bsnd)
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
     if pad:  # padded query rows are computed and dropped
         q_ntd = jnp.pad(q_ntd, ((0, 0), (0, pad), (0, 0)))
     q_nctd = q_ntd.reshape(b * n, n_chunks, chunk, -1)
+    dv = v_nsd.shape[-1]
+    width = -(-(dv + 1) // 8) * 8  # values, the ones column, zeros to a multiple of 8
+    ones = jnp.ones(v_nsd.shape[:2] + (1,), v_nsd.dtype)
+    v_nsw = jnp.pad(jnp.concatenate([v_nsd, ones], axis=-1), ((0, 0), (0, 0), (0, width - dv - 1)))
 
     def one_head(args):
-        q_ctd, k_sd, v_sd = args
-        return lax.map(lambda q_td: _softmax_block(q_td[None], k_sd[None], v_sd[None])[0], q_ctd)
+        q_ctd, k_sd, v_sw = args
+        return lax.map(lambda q_td: _softmax_block(q_td, k_sd, v_sw, dv), q_ctd)
 
-    out_nctd = lax.map(one_head, (q_nctd, k_nsd, v_nsd))
+    out_nctd = lax.map(one_head, (q_nctd, k_nsd, v_nsw))
     out_ntd = out_nctd.reshape(b * n, n_chunks * chunk, -1)[:, :t]
     return jnp.transpose(out_ntd.reshape(b, n, t, -1), (0, 2, 1, 3))
 
