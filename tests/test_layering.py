@@ -27,6 +27,7 @@ LAYERS = {
     "bench": 6,
     "aot": 6,
     "bench_samplers": 6,
+    "bench_controlnet": 6,
     "cli": 7,
     "server": 7,
     "__init__": 8,
