@@ -10,10 +10,10 @@ residuals -- in sdjax `core.controlnet.ControlSpec(...).hook(...).model_kwargs` 
 
 Weights are random (`models.presets`): the UNet of `arch` and ControlNets shaped like it (diffusers'
 `ControlNetModel.from_unet` keys). The K nets share one weight set on each side (the memory of one net, the
-compute of K), so that SD 1.5 in float32 with two nets fits beside its PyTorch twin (each process holds a UNet
-and one net: about 5 GB). Timing as `sdjax bench --torch` (`bench._time_side_by_side`): one warm call per side,
-then calls alternating between sdjax and the torch worker, so a shared machine slows both alike and the ratios
-hold where the absolute times do not.
+compute of K), so that SD 1.5 in float32 with two nets fits beside its PyTorch twin (torch: a UNet and one net,
+about 5 GB; sdjax: those and the UNet's Winograd kernels on CPU, about 9 GB). Timing as `sdjax bench --torch`
+(`bench._time_side_by_side`): one warm call per side, then calls alternating between sdjax and the torch worker,
+so a shared machine slows both alike and the ratios hold where the absolute times do not.
 """
 
 from __future__ import annotations
@@ -120,7 +120,10 @@ def run(cfg: ControlNetBenchConfig, log: Callable[[str], None] = lambda s: None)
     log(f"building a random {cfg.arch} UNet and ControlNet")
     unet = UNet2DConditionModel(UNet2DConditionConfig.from_dict(a.unet, source=f"{cfg.arch} unet"), dtype=dtype)
     net = ControlNetModel(ControlNetConfig.from_dict(controlnet_config(a.unet), source="controlnet"), dtype=dtype)
-    unet_params = jax.jit(ops_conv.prepare)(random_params(unet.init_params_shape(unet.config), cfg.seed, dtype))
+    # (donated: the prepared tree reuses the random weights' buffers instead of copying them beside the originals)
+    unet_params = jax.jit(ops_conv.prepare, donate_argnums=0)(
+        random_params(unet.init_params_shape(unet.config), cfg.seed, dtype)
+    )
     net_params = random_params(net.init_params_shape(net.config), cfg.seed + 1, dtype) if max(cfg.controlnets) else None
     host = _inputs(cfg, a.unet)
     x, t = jnp.asarray(host["x"], dtype), jnp.asarray(host["t"])
