@@ -28,6 +28,7 @@ LAYERS = {
     "bench": 6,
     "aot": 6,
     "bench_samplers": 6,
+    "bench_controlnet": 6,
     "cli": 7,
     "cli_models": 7,
     "server": 7,

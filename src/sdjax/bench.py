@@ -383,9 +383,11 @@ class TorchWorker:
     diffusers print to stderr, which goes to a temporary file shown if the worker fails).
     """
 
-    def __init__(self, cfg: BenchConfig, height: int, width: int):
+    def __init__(self, cfg: Any, height: int, width: int, *, serve: str = "sdjax.bench:_torch_serve"):
+        """`cfg`: a config dataclass that `serve` ("module:function", run in the worker with the spec) reads."""
         spec = {"config": dataclasses.asdict(cfg), "height": height, "width": width}
-        code = "import json, sys; from sdjax.bench import _torch_serve; _torch_serve(json.loads(sys.argv[1]))"
+        module, _, function = serve.partition(":")
+        code = f"import json, sys; from {module} import {function}; {function}(json.loads(sys.argv[1]))"
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
             [sys.executable, "-c", code, json.dumps(spec)],
@@ -422,7 +424,7 @@ class TorchWorker:
                 return reply
 
     def call(self, piece: str) -> float:
-        """Seconds one call of `piece` (text, unet, decode, e2e) took in torch."""
+        """Seconds one call of `piece` (text, unet, decode, e2e; the serve function's names) took in torch."""
         return float(self._request({"cmd": "run", "piece": piece})["s"])
 
     def info(self) -> dict[str, Any]:
@@ -495,8 +497,7 @@ def _torch_serve(spec: dict) -> None:
     """The worker's loop (see `TorchWorker`)."""
     import torch
 
-    reply = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # library prints go to stderr, the replies alone to the original stdout
+    reply = worker_stdout()
     cfg = BenchConfig(**spec["config"])
     height, width, b = spec["height"], spec["width"], cfg.batch
     torch.set_num_threads(os.cpu_count() or 1)
@@ -548,9 +549,21 @@ def _torch_serve(spec: dict) -> None:
         ),
     }
 
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
+    serve_pieces(pieces, dev, reply)
+
+
+def worker_stdout():
+    """The worker's reply stream: the original stdout, which from now on only replies reach (whatever torch or
+    diffusers print goes to stderr)."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return reply
+
+
+def serve_pieces(pieces: dict[str, Callable[[], Any]], dev: str, reply) -> None:
+    """A worker's request loop: "ready" (device, threads, torch version), "run" one piece (seconds, synchronized
+    on CUDA, under `torch.inference_mode`), "info" (peak memory); one JSON line per reply."""
+    import torch
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -560,7 +573,8 @@ def _torch_serve(spec: dict) -> None:
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 pieces[request["piece"]]()
-                sync()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
                 out = {"s": time.perf_counter() - t0}
         else:  # info
             out = {"process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -1234,7 +1234,7 @@ class Arch(str, enum.Enum):
 
 bench_app = typer.Typer(
     help="Benchmarks: `sdjax bench [OPTIONS]` times the pipeline's pieces; `sdjax bench samplers` measures quality "
-    "per step of the samplers."
+    "per step of the samplers; `sdjax bench controlnet` the cost of ControlNets per step."
 )
 app.add_typer(bench_app, name="bench")
 
@@ -1390,6 +1390,60 @@ def bench_samplers(
             err.print("no plot: matplotlib is not installed (pip install 'sdjax[bench]')", highlight=False)
     if json_out is not None:
         lib.write_json(result, json_out)
+        err.print(f"wrote {json_out}", highlight=False)
+
+
+@bench_app.command("controlnet")
+def bench_controlnet(
+    controlnets: Annotated[str, typer.Option(help="Comma-separated numbers of ControlNets to time.")] = "0,1,2",
+    arch: Annotated[
+        Arch, typer.Option(help="The UNet (random weights); the ControlNets are shaped like it.")
+    ] = Arch.sd15,
+    height: Annotated[int | None, typer.Option(help="Image height. Default: the architecture's.")] = None,
+    width: Annotated[int | None, typer.Option(help="Image width. Default: the architecture's.")] = None,
+    batch: Annotated[int, typer.Option(min=1, help="Images per step (x2 with classifier-free guidance).")] = 1,
+    dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
+    reps: Annotated[int, typer.Option(min=1, help="Timed calls per case (after one warm call).")] = 3,
+    torch: Annotated[
+        bool, typer.Option("--torch", help="Also time the step in PyTorch diffusers, side by side, and show ratios.")
+    ] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
+) -> None:
+    """Time one denoising step (UNet with CFG) with 0, 1, 2, ... ControlNets."""
+    from sdjax import bench_controlnet as lib
+
+    try:
+        counts = tuple(int(k) for k in controlnets.split(","))
+    except ValueError:
+        raise typer.BadParameter(
+            f"{controlnets!r}: expected comma-separated integers", param_hint="--controlnets"
+        ) from None
+    cfg = lib.ControlNetBenchConfig(
+        arch=arch.value, controlnets=counts, height=height, width=width, batch=batch, dtype=dtype.value, reps=reps,
+        torch=torch,
+    )  # fmt: skip
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if json_out is not None and not json_out.parent.is_dir():
+        raise typer.BadParameter(f"folder {json_out.parent} does not exist", param_hint="--json")
+    err = Console(stderr=True)
+    try:
+        with err.status("benchmarking ControlNet steps") as status:
+            result = lib.run(cfg, log=lambda s: status.update(s))
+    except (ValueError, RuntimeError) as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    cols, rows = lib.table_rows(result)
+    table = Table(*cols, title="sdjax bench controlnet")
+    for row in rows:
+        table.add_row(*row)
+    out.print(lib.summary_line(result), highlight=False)
+    out.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=2))
         err.print(f"wrote {json_out}", highlight=False)
 
 

@@ -347,3 +347,128 @@ def test_sdxl_inpaint_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
         pipe, None, seed=4, control_image=cond, controlnet=net, controlnet_conditioning_scale=0.5, **kwargs
     )
     assert float(np.abs(half - ref).max()) > 10 * ATOL, "the default scale is not diffusers' 1.0"
+
+
+def test_sdxl_guess_mode_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+    """SDXL guess mode: the net sees the conditional half only, with its `text_embeds` and `time_ids`."""
+    import diffusers
+
+    from sdjax import StableDiffusionXLPipeline
+
+    torch_net, net = sdxl_net
+    torch_pipe = diffusers.StableDiffusionXLControlNetPipeline(**torch_sdxl.components, controlnet=torch_net)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    sampler = pipe._sampler(None)
+    keys = inject.image_keys(8, 2)
+    cond = control_images(7)
+    start, end = window(sampler, STEPS)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, guess_mode=True
+    )
+    out = sd_generate(pipe, None, seed=8, control_image=cond, controlnet=net, height=64, width=64, guess_mode=True)
+    both = sd_generate(pipe, None, seed=8, control_image=cond, controlnet=net, height=64, width=64)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - both).max()) > 50 * ATOL, "guess mode changed nothing"
+
+
+def test_two_nets_img2img_match_multicontrolnet(sd, sd_nets, torch_sd1, sd1_dir):
+    """`StableDiffusionControlNetImg2ImgPipeline` with `MultiControlNetModel`: per-net scales and windows, one map
+    per net shared by every image (diffusers' image-to-image and inpainting pipelines refuse per-image maps with
+    several nets: "A single batch of multiple conditionings are supported at the moment")."""
+    import diffusers
+
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetImg2ImgPipeline(**torch_sd1.components, controlnet=list(torch_nets))
+    swap(torch_pipe, sd1_dir, "EulerDiscreteScheduler")
+    sampler = sd._sampler("euler")
+    keys = inject.image_keys(9, 2)
+    (a, b), init = control_images(8), init_images()
+    case = dict(
+        controlnet_conditioning_scale=[0.9, 0.6], control_guidance_start=[0.0, 0.3], control_guidance_end=[0.8, 1.0]
+    )
+    start, end = window(sampler, STEPS, strength=0.7)
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end, streams=[rng.ENCODE_IMAGE], image=init,
+        control_image=[a, b], strength=0.7, height=64, width=64, **case,
+    )  # fmt: skip
+    out = sd_generate(
+        sd, "euler", seed=9, image=init, strength=0.7, control_image=[a, b], controlnet=list(nets), **case
+    )
+    one = sd_generate(
+        sd, "euler", seed=9, image=init, strength=0.7, control_image=a, controlnet=nets[0],
+        controlnet_conditioning_scale=0.9, control_guidance_end=0.8,
+    )  # fmt: skip
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - one).max()) > 50 * ATOL, "the second net did not change the image"
+
+
+def test_two_nets_inpaint_match_multicontrolnet(inpaint9, sd_nets):
+    """`StableDiffusionControlNetInpaintPipeline` (9-channel UNet) with `MultiControlNetModel`: both nets see the
+    latent channels only; one map per net for every image; the default scale 0.5 for each net."""
+    import diffusers
+
+    parts, folder = inpaint9
+    torch_nets, nets = sd_nets
+    torch_pipe = diffusers.StableDiffusionControlNetInpaintPipeline(**parts, controlnet=list(torch_nets))
+    swap(torch_pipe, folder, "DDIMScheduler")
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    sampler = pipe._sampler("ddim")
+    keys, strength = inject.image_keys(10, 2), 0.8
+    a, b = control_images(10)
+    init, mask = init_images(), masks()
+    start, end = window(sampler, STEPS, strength=strength)
+    case = dict(control_guidance_start=[0.2, 0.0], control_guidance_end=[1.0, 0.6])
+    ref = run_torch(
+        torch_pipe, sampler=sampler, keys=keys, start=start, end=end,
+        streams=[rng.ENCODE_IMAGE, rng.ENCODE_MASKED_IMAGE], image=init, mask_image=mask, control_image=[a, b],
+        strength=strength, height=64, width=64, **case,
+    )  # fmt: skip
+    kwargs = dict(image=init, mask_image=mask, strength=strength)
+    out = sd_generate(pipe, "ddim", seed=10, **kwargs, control_image=[a, b], controlnet=list(nets), **case)
+    one = sd_generate(pipe, "ddim", seed=10, **kwargs, control_image=a, controlnet=nets[0], control_guidance_start=0.2)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(out - one).max()) > 50 * ATOL, "the second net did not change the image"
+
+
+def test_guidance_distilled_unet_with_controlnet_matches_diffusers(torch_sd1, tmp_path_factory):
+    """An LCM-style UNet (`time_cond_proj_dim`) with a ControlNet in `StableDiffusionControlNetPipeline`: no
+    classifier-free guidance, the guidance embedding goes to the UNet only (`timestep_cond=`); the ControlNet gets
+    none (diffusers' `ControlNetModel` has no `cond_proj`, and the pipeline does not pass it)."""
+    import diffusers
+
+    from sdjax.loading.controlnet import FlaxControlNetModel
+
+    unet = reference.unet({**reference.UNET_SD1, "time_cond_proj_dim": 32}, seed=5)
+    # (a net from the plain UNet: `from_unet` cannot copy an LCM UNet's time embedding, which has a `cond_proj`)
+    torch_net = torch_controlnet(torch_sd1.unet, 13)
+    parts = {**torch_sd1.components, "unet": unet}
+    folder = tmp_path_factory.mktemp("tiny-lcm-cn")
+    diffusers.StableDiffusionPipeline(**parts).save_pretrained(folder, safe_serialization=True)
+    net_folder = tmp_path_factory.mktemp("tiny-lcm-cn-net")
+    torch_net.save_pretrained(net_folder, safe_serialization=True)
+    assert "time_cond_proj_dim" not in json.loads((net_folder / "config.json").read_text())
+    torch_pipe = diffusers.StableDiffusionControlNetPipeline(**parts, controlnet=torch_net)
+    swap(torch_pipe, folder, "EulerDiscreteScheduler")
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    net = FlaxControlNetModel.from_pretrained(str(net_folder))
+    latents = np.random.default_rng(3).standard_normal((2, *SHAPE)).astype(np.float32)
+    cond = control_images(11)
+    common = dict(height=64, width=64, output_type="np")
+    with torch.no_grad():
+        ref = torch_pipe(
+            PROMPTS, image=cond, num_inference_steps=3, guidance_scale=4.0, latents=torch.from_numpy(latents),
+            controlnet_conditioning_scale=0.8, **common,
+        ).images  # fmt: skip
+    ours = np.asarray(
+        pipe.generate(
+            PROMPTS, steps=3, guidance_scale=4.0, noise=latents, sampler="euler", control_image=cond, controlnet=net,
+            controlnet_conditioning_scale=0.8, **common,
+        )
+    )  # fmt: skip
+    plain = np.asarray(pipe.generate(PROMPTS, steps=3, guidance_scale=4.0, noise=latents, sampler="euler", **common))
+    err = float(np.abs(ours - ref).max())
+    assert err < ATOL, f"max abs image error {err}"
+    assert float(np.abs(ours - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"

@@ -62,6 +62,7 @@ def test_generate_from_the_page(page, tmp_path):
         assert page.input_value("#sampler") == "euler_a"
         assert page.text_content("#sampler option:checked") == "Euler a"
         assert page.input_value("#width") == "64" and page.input_value("#steps") == "4"
+        assert not page.is_visible("#controlnet")  # no ControlNets served: no panel
 
         page.fill("#prompt", "a lighthouse, at night")
         page.fill("#negative", "fog")
@@ -180,3 +181,71 @@ def test_inpaint_from_the_page(page, tmp_path, sd1_dir):
         assert page.query_selector("figure.result"), page.text_content("#status")
         params = page.text_content("figure.result pre.params")
         assert "Denoising strength: 0.5" in params and "Mask blur: 4" in params
+
+
+def test_controlnet_from_the_page(page, tmp_path, sd1_dir, torch_sd1):
+    """With ControlNets served the panel shows them and the preprocessors; a control image is previewed through
+    /controlnet/detect (the canny map, recomputed when the module changes), and Generate sends the unit in
+    `alwayson_scripts.controlnet.args` of the txt2img request; the result's infotext names it."""
+    import io
+
+    from controlnet_cases import torch_controlnet
+    from PIL import Image
+
+    from sdjax import cli, preprocess
+
+    nets = tmp_path / "nets"
+    torch_controlnet(torch_sd1.unet, 11).save_pretrained(nets / "tiny_canny", safe_serialization=True)
+    pixels = np.zeros((64, 64, 3), np.uint8)
+    pixels[16:48, 20:40] = 255  # a white box: canny draws its outline
+    Image.fromarray(pixels).save(tmp_path / "control.png")
+    pipe = cli.load_pipeline(str(sd1_dir), "float32")
+    with live_server(pipe, model_name="tiny", default_steps=2, warm=False, controlnet_dir=str(nets)) as server:
+        page.goto(server.url + "/")
+        page.wait_for_function("!document.getElementById('generate').disabled")
+        page.wait_for_selector("#controlnet", state="visible")
+        assert page.eval_on_selector_all("#cn-model option", "os => os.map(o => o.value)") == ["tiny_canny"]
+        modules = page.eval_on_selector_all("#cn-module option", "os => os.map(o => o.value)")
+        assert {"none", "canny", "invert"} <= set(modules) and page.input_value("#cn-module") == "none"
+        assert not page.is_checked("#cn-enabled")
+
+        page.fill("#prompt", "a house")
+        page.fill("#seed", "5")
+        with page.expect_response("**/controlnet/detect") as first:
+            page.set_input_files("#cn-image", str(tmp_path / "control.png"))
+        assert first.value.ok and page.is_checked("#cn-enabled")
+        with page.expect_response("**/controlnet/detect") as detected:
+            page.select_option("#cn-module", "canny")
+        assert detected.value.request.post_data_json["controlnet_module"] == "canny"
+        page.wait_for_function("(document.getElementById('cn-map').src || '').startsWith('data:image/png')")
+        src = page.get_attribute("#cn-map", "src")
+        shown = np.asarray(Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB"))
+        np.testing.assert_array_equal(shown, preprocess.canny(pixels))
+        assert shown.any()
+
+        page.fill("#cn-weight", "0.7")
+        page.fill("#cn-end", "0.5")
+        with page.expect_request("**/sdapi/v1/txt2img") as sent:
+            page.click("#generate")
+        (unit,) = sent.value.post_data_json["alwayson_scripts"]["controlnet"]["args"]
+        assert unit["image"].startswith("data:image/png;base64,")
+        assert {k: unit[k] for k in ("module", "model", "weight", "guidance_start", "guidance_end", "enabled")} == {
+            "module": "canny", "model": "tiny_canny", "weight": 0.7, "guidance_start": 0, "guidance_end": 0.5,
+            "enabled": True,
+        }  # fmt: skip
+        page.wait_for_function(
+            "document.querySelector('figure.result') || document.getElementById('status').classList.contains('error')",
+            timeout=180_000,
+        )
+        assert page.query_selector("figure.result"), page.text_content("#status")
+        params = page.text_content("figure.result pre.params")
+        assert 'ControlNet 0: "Module: canny, Model: tiny_canny, Weight: 0.7, Guidance Start: 0' in params
+        assert "Guidance End: 0.5" in params
+
+        # removing the image sends no unit
+        page.click("#cn-remove")
+        assert not page.is_checked("#cn-enabled") and not page.is_visible("#cn-maps")
+        with page.expect_request("**/sdapi/v1/txt2img") as sent:
+            page.click("#generate")
+        assert "alwayson_scripts" not in sent.value.post_data_json
+        page.wait_for_function("!document.getElementById('generate').disabled", timeout=180_000)

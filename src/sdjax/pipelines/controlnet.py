@@ -36,7 +36,8 @@ CONTROL_ARGS = (
 )
 
 
-def _is_pair(x: Any) -> bool:
+def is_pair(x: Any) -> bool:
+    """Whether `x` is a `(ControlNetModel, params)` pair (what `FlaxControlNetModel.from_pretrained` returns)."""
     return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], ControlNetModel)
 
 
@@ -58,7 +59,7 @@ def resolve_nets(pipe, controlnet: Any, params: dict | None) -> list[tuple[Contr
         if len(trees) != len(modules):
             raise ValueError(f"params['controlnet'] holds {len(trees)} param tree(s) for {len(modules)} ControlNet(s)")
         return list(zip(modules, trees))
-    if _is_pair(controlnet) or isinstance(controlnet, (str, os.PathLike)):
+    if is_pair(controlnet) or isinstance(controlnet, (str, os.PathLike)):
         items = [controlnet]
     elif isinstance(controlnet, (list, tuple)) and controlnet:
         items = list(controlnet)
@@ -72,7 +73,7 @@ def resolve_nets(pipe, controlnet: Any, params: dict | None) -> list[tuple[Contr
         label = "controlnet" if len(items) == 1 else f"controlnet[{k}]"
         if isinstance(item, (str, os.PathLike)):
             out.append(_load(pipe, str(item)))
-        elif _is_pair(item):
+        elif is_pair(item):
             out.append((item[0], item[1]))
         else:
             raise TypeError(

@@ -37,7 +37,8 @@ from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.models.controlnet import ControlNetModel
 from sdjax.pipelines import common
 from sdjax.pipelines.base import GuideCall
-from sdjax.pipelines.stable_diffusion import SD_CLASSES, StableDiffusionPipeline, _prompts
+from sdjax.pipelines.controlnet import is_pair
+from sdjax.pipelines.stable_diffusion import SD_CLASSES, StableDiffusionPipeline
 
 _UNSET = object()
 
@@ -64,11 +65,7 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
             from sdjax.loading.controlnet import load_controlnet
 
             controlnet = load_controlnet(controlnet, dtype=kwargs.get("dtype", jnp.float32))
-        if (
-            isinstance(controlnet, (tuple, list))
-            and len(controlnet) == 2
-            and isinstance(controlnet[0], ControlNetModel)
-        ):
+        if is_pair(controlnet):
             module, params["controlnet"] = controlnet
         elif isinstance(controlnet, ControlNetModel) or controlnet is None:
             module = controlnet
@@ -84,9 +81,7 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
         return pipe, params
 
     # ------------------------------------------------------------------ the guide's API
-    def prepare_text_inputs(self, prompt: str | list[str]) -> np.ndarray:
-        """Tokenize to CLIP ids: int32 `(N, 77)`, padded and truncated."""
-        return self.tokenizer(_prompts(prompt))
+    prepare_text_inputs = StableDiffusionPipeline.prepare_inputs  # CLIP ids `(N, 77)`
 
     def prepare_image_inputs(self, image) -> np.ndarray:
         """PIL image(s) -> float32 `(N, 3, H, W)` in [0, 1]: RGB, each side cut down to a multiple of 64, Lanczos
@@ -126,6 +121,27 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
             ends=np.ones((n, 1)),
         )
 
+    def _guide_call(
+        self, prompt_ids, image, params, prng_seed, steps, guidance_scale, latents, neg_prompt_ids, scale, *,
+        traced: bool, **options,
+    ) -> GuideCall:  # fmt: skip
+        """The `GuideCall` of both entry points: text-to-image at the control image's size, `scale` one per image;
+        `traced` (inside a user's `pmap`): the nets' params come from the traced `params`."""
+        return GuideCall(
+            prompt_ids,
+            params,
+            prng_seed,
+            steps,
+            int(image.shape[-2]),
+            int(image.shape[-1]),
+            guidance_scale,
+            neg_prompt_ids,
+            TaskRequest(Txt2Img()),
+            noise=latents,
+            control=self._control(params, image, scale, int(np.prod(np.shape(scale))), traced=traced),
+            **options,
+        )
+
     def _generate(
         self,
         prompt_ids,
@@ -139,23 +155,21 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
         controlnet_conditioning_scale=1.0,
     ):
         """Per-device generation: ids `(B, 77)`, control images `(B, 3, H, W)`, one key -> images `(B, H, W, 3)`."""
-        batch = prompt_ids.shape[0]
-        height, width = int(image.shape[-2]), int(image.shape[-1])
-        scale = common.guidance_per_image(controlnet_conditioning_scale, batch)
-        call = GuideCall(
-            prompt_ids,
-            params,
-            prng_seed,
-            num_inference_steps,
-            height,
-            width,
-            guidance_scale,
-            neg_prompt_ids,
-            TaskRequest(Txt2Img()),
-            noise=latents,
-            control=self._control(params, jnp.asarray(image), scale, batch, traced=True),
+        scale = common.guidance_per_image(controlnet_conditioning_scale, prompt_ids.shape[0])
+        return self._traced(
+            self._guide_call(
+                prompt_ids,
+                jnp.asarray(image),
+                params,
+                prng_seed,
+                num_inference_steps,
+                guidance_scale,
+                latents,
+                neg_prompt_ids,
+                scale,
+                traced=True,
+            )
         )
-        return self._traced(call)
 
     def __call__(
         self,
@@ -172,41 +186,21 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
         jit: bool = False,
     ):
         """The old Flax ControlNet call (see the module docstring); images `(ndev, bs, H, W, 3)` with `jit=True`,
-        `(N, H, W, 3)` without."""
-        traced = common.is_traced(prompt_ids, prng_seed, params, image, controlnet_conditioning_scale)
-        if traced:
+        `(N, H, W, 3)` without. Inside a user's `pmap` it is `_generate` (the images, not a `PipelineOutput`)."""
+        if common.is_traced(prompt_ids, prng_seed, params, image, controlnet_conditioning_scale):
             return self._generate(
-                prompt_ids,
-                image,
-                params,
-                prng_seed,
-                num_inference_steps,
-                guidance_scale,
-                latents,
-                neg_prompt_ids,
+                prompt_ids, image, params, prng_seed, num_inference_steps, guidance_scale, latents, neg_prompt_ids,
                 controlnet_conditioning_scale,
-            )
+            )  # fmt: skip
         lead = tuple(np.shape(prompt_ids)[: 2 if jit else 1])
         image = self._check_image(image, lead, jit)
         if "controlnet" not in (params or {}):
             raise KeyError("params has no 'controlnet' entry: set params['controlnet'] = controlnet_params")
-        n = int(np.prod(lead))
         scale = self._scales(controlnet_conditioning_scale, lead, jit)
-        call = GuideCall(
-            prompt_ids,
-            params,
-            prng_seed,
-            num_inference_steps,
-            int(image.shape[-2]),
-            int(image.shape[-1]),
-            guidance_scale,
-            neg_prompt_ids,
-            TaskRequest(Txt2Img()),
-            jit=jit,
-            return_dict=return_dict,
-            noise=latents,
-            control=self._control(params, image, scale, n, traced=False),
-        )
+        call = self._guide_call(
+            prompt_ids, image, params, prng_seed, num_inference_steps, guidance_scale, latents, neg_prompt_ids, scale,
+            traced=False, jit=jit, return_dict=return_dict,
+        )  # fmt: skip
         return self._guide(call)
 
     def _check_image(self, image, lead: tuple[int, ...], jit: bool) -> np.ndarray:

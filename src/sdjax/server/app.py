@@ -90,8 +90,16 @@ from sdjax.server.schemas import (
 
 log = logging.getLogger("sdjax.server")
 
-# Endpoints whose bodies carry images: they may be up to `ServerConfig.max_image_body_bytes`.
-IMAGE_ENDPOINTS = ("/sdapi/v1/img2img", "/sdapi/v1/png-info", "/v1/images/edits", "/v1/images/variations")
+# Endpoints whose bodies carry images: they may be up to `ServerConfig.max_image_body_bytes` (txt2img: the
+# control images of its ControlNet units).
+IMAGE_ENDPOINTS = (
+    "/sdapi/v1/txt2img",
+    "/sdapi/v1/img2img",
+    "/sdapi/v1/png-info",
+    "/v1/images/edits",
+    "/v1/images/variations",
+    "/controlnet/detect",
+)
 
 ENDPOINTS = (
     "/",
@@ -122,6 +130,9 @@ ENDPOINTS = (
     "/sdapi/v1/refresh-vae",
     "/sdapi/v1/options",
     "/sdapi/v1/png-info",
+    "/controlnet/model_list",
+    "/controlnet/module_list",
+    "/controlnet/detect",
 )
 
 
@@ -741,6 +752,10 @@ def create_app(
     @app.get("/controlnet/module_list", summary="Control-map preprocessors (sd-webui-controlnet API)")
     async def controlnet_modules():
         return {"module_list": controlnet_api.module_list()}
+
+    @app.post("/controlnet/detect", summary="Run a control-map preprocessor on images (sd-webui-controlnet API)")
+    async def controlnet_detect(body: controlnet_api.DetectRequest):
+        return await asyncio.to_thread(controlnet_api.detect, body, served().limits)
 
     @app.get("/sdapi/v1/schedulers", summary="Noise schedules (AUTOMATIC1111 API)")
     async def schedulers():

@@ -1,5 +1,6 @@
 """The sd-webui-controlnet extension's API on the A1111 endpoints: `alwayson_scripts.controlnet.args` units in
-txt2img/img2img requests, `GET /controlnet/model_list`, `GET /controlnet/module_list`.
+txt2img/img2img requests, `GET /controlnet/model_list`, `GET /controlnet/module_list`, and
+`POST /controlnet/detect` (run a preprocessor on images: the web page's preview of the control map).
 
 ControlNets are served from `--controlnet-dir` (one diffusers ControlNet folder per name; a request names a net by
 its folder name, optionally followed by the extension's " [hash]" suffix, so no name reaches outside the folder).
@@ -7,15 +8,24 @@ Each unit: `image` (base64; `input_image` is the older key), `module` (the prepr
 `model`, `weight`, `guidance_start`, `guidance_end`, `enabled`; `control_mode` only "Balanced" (0) and
 `resize_mode` only "Just Resize" (0) or "Crop and Resize" (1, the extension's default; the map is resized to the
 output size as diffusers does), anything else, and any other script, is refused with 422.
+
+Preprocessor options as the extension names them: `threshold_a` / `threshold_b` are the module's sliders (canny:
+low and high thresholds; threshold and scribble_xdog: the level; -1 or absent: the module's default; a module
+without sliders ignores them, as the extension does). `processor_res` > 0 resizes the image so that its short side
+is that many pixels before the preprocessor (the extension's rule: bicubic up, area down; sdjax does not pad to a
+multiple of 64); -1 or absent runs the preprocessor at the image's own size (the extension's default would be 512).
+A unit and `/controlnet/detect` read these the same way, so the preview is the map the generation uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from sdjax.metadata import ControlUnit, GenerationRequest
 from sdjax.server.schemas import FieldError, Limits, decode_image
@@ -49,9 +59,85 @@ def module_list() -> list[str]:
     return sorted(preprocess.PREPROCESSORS)
 
 
-def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUnit | None:
+# The extension's sliders of the computed preprocessors: module -> the option `threshold_a` and `threshold_b` set.
+_SLIDERS = {"canny": ("low", "high"), "threshold": ("level", None), "scribble_xdog": ("level", None)}
+# Computed modules the extension runs at the image's own size, whatever `processor_res` says.
+_OWN_SIZE = {"none", "invert"}
+
+
+def _number(value: Any, field: str, *, integer: bool = False) -> float:
+    """A finite number from JSON (a number or a numeric string); None (JSON null) is the default, -1."""
+    if value is None:
+        return -1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise FieldError(field, f"expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise FieldError(field, f"expected a number, got {value!r}") from None
+    if not np.isfinite(number):
+        raise FieldError(field, "must be finite")
+    if integer and number != int(number):
+        raise FieldError(field, f"expected a whole number, got {value!r}")
+    return number
+
+
+def _resize_short_side(rgb: np.ndarray, resolution: int) -> np.ndarray:
+    """The extension's `processor_res`: scale so that the short side is `resolution` (rounded sides; bicubic when
+    enlarging, area averaging when shrinking, as OpenCV does it there)."""
+    try:
+        import cv2
+    except ImportError as e:
+        raise ImportError("processor_res needs OpenCV: pip install 'sdjax[controlnet]'") from e
+
+    h, w = rgb.shape[:2]
+    k = resolution / min(h, w)
+    size = (max(1, round(w * k)), max(1, round(h * k)))
+    if size == (w, h):
+        return rgb
+    return cv2.resize(rgb, size, interpolation=cv2.INTER_CUBIC if k > 1 else cv2.INTER_AREA)
+
+
+def run_module(
+    module: str,
+    image: Any,
+    *,
+    processor_res: Any = -1,
+    threshold_a: Any = -1,
+    threshold_b: Any = -1,
+    field: Callable[[str], str],
+) -> tuple[str, np.ndarray]:
+    """(canonical module name, uint8 HWC RGB control map) of the extension's `module` on a PIL image, with its
+    `processor_res` and sliders (see the module docstring). `field(key)` is the request's name of "module",
+    "processor_res", "threshold_a" or "threshold_b", for the `FieldError` (422) of a bad value."""
     from sdjax import preprocess
 
+    try:
+        pre = preprocess.get_preprocessor(module or "none")
+    except (KeyError, ValueError) as e:
+        raise FieldError(field("module"), str(e.args[0] if e.args else e)) from None
+    res = _number(processor_res, field("processor_res"), integer=True)
+    if res != -1 and not 1 <= res <= 4096:
+        raise FieldError(field("processor_res"), f"must be -1 (the image's own size) or in [1, 4096], got {res:g}")
+    options = {}
+    for slider, value, key in zip(
+        _SLIDERS.get(pre.name, (None, None)), (threshold_a, threshold_b), ("threshold_a", "threshold_b")
+    ):
+        number = _number(value, field(key))
+        if slider is not None and number != -1:
+            if number != int(number):
+                raise FieldError(field(key), f"{pre.name}'s {slider} is a whole number, got {value!r}")
+            options[slider] = int(number)
+    rgb = np.asarray(image.convert("RGB"))
+    try:
+        if res != -1 and pre.computes and pre.name not in _OWN_SIZE:
+            rgb = _resize_short_side(rgb, int(res))
+        return pre.name, pre(rgb, **options)
+    except (ValueError, ImportError) as e:  # a slider out of range (the first names both), or no OpenCV
+        raise FieldError(field("threshold_a" if options and isinstance(e, ValueError) else "module"), str(e)) from None
+
+
+def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUnit | None:
     where = f"alwayson_scripts.controlnet.args[{i}]"
     if not isinstance(raw, dict):
         raise FieldError(where, "expected an object")
@@ -68,18 +154,20 @@ def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUni
     if raw.get("resize_mode", 1) not in _RESIZE_MODES:
         raise FieldError(f"{where}.resize_mode", "only 'Just Resize' and 'Crop and Resize' are supported")
     module = raw.get("module") or "none"
+    from sdjax import preprocess
+
     try:
-        pre = preprocess.get_preprocessor(module)
+        preprocess.get_preprocessor(module)  # an unknown module is named before the image is decoded
     except (KeyError, ValueError) as e:
         raise FieldError(f"{where}.module", str(e.args[0] if e.args else e)) from None
     data = raw.get("image", raw.get("input_image"))
     if isinstance(data, dict):  # the extension's {"image": b64, "mask": b64} form
         data = data.get("image")
     image = decode_image(data, field=f"{where}.image", limits=limits)
-    try:
-        control_map = pre(np.asarray(image.convert("RGB")))
-    except (ValueError, ImportError) as e:
-        raise FieldError(f"{where}.module", str(e)) from None
+    module, control_map = run_module(
+        module, image, processor_res=raw.get("processor_res", -1), threshold_a=raw.get("threshold_a", -1),
+        threshold_b=raw.get("threshold_b", -1), field=lambda key: f"{where}.{key}",
+    )  # fmt: skip
     values = {}
     for key, default in (("weight", 1.0), ("guidance_start", 0.0), ("guidance_end", 1.0)):
         try:
@@ -90,7 +178,7 @@ def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUni
             raise FieldError(f"{where}.{key}", "must be finite")
     if not 0 <= values["guidance_start"] < values["guidance_end"] <= 1:
         raise FieldError(f"{where}.guidance_start", "need 0 <= guidance_start < guidance_end <= 1")
-    return ControlUnit(str(nets[name]), pre.name, values["weight"], values["guidance_start"], values["guidance_end"],
+    return ControlUnit(str(nets[name]), module, values["weight"], values["guidance_start"], values["guidance_end"],
                        control_map)  # fmt: skip
 
 
@@ -123,3 +211,41 @@ def apply(
     except (ValueError, KeyError, OSError) as e:
         raise FieldError("alwayson_scripts.controlnet.args", str(e.args[0] if e.args else e)) from None
     return dataclasses.replace(request, control=units)
+
+
+class DetectRequest(BaseModel):
+    """`POST /controlnet/detect` (sd-webui-controlnet's API): run a preprocessor on images."""
+
+    model_config = ConfigDict(extra="ignore")
+    controlnet_module: str = Field("none", description="Preprocessor (GET /controlnet/module_list)")
+    controlnet_input_images: list[str] = Field(default_factory=list, description="base64 images (or data: URLs)")
+    controlnet_processor_res: Any = Field(-1, description="Short side before preprocessing; -1: the image's size")
+    controlnet_threshold_a: Any = Field(-1, description="The module's first slider (canny: low); -1: default")
+    controlnet_threshold_b: Any = Field(-1, description="The module's second slider (canny: high); -1: default")
+    controlnet_masks: list[str] = Field(default_factory=list, description="Masks: no sdjax preprocessor reads them")
+    low_vram: bool = False
+
+
+def detect(body: DetectRequest, limits: Limits) -> dict[str, Any]:
+    """`{"images": [base64 PNG map per input image], "info": "Success"}`, as the extension answers."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    if not body.controlnet_input_images:
+        raise FieldError("controlnet_input_images", "no image: give a list of base64 images")
+    if len(body.controlnet_input_images) > limits.max_images:
+        raise FieldError("controlnet_input_images", f"at most {limits.max_images} images per request")
+    out = []
+    for i, data in enumerate(body.controlnet_input_images):
+        image = decode_image(data, field=f"controlnet_input_images[{i}]", limits=limits)
+        _, control_map = run_module(
+            body.controlnet_module, image, processor_res=body.controlnet_processor_res,
+            threshold_a=body.controlnet_threshold_a, threshold_b=body.controlnet_threshold_b,
+            field=lambda key: f"controlnet_{key}",
+        )  # fmt: skip
+        buf = io.BytesIO()
+        Image.fromarray(control_map).save(buf, format="PNG")
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return {"images": out, "info": "Success"}
