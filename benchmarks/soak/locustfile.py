@@ -135,7 +135,7 @@ class Client(HttpUser):
             ("/v1/images/generations", {"prompt": "x", "size": "64x72"}),  # not pinned
             ("/sdapi/v1/txt2img", {"prompt": "x", "steps": STEPS + 1}),  # not pinned
             ("/sdapi/v1/txt2img", {"prompt": "x", "negative_prompt": "\ud800"}),
-            ("/sdapi/v1/txt2img", {"prompt": "x", "override_settings": {"CLIP_stop_at_last_layers": 2}}),
+            ("/sdapi/v1/txt2img", {"prompt": "x", "override_settings": {"sd_hypernetwork": "x"}}),  # unsupported
         ]
         path, body = random.choice(cases)
         raw = json.dumps(body).encode()
