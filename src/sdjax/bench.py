@@ -76,16 +76,7 @@ class BenchConfig:
 
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r}: expected float32, bfloat16 or float16")
-        for name in ("steps", "batch", "reps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8):
-                raise ValueError(f"{name}={value!r}: expected a positive multiple of 8")
+        check_run_fields(self, ("steps", "batch", "reps"))
         if self.memory_only and self.arch is None:
             raise ValueError("memory_only needs arch (it compiles against abstract weights of a known config)")
         if self.memory_only and self.torch:
@@ -93,6 +84,21 @@ class BenchConfig:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
+def check_run_fields(cfg: Any, counts: tuple[str, ...]) -> None:
+    """The fields every benchmark config shares: `dtype`, the integer `counts` (>= 1), optional `height`/`width`
+    (multiples of 8); raises ValueError naming the field."""
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={cfg.dtype!r}: expected float32, bfloat16 or float16")
+    for name in counts:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    for name in ("height", "width"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8):
+            raise ValueError(f"{name}={value!r}: expected a positive multiple of 8")
+
+
 def _block(x):
     import jax
 

@@ -30,6 +30,7 @@ from sdjax.bench import (
     _compile,
     _flops,
     _time_side_by_side,
+    check_run_fields,
     serve_pieces,
     worker_stdout,
 )
@@ -60,16 +61,7 @@ class ControlNetBenchConfig:
             raise ValueError(f"controlnets={self.controlnets!r}: expected numbers of nets in [0, 8], e.g. (0, 1, 2)")
         if len(set(self.controlnets)) != len(self.controlnets):
             raise ValueError(f"controlnets={self.controlnets!r}: a number appears twice")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r}: expected float32, bfloat16 or float16")
-        for name in ("batch", "reps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
-        for name in ("height", "width"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8):
-                raise ValueError(f"{name}={value!r}: expected a positive multiple of 8")
+        check_run_fields(self, ("batch", "reps"))
 
     def size(self) -> tuple[int, int]:
         native = ARCHITECTURES[self.arch].size
