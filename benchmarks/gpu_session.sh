@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md, for a lent NVIDIA machine that has JAX (CUDA), PyTorch and
+# transformers but no diffusers: run from the repository root with the pure-Python wheels it lacks in .whl/
+# (diffusers, importlib_metadata; see the command in docs/benchmarks.md). Results land in $OUT (default ./out).
+#   bash benchmarks/gpu_session.sh smoke sd15 sdxl      # phases, in order; each has its own time limit
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+SDJAX="python3 -m sdjax.cli"
+
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%H:%M:%S)"
+  case $phase in
+    smoke)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+      python3 -c "import jax, flax, torch, diffusers, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, jax.devices())"
+      timeout 120 $SDJAX bench --steps 2 --reps 1 ;;
+    sd15)
+      timeout 330 $SDJAX bench --arch sd15 --dtype bfloat16 --steps 50 --torch --json "$OUT/sd15-bf16-h100.json" ;;
+    sd15fp16)
+      timeout 300 $SDJAX bench --arch sd15 --dtype float16 --steps 50 --torch --json "$OUT/sd15-fp16-h100.json" ;;
+    sdxl)
+      timeout 400 $SDJAX bench --arch sdxl --dtype bfloat16 --steps 30 --torch --json "$OUT/sdxl-bf16-h100.json" ;;
+    sdxl8)
+      timeout 400 $SDJAX bench --arch sdxl --dtype bfloat16 --steps 20 --batch 8 --json "$OUT/sdxl-b8-h100.json" ;;
+    compile)
+      timeout 100 python3 benchmarks/make_random_model.py sdxl /tmp/sdxl-random &&
+        timeout 300 python3 benchmarks/bench_compile.py --model /tmp/sdxl-random --steps 30 --json "$OUT/compile-h100.json" ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+  echo "=== $phase rc=$? $(date -u +%H:%M:%S)"
+done
