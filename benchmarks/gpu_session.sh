@@ -33,6 +33,10 @@ for phase in "$@"; do
     compile)
       timeout 100 python3 benchmarks/make_random_model.py sdxl /tmp/sdxl-random &&
         timeout 300 python3 benchmarks/bench_compile.py --model /tmp/sdxl-random --steps 30 --json "$OUT/compile-h100.json" ;;
+    aotcuda)  # compile in a process that sees no GPU (target config: XLA's h100_sxm.txtpb in .whl/), run on the GPU
+      CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 300 \
+        python3 benchmarks/cuda_aot_roundtrip.py compile --target-config .whl/h100.txtpb --dir /tmp/exe &&
+        timeout 200 python3 benchmarks/cuda_aot_roundtrip.py run --dir /tmp/exe | tee "$OUT/aotcuda.json" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   echo "=== $phase rc=$? $(date -u +%H:%M:%S)"
