@@ -6,7 +6,7 @@ Usage: multihost_worker.py PROCESS_ID NUM_PROCESSES PORT MODEL_DIR OUT_NPY
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 " + os.environ.get("SDJAX_TEST_COMPILE_FLAGS", "")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax
