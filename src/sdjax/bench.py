@@ -332,10 +332,11 @@ def _run_pieces(cfg, pipe, params, result, height, width, worker, log) -> dict[s
         lambda: run_e2e(host["ids"], host["neg_ids"], keys, guidance, extra), worker, "e2e", cfg.reps
     )
     flop_parts = [pieces[k]["flops"] for k in ("text", "unet", "decode")]
+    model_calls = int(pipe._sampler(cfg.sampler).num_model_calls(cfg.steps))  # PNDM: one more than the steps
     e2e_flops = (
         None
         if None in flop_parts
-        else pieces["text"]["flops"] + cfg.steps * pieces["unet"]["flops"] + pieces["decode"]["flops"]
+        else pieces["text"]["flops"] + model_calls * pieces["unet"]["flops"] + pieces["decode"]["flops"]
     )
     pieces["e2e"] = {"compile_s": e2e_compile, **e2e, "flops": e2e_flops}
 

@@ -29,6 +29,12 @@ def test_every_piece_is_timed_and_counted(tiny_result):
         assert p["compile_s"] > 0 and 0 < p["best_s"] <= p["median_s"], (name, p)
         assert p["flops"] > 0 and p["mfu"] > 0, (name, p)
     assert r["images_per_s"] == pytest.approx(1 / r["pieces"]["e2e"]["median_s"])
+    # End-to-end FLOPs count every model call of the sampler (PNDM: one more than the steps).
+    pipe = bench.build_pipeline("tiny", "float32", abstract=True)[0]
+    calls = pipe.scheduler.num_model_calls(2)
+    assert type(pipe.scheduler).__name__ == r["sampler"] == "PNDM" and calls == 3
+    flops = {k: r["pieces"][k]["flops"] for k in ("text", "unet", "decode", "e2e")}
+    assert flops["e2e"] == flops["text"] + calls * flops["unet"] + flops["decode"]
     assert r["matmul_peak_tflops_per_s"] > 0
     mem = r["e2e_memory"]
     # The executable's arguments hold at least the text encoder's and the UNet's weights (float32; jit drops the
