@@ -29,8 +29,10 @@ class Weights:
     vae: str | None
     vae_label: str  # infotext "VAE": A1111 writes the VAE's file name
     embeddings: tuple[Path, ...]
-    loras: tuple[tuple[Path, float], ...]  # (file, scale): --lora options and prompt tags
-    tags: tuple[tuple[str, float], ...]  # the prompt's <lora:name:w> tags (they stay in the infotext)
+    loras: tuple[tuple[Path, float | tuple[float, float]], ...]  # (file, scale): --lora options and prompt tags
+    tags: tuple[
+        tuple[str, float | tuple[float, float]], ...
+    ]  # the prompt's <lora:name:w> tags (they stay in the infotext)
     tag_files: tuple[tuple[str, Path], ...] = ()  # (tag name, file) for the infotext's "Lora hashes"
 
 
@@ -132,8 +134,9 @@ def resolve_lora(md: ModelsDir | None, lora_dir: Path | None, name: str, option:
         raise typer.BadParameter(f"{e}{f'; looked in {where}' if where else ''}", param_hint=option) from None
 
 
-def take_lora_tags(text: str, hint: str) -> list[tuple[str, float]]:
-    """A1111's `<lora:name:weight>` tags of a prompt (the prompt keeps them); other tags are refused."""
+def take_lora_tags(text: str, hint: str) -> list[tuple[str, float | tuple[float, float]]]:
+    """A1111's `<lora:name:weight>` / `<lora:name:te:unet>` tags of a prompt -> (name, scale) (the prompt keeps
+    them); other tags are refused."""
     from sdjax.text import prompt_syntax
 
     try:
@@ -143,7 +146,7 @@ def take_lora_tags(text: str, hint: str) -> list[tuple[str, float]]:
     other = [t for t in tags if t.kind != "lora"]
     if other:
         raise typer.BadParameter(f"<{other[0].kind}:{other[0].name}>: only LoRA tags are supported", param_hint=hint)
-    return [(t.name, t.weight) for t in tags]
+    return [(t.name, t.lora_scale) for t in tags]
 
 
 def resolve_weights(
@@ -166,7 +169,7 @@ def resolve_weights(
     vae_target, vae_label = resolve_vae(md, vae)
     files = tuple(resolve_embedding(md, e) for e in embeddings or ())
     specs = [(*parse_lora_spec(s), "--lora") for s in loras or ()]
-    tags: list[tuple[str, float]] = []
+    tags: list[tuple[str, float | tuple[float, float]]] = []
     if a1111_syntax:
         for text, hint in ((prompt, "PROMPT"), (negative_prompt, "--negative-prompt")):
             found = take_lora_tags(text, hint)

@@ -93,7 +93,9 @@ class ImageParameters:
     prompt_syntax: str = "plain"  # "a1111": emphasis, BREAK, long prompts (sdjax.text.prompt_syntax)
     control: tuple[ControlUnit, ...] = ()  # ControlNets (sdjax.pipelines.controlnet)
     clip_skip: int = 1  # A1111's "Clip skip" (a per-image input of the program: not part of the shape key)
-    loras: tuple[tuple[str, float], ...] = ()  # the <lora:name:w> tags of the prompt, applied to the params
+    loras: tuple[
+        tuple[str, float | tuple[float, float]], ...
+    ] = ()  # the <lora:name:w> tags of the prompt, applied to the params
     vae: str = ""  # the VAE's name when it is not the model's own (infotext "VAE")
     model_hash: str = ""  # the checkpoint's short hash (infotext "Model hash")
     lora_hashes: str = ""  # A1111's "Lora hashes": "name: hash, ..." of the prompt's LoRAs
@@ -211,7 +213,7 @@ class GenerationRequest:
     prompt_syntax: str = "plain"
     control: tuple[ControlUnit, ...] = ()
     clip_skip: int = 1
-    loras: tuple[tuple[str, float], ...] = ()
+    loras: tuple[tuple[str, float | tuple[float, float]], ...] = ()
     vae: str = ""
     model_hash: str = ""
     lora_hashes: str = ""
@@ -368,7 +370,7 @@ def lora_hashes(named_files: Sequence[tuple[str, str | Path]], hashes: Any = Non
     return ", ".join(f"{name.translate(clean)}: {cache.network_hash(path)[:12]}" for name, path in named_files)
 
 
-def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float], ...]) -> list[str]:
+def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float | tuple[float, float]], ...]) -> list[str]:
     """The texts without their `<lora:...>` tags, each of which must name one of `loras` (those applied)."""
     from sdjax.text import prompt_syntax
 

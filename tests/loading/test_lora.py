@@ -242,6 +242,28 @@ def test_sd1_loras_match_diffusers(sd1, sd1_loras, torch_sd1, scales):
     assert np.abs(compare_text(sd1, torch_sd1) - te).max() > 1e-2
 
 
+def test_text_encoder_and_unet_weights_match_diffusers(sd1, sd1_loras, torch_sd1):
+    """A1111's `<lora:a:0.3:0.9>`: one LoRA at 0.3 in the text encoder and 0.9 in the UNet, as diffusers'
+    per-component adapter weights."""
+    sd1.load_lora(sd1_loras[0]["a"], scale=(0.3, 0.9), adapter_name="a")
+    sd1.set_loras({"a": (0.3, 0.9)})
+    assert sd1.active_loras == {"a": (0.3, 0.9)}
+    files, _ = sd1_loras
+    ref = copy.deepcopy(torch_sd1)
+    ref.load_lora_weights(str(files["a"].parent), weight_name=files["a"].name, adapter_name="a")
+    ref.set_adapters(["a"], [{"unet": 0.9, "text_encoder": 0.3}])
+    unet = compare_unet(sd1, ref)
+    text = compare_text(sd1, ref)
+    # Each half of the pair is used where it belongs: one scale everywhere gives other outputs.
+    sd1.set_loras({"a": 0.9})
+    assert np.abs(compare_text(sd1, diffusers_with(torch_sd1, sd1_loras, {"a": 0.9})) - text).max() > 1e-2
+    sd1.set_loras({"a": 0.3})
+    assert np.abs(compare_unet(sd1, diffusers_with(torch_sd1, sd1_loras, {"a": 0.3})) - unet).max() > 100 * REL
+    with pytest.raises(TypeError, match="'a'.*pair"):
+        sd1.set_loras({"a": (0.3, 0.9, 1.0)})
+    sd1.set_loras({})
+
+
 def test_sd1_images_match_diffusers(sd1, sd1_loras, torch_sd1):
     scales = {"a": 0.7, "b": 0.4}
     for name, path in sd1_loras[0].items():

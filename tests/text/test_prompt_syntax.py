@@ -5,6 +5,8 @@ computed independently in PyTorch from the same chunks and weights."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -63,6 +65,38 @@ def test_networks_are_taken_out():
     ]
     with pytest.raises(ValueError, match="<lora:bad:heavy>"):
         ps.extract_networks("<lora:bad:heavy>")
+
+
+@pytest.mark.parametrize(
+    "tag, scale",
+    [  # AUTOMATIC1111's reading: te = 1st value (default 1), unet = 2nd value (default te); te=/unet= by name
+        ("<lora:n>", 1.0),
+        ("<lora:n:0.7>", 0.7),
+        ("<lora:n:0.5:1>", (0.5, 1.0)),
+        ("<lora:n:0:0.8>", (0.0, 0.8)),
+        ("<lora:n:unet=0.3>", (1.0, 0.3)),
+        ("<lora:n:te=0.2>", 0.2),
+        ("<lora:n:unet=1:te=0>", (0.0, 1.0)),
+        ("<lora:n:0.6:unet=0.6>", 0.6),
+    ],
+)
+def test_lora_tags_give_text_encoder_and_unet_multipliers(tag, scale):
+    (net,) = ps.extract_networks(f"a cat {tag}")[1]
+    assert net.lora_scale == scale
+
+
+@pytest.mark.parametrize(
+    "tag, message",
+    [
+        ("<lora:n:1:dyn=4>", "dyn="),
+        ("<lora:n:1:0.5:0.2>", "3 values"),
+        ("<lora:n:unet=much>", "<lora:n:unet=much>"),
+        ("<lora:n:0.5:x>", "<lora:n:0.5:x>"),
+    ],
+)
+def test_bad_lora_tags_name_what_is_wrong(tag, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ps.extract_networks(tag)
 
 
 @pytest.fixture(scope="module")

@@ -425,16 +425,40 @@ def _fuse(base, up, down):
     return (base.astype(jnp.float32) + delta).astype(base.dtype)
 
 
-def stacked_factors(loras: Sequence[tuple[Lora, float]]) -> dict[Target, tuple[np.ndarray, np.ndarray]]:
+# A LoRA's scale: one number, or (text encoders, UNet) as AUTOMATIC1111's <lora:name:te:unet>.
+Scale = float | tuple[float, float]
+
+
+def check_scale(name: str, scale: Any) -> Scale:
+    """A LoRA scale as applied: one finite number for every component, or a pair `(text encoders, UNet)` (A1111's
+    `<lora:name:te:unet>`). Raises TypeError/ValueError naming the LoRA."""
+    values = scale if isinstance(scale, tuple) else (scale,)
+    if len(values) not in (1, 2) or any(
+        isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) for v in values
+    ):
+        raise TypeError(f"LoRA {name!r}: scale must be a number or a (text encoder, UNet) pair, got {scale!r}")
+    if not all(np.isfinite(v) for v in values):
+        raise ValueError(f"LoRA {name!r}: scale={scale!r} must be finite")
+    return (float(values[0]), float(values[1])) if len(values) == 2 else float(values[0])
+
+
+def component_scale(scale: Scale, component: str) -> float:
+    """The scale a LoRA gets in `component`: a pair's first value for the text encoders, its second for the UNet."""
+    if isinstance(scale, tuple):
+        return scale[0] if component.startswith("text_encoder") else scale[1]
+    return scale
+
+
+def stacked_factors(loras: Sequence[tuple[Lora, Scale]]) -> dict[Target, tuple[np.ndarray, np.ndarray]]:
     """Per touched kernel, the weighted LoRAs as one low-rank pair `(up (out, R), down (R, K))` float32 whose product
     is the summed delta in PyTorch layout: the factors side by side, each `up` times `scale * alpha / r`, R padded
-    with zeros (`_rank_bucket`). A scale of 0 touches nothing."""
+    with zeros (`_rank_bucket`). A scale of 0 (in a component) touches nothing (there)."""
     parts: dict[Target, list[tuple[np.ndarray, np.ndarray]]] = {}
     for lora, scale in loras:
-        if scale == 0:
-            continue
         for target, f in lora.factors.items():
-            parts.setdefault(target, []).append((f.up * np.float32(scale * f.alpha_over_rank), f.down))
+            s = component_scale(scale, target[0])
+            if s != 0:
+                parts.setdefault(target, []).append((f.up * np.float32(s * f.alpha_over_rank), f.down))
     out: dict[Target, tuple[np.ndarray, np.ndarray]] = {}
     for target, pairs in parts.items():
         up = np.concatenate([u for u, _ in pairs], axis=1)
@@ -444,14 +468,14 @@ def stacked_factors(loras: Sequence[tuple[Lora, float]]) -> dict[Target, tuple[n
     return out
 
 
-def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, float]]) -> dict[str, Any]:
-    """`params` with the weighted LoRAs added to the kernels they touch -> a new dict. Untouched leaves (and, when
+def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, Scale]]) -> dict[str, Any]:
+    """`params` with the weighted LoRAs added to the kernels they touch -> a new dict. A scale is a number, or a pair
+    `(text encoders, UNet)` (`check_scale`). Untouched leaves (and, when
     `loras` is empty or all scales are 0, every leaf) are `params`' own objects; a touched kernel is computed in
     float32 and stored in its own dtype, on its own device(s). Only the low-rank factors travel to the device; the
     product and the sum run there (`_fuse`, compiled once per kernel shape and rank bucket, never per scale)."""
-    for lora, scale in loras:
-        if not np.isfinite(scale):
-            raise ValueError(f"LoRA {lora.name!r}: scale={scale!r} must be a finite number")
+    loras = [(lora, check_scale(lora.name, scale)) for lora, scale in loras]
+    for lora, _ in loras:
         missing = sorted({c for c, _ in lora.factors if c not in params})
         if missing:
             raise LoraError(f"LoRA {lora.name!r} adapts {missing}, which params does not have")

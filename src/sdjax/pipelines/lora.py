@@ -20,8 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from sdjax.loading import lora as lora_lib
 
 
@@ -30,7 +28,7 @@ class _LoraState:
     base: dict  # the params the LoRAs are added to (their leaves kept as they are)
     current: dict  # what this state last set as `pipe.params`
     loaded: dict[str, lora_lib.Lora] = dataclasses.field(default_factory=dict)
-    active: dict[str, float] = dataclasses.field(default_factory=dict)
+    active: dict[str, lora_lib.Scale] = dataclasses.field(default_factory=dict)
     fused: bool = False
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # one change at a time
 
@@ -56,9 +54,10 @@ class LoraMixin:
             state.fused = False
         return state
 
-    def load_lora(self, path_or_name: str | Path, scale: float = 1.0, adapter_name: str | None = None) -> str:
+    def load_lora(self, path_or_name: str | Path, scale: lora_lib.Scale = 1.0, adapter_name: str | None = None) -> str:
         """Load a LoRA (`.safetensors` path, a folder holding one, or a name in `lora_search_dirs`) and activate
-        it at `scale`, keeping the other active LoRAs. Returns its adapter name (default: the file's stem); loading
+        it at `scale` (a number, or a pair `(text encoders, UNet)` as A1111's `<lora:name:te:unet>`), keeping the
+        other active LoRAs. Returns its adapter name (default: the file's stem); loading
         under a name already in use replaces that LoRA. Raises `loading.lora.LoraError` naming the file when it
         does not fit this model."""
         _check_scale(adapter_name or str(path_or_name), scale)
@@ -72,11 +71,11 @@ class LoraMixin:
             lora = lora_lib.load_lora(path, targets, name=name, unet_config=self.unet.config)
             state.loaded[name] = lora
             active = {k: v for k, v in state.active.items() if k != name}
-            active[name] = float(scale)
+            active[name] = _check_scale(name, scale)
             self._set_active(state, active)
         return name
 
-    def set_loras(self, scales: Mapping[str, float]) -> None:
+    def set_loras(self, scales: Mapping[str, lora_lib.Scale]) -> None:
         """Make exactly these loaded LoRAs active, with these scales (`{}`: none), and fuse them."""
         if not isinstance(scales, Mapping):
             raise TypeError(f"set_loras takes a dict {{adapter_name: scale}}, got {type(scales).__name__}")
@@ -86,7 +85,7 @@ class LoraMixin:
             raise KeyError(f"LoRA(s) {unknown} are not loaded; loaded: {sorted(state.loaded)} (use load_lora)")
         for k, v in scales.items():
             _check_scale(k, v)
-        self._set_active(state, {k: float(v) for k, v in scales.items()})
+        self._set_active(state, {k: _check_scale(k, v) for k, v in scales.items()})
 
     def fuse_loras(self) -> None:
         """Apply the active LoRAs to `pipe.params` again (after `unfuse_loras`)."""
@@ -114,7 +113,7 @@ class LoraMixin:
             self._set_active(state, {k: v for k, v in state.active.items() if k in state.loaded})
 
     @property
-    def active_loras(self) -> dict[str, float]:
+    def active_loras(self) -> dict[str, lora_lib.Scale]:
         """Active LoRAs and their scales (empty when none or after `unfuse_loras`)."""
         state: _LoraState | None = getattr(self, "_lora_state", None)
         if state is None or not state.fused or self.params is not state.current:
@@ -127,7 +126,7 @@ class LoraMixin:
         state: _LoraState | None = getattr(self, "_lora_state", None)
         return dict(state.loaded) if state is not None else {}
 
-    def _set_active(self, state: _LoraState, active: dict[str, float]) -> None:
+    def _set_active(self, state: _LoraState, active: dict[str, lora_lib.Scale]) -> None:
         with state.lock:
             weighted = [(state.loaded[k], v) for k, v in active.items()]
             state.current = lora_lib.apply_loras(state.base, weighted) if weighted else state.base
@@ -136,8 +135,5 @@ class LoraMixin:
             self.params = state.current
 
 
-def _check_scale(name: str, scale: Any) -> None:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"LoRA {name!r}: scale must be a number, got {scale!r}")
-    if not np.isfinite(scale):
-        raise ValueError(f"LoRA {name!r}: scale={scale!r} must be a finite number")
+def _check_scale(name: str, scale: Any) -> lora_lib.Scale:
+    return lora_lib.check_scale(name, scale)

@@ -39,9 +39,10 @@ class Networks:
         self._sets: collections.OrderedDict = collections.OrderedDict()  # (id(params), loras, vae) -> params
 
     # ------------------------------------------------------------------ request side (422s)
-    def prompt_loras(self, pipeline: Any, texts: dict[str, str]) -> tuple[tuple[str, float], ...]:
-        """The `<lora:name:w>` tags of the request's texts, each found in `Lora/` and loaded against `pipeline`
-        (FieldError naming the field otherwise) -> ((name, weight), ...) in order of appearance."""
+    def prompt_loras(self, pipeline: Any, texts: dict[str, str]) -> tuple[tuple[str, Any], ...]:
+        """The `<lora:name:w>` / `<lora:name:te:unet>` tags of the request's texts, each found in `Lora/` and loaded
+        against `pipeline` (FieldError naming the field otherwise) -> ((name, scale), ...) in order of appearance,
+        a scale being a number or (text encoders, UNet)."""
         from sdjax.text import prompt_syntax
 
         found: list[tuple[str, float]] = []
@@ -65,13 +66,14 @@ class Networks:
                     raise FieldError(field, f"<lora:{tag.name}:...>: this pipeline cannot apply LoRAs")
                 if any(name == tag.name for name, _ in found):
                     raise FieldError(field, f"<lora:{tag.name}:...> appears more than once")
-                if not -10 <= tag.weight <= 10:
-                    raise FieldError(field, f"<lora:{tag.name}:{tag.weight}>: the weight must lie in -10..10")
+                scale = tag.lora_scale  # a number, or (text encoders, UNet)
+                if not all(-10 <= w <= 10 for w in (scale if isinstance(scale, tuple) else (scale,))):
+                    raise FieldError(field, f"<lora:{tag.name}:...>: weights must lie in -10..10, got {scale}")
                 try:
                     self._lora(pipeline, str(entry.path), tag.name)
                 except ValueError as e:  # LoraError: the file does not fit this model (names file and layer)
                     raise FieldError(field, f"<lora:{tag.name}:...>: {e}") from None
-                found.append((tag.name, float(tag.weight)))
+                found.append((tag.name, scale))
         return tuple(found)
 
     def lora_hashes(self, loras: tuple[tuple[str, float], ...]) -> str:

@@ -16,7 +16,8 @@ its documented behaviour):
 - Prompt and negative prompt are padded to the same number of chunks with empty chunks (`[BOS] + [EOS] * 76`),
   A1111's "pad prompt/negative prompt to be same length" option (with it off A1111 runs the UNet twice with
   contexts of different lengths, which a batched program cannot); prompts of one batch likewise.
-- `<lora:name:weight>` and other `<kind:name:args>` tags are taken out of the text (`extract_networks`).
+- `<lora:name:weight>` (or `<lora:name:te:unet>`) and other `<kind:name:args>` tags are taken out of the text
+  (`extract_networks`).
 
 Tokens after the first EOS of a chunk are the tokenizer's pad token (EOS for SD 1.x / SDXL's first encoder, "!"
 for SD 2.x / SDXL's second), as both A1111 and diffusers feed them.
@@ -63,6 +64,21 @@ class Network:
         """The first argument after the name as a number (A1111's `te` multiplier), 1.0 when absent."""
         return float(self.args[0]) if self.args else 1.0
 
+    @property
+    def lora_scale(self) -> float | tuple[float, float]:
+        """A LoRA tag's multipliers as AUTOMATIC1111 reads them: `<lora:name:te:unet>`, positional or named
+        (`te=`, `unet=`); te defaults to 1 and unet to te. One number when both are equal, else (te, unet).
+        Raises ValueError for a non-number, an unknown name (DyLoRA's `dyn=` is not supported) or extra values."""
+        positional = [a for a in self.args if "=" not in a]
+        named = dict(a.split("=", 1) for a in self.args if "=" in a)
+        unknown = sorted(set(named) - {"te", "unet"})
+        if unknown or len(positional) > 2:
+            what = f"{unknown[0]}=" if unknown else f"{len(positional)} values"
+            raise ValueError(f"prompt tag <{self.kind}:{self.name}:...>: {what} is not supported (te, unet)")
+        te = float(named.get("te", positional[0] if positional else 1.0))
+        unet = float(named.get("unet", positional[1] if len(positional) > 1 else te))
+        return te if te == unet else (te, unet)
+
 
 def extract_networks(prompt: str) -> tuple[str, list[Network]]:
     """`prompt` without its `<kind:name:args>` tags, and the tags. Raises ValueError naming a tag whose weight is
@@ -73,9 +89,11 @@ def extract_networks(prompt: str) -> tuple[str, list[Network]]:
         name, *args = m.group(2).split(":")
         net = Network(m.group(1), name, tuple(args))
         try:
-            net.weight  # noqa: B018 (validates)
-        except ValueError:
-            raise ValueError(f"prompt tag {m.group(0)!r}: weight {args[0]!r} is not a number") from None
+            net.lora_scale if net.kind == "lora" else net.weight  # noqa: B018 (validates)
+        except ValueError as e:
+            if "not supported" in str(e):
+                raise
+            raise ValueError(f"prompt tag {m.group(0)!r}: a weight is not a number") from None
         found.append(net)
         return ""
 
