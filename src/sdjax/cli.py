@@ -580,7 +580,9 @@ def generate(
         if weights.loras:
             _load_loras(pipe, weights.loras, err)
         task.update(clip_skip=clip_skip, loras=weights.tags, vae=weights.vae_label, model_hash=model_hash,
-                    lora_hashes=metadata.lora_hashes(weights.tag_files))  # fmt: skip
+                    lora_hashes=metadata.lora_hashes(weights.tag_files),
+                    ti_hashes=metadata.ti_hashes([prompt, negative_prompt or ""],
+                                                 [(p.stem, p) for p in weights.embeddings]))  # fmt: skip
         if units:
             if refiner is not None or hires_scale is not None:
                 raise typer.BadParameter(

@@ -99,6 +99,7 @@ class ImageParameters:
     vae: str = ""  # the VAE's name when it is not the model's own (infotext "VAE")
     model_hash: str = ""  # the checkpoint's short hash (infotext "Model hash")
     lora_hashes: str = ""  # A1111's "Lora hashes": "name: hash, ..." of the prompt's LoRAs
+    ti_hashes: str = ""  # A1111's "TI hashes": "name: hash, ..." of the embeddings the prompts use
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -155,6 +156,8 @@ class ImageParameters:
             out["Clip skip"] = self.clip_skip
         if self.lora_hashes:
             out["Lora hashes"] = self.lora_hashes
+        if self.ti_hashes:
+            out["TI hashes"] = self.ti_hashes
         for i, unit in enumerate(self.control):
             out[f"ControlNet {i}"] = unit.infotext()
         if self.refiner:
@@ -217,6 +220,7 @@ class GenerationRequest:
     vae: str = ""
     model_hash: str = ""
     lora_hashes: str = ""
+    ti_hashes: str = ""
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -248,6 +252,7 @@ class GenerationRequest:
                 vae=self.vae,
                 model_hash=self.model_hash,
                 lora_hashes=self.lora_hashes,
+                ti_hashes=self.ti_hashes,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -368,6 +373,21 @@ def lora_hashes(named_files: Sequence[tuple[str, str | Path]], hashes: Any = Non
     cache = hashes or HashCache()
     clean = str.maketrans("", "", ":,")  # A1111 takes these out of the names
     return ", ".join(f"{name.translate(clean)}: {cache.network_hash(path)[:12]}" for name, path in named_files)
+
+
+def ti_hashes(texts: Sequence[str], named_files: Sequence[tuple[str, str | Path]], hashes: Any = None) -> str:
+    """A1111's `TI hashes` value, "name: hash12, ...", for the embeddings (trigger word, file) that `texts` use: a
+    trigger word counts where it stands as a word of its own. The hash is the file's SHA-256, as A1111's."""
+    from sdjax.models_dir import HashCache
+
+    cache = hashes or HashCache()
+    clean = str.maketrans("", "", ":,")
+    used = [
+        (name, path)
+        for name, path in named_files
+        if any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", t or "") for t in texts)
+    ]
+    return ", ".join(f"{name.translate(clean)}: {cache.sha256(path)[:12]}" for name, path in used)
 
 
 def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float | tuple[float, float]], ...]) -> list[str]:
@@ -586,6 +606,7 @@ def parameters_from_text(text: str) -> ImageParameters:
             vae=raw.get("VAE", ""),
             model_hash=raw.get("Model hash", ""),
             lora_hashes=raw.get("Lora hashes", ""),
+            ti_hashes=raw.get("TI hashes", ""),
         )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None

@@ -67,6 +67,8 @@ def test_names_from_the_models_directory_give_the_python_apis_image(models, tmp_
     data = (models / "Lora" / "ink-lora.safetensors").read_bytes()
     addnet = hashlib.sha256(data[8 + int.from_bytes(data[:8], "little") :]).hexdigest()[:12]
     assert f'Lora hashes: "ink-lora: {addnet}"' in text  # A1111's field
+    ti = hashlib.sha256((models / "embeddings" / "inky.safetensors").read_bytes()).hexdigest()[:12]
+    assert f'TI hashes: "inky: {ti}"' in text  # the embedding's whole-file SHA-256, as A1111 writes it
     p = metadata.parameters_from_text(text)
     assert (p.clip_skip, p.vae, p.seed, p.steps) == (2, "shift", 3, 2)
 
@@ -118,6 +120,18 @@ def test_a_single_file_checkpoint_by_name_is_hashed_for_the_infotext(models):
     # a Hub id is still a Hub id when the directory has no folder of that name
     hub = cli_models.resolve_model(cli_models.open_models_dir(models), "org/some-model")
     assert hub == ("org/some-model", None, None)
+
+
+def test_ti_hashes_name_the_embeddings_a_prompt_uses(tmp_path):
+    files = []
+    for name in ("inky", "blue", "a:b"):
+        (tmp_path / f"{name}.pt").write_bytes(name.encode())
+        files.append((name, tmp_path / f"{name}.pt"))
+    h = {name: hashlib.sha256(name.encode()).hexdigest()[:12] for name in ("inky", "blue", "a:b")}
+    texts = ["an inky, (inky:1.2) cat", "inkyness; not blue-ish", "a:b"]
+    # "blue-ish" holds "blue" as a word (A1111's tokenizer splits at "-"); "inkyness" does not hold "inky"
+    assert metadata.ti_hashes(texts, files) == f"inky: {h['inky']}, blue: {h['blue']}, ab: {h['a:b']}"
+    assert metadata.ti_hashes(["inkyness", "bluer"], files[:2]) == ""
 
 
 def test_infotext_fields_and_batch_keys_of_model_settings():

@@ -107,7 +107,8 @@ def test_model_settings_and_networks_per_request(models):
             )
         )
         try:
-            reweighted = c.post(A1111, json={"prompt": "a red circle <lora:fc:0.3>", "seed": 6, "steps": STEPS})
+            # A1111's <lora:name:te:unet>: this LoRA touches only the text encoder, so only its 0.3 counts
+            reweighted = c.post(A1111, json={"prompt": "a red circle <lora:fc:0.3:2>", "seed": 6, "steps": STEPS})
         finally:
             jax.monitoring.clear_event_listeners()
     pipe.generate_arrays = generate_arrays
@@ -118,6 +119,10 @@ def test_model_settings_and_networks_per_request(models):
     assert "Clip skip: 2" in text and "Clip skip" not in plain_text
     assert json.loads(out[0].json()["info"])["clip_skip"] == 2
     assert metadata.parameters_from_text(text).clip_skip == 2
+    # A1111's "TI hashes": the embeddings the prompt uses, by the SHA-256 of their files
+    ti = hashlib.sha256((models / "embeddings" / "inky.safetensors").read_bytes()).hexdigest()[:12]
+    assert f'TI hashes: "inky: {ti}"' in text and "TI hashes" not in plain_text
+    assert metadata.parameters_from_text(text).ti_hashes == f"inky: {ti}"
     assert close(skipped, pipe.generate("an inky cat", seed=4, steps=STEPS, clip_skip=2)[0])
     assert close(plain, pipe.generate("a red circle", seed=5, steps=STEPS)[0])
     # the embedding is a word of the prompt (its own token ids), and CLIP skip changes the image

@@ -56,6 +56,7 @@ from sdjax.metadata import (
     sampler_display_name,
     sampler_id,
     strip_lora_tags,
+    ti_hashes,
 )
 from sdjax.samplers import a1111
 from sdjax.server import controlnet as controlnet_api
@@ -464,6 +465,10 @@ def create_app(
             # per-request model switching is not done: a request's checkpoint must be the served one
             check_settings(rest, settings(), field="override_settings")
         texts = {"prompt": body.prompt, "negative_prompt": body.negative_prompt or ""}
+        loaded = (now.embeddings or {}).get("loaded", {})
+        if loaded and md is not None:  # A1111's "TI hashes" of the embeddings these prompts use
+            files = [(name, md.resolve("embedding", name).path) for name in loaded]
+            changes["ti_hashes"] = ti_hashes(list(texts.values()), files, md.hashes)
         loras = networks.prompt_loras(now.pipeline, texts)
         if not loras:
             return changes, body
