@@ -319,6 +319,13 @@ def generate(
             rich_help_panel="Models directory",
         ),
     ] = None,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            help="Read pickled (.pt/.bin) embeddings with sdjax's restricted unpickler, which runs no code.",
+            rich_help_panel="Models directory",
+        ),
+    ] = False,
     vae: Annotated[
         str | None,
         typer.Option(
@@ -523,7 +530,7 @@ def generate(
         try:
             pipe = load_pipeline(model, dtype) if weights.vae is None else _load_with_vae(model, dtype, weights.vae)
             for path in weights.embeddings:
-                pipe.load_textual_inversion(path, token=path.stem)  # A1111: the file name triggers it
+                pipe.load_textual_inversion(path, token=path.stem, allow_pickle=allow_pickle)  # A1111: file name
             model_hash = cli_models.model_hash(weights)
         except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
             if bars:
@@ -1074,6 +1081,13 @@ def serve(
             "GET /sdapi/v1/sd-models, loras, embeddings (loaded at start-up) and sd-vae list them."
         ),
     ] = None,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            help="Load the pickled (.pt/.bin) embeddings of --models-dir too, with sdjax's restricted unpickler "
+            "(runs no code). Default: they are listed as skipped."
+        ),
+    ] = False,
     vae: Annotated[
         str | None,
         typer.Option(help="Serve with this VAE: file, diffusers folder, Hub id or name in --models-dir's VAE/."),
@@ -1206,6 +1220,7 @@ def serve(
         api_auth=users,
         cors_origins=_parse_list(cors_origins),
         models_dir=models_dir,
+        allow_pickle_embeddings=allow_pickle,
         controlnet_dir=controlnet_dir,
         file_ttl_s=file_ttl,
         docs=not no_docs,

@@ -181,3 +181,33 @@ def test_serve_resolves_names_in_the_models_directory(models, monkeypatch):
     for args, option in ((["-m", "wiafu"], "--model"), (["--vae", "../VAE/mse"], "--vae")):
         r = CliRunner().invoke(cli.app, ["serve", "--models-dir", str(models), *args])
         assert r.exit_code == 2 and option in r.output, r.output
+
+
+def test_pickled_embeddings_load_only_when_allowed(tmp_path):
+    """A1111's `.pt` embeddings in `embeddings/`: skipped by default (pickles are refused), read by the restricted
+    unpickler with `serve --allow-pickle`, their vectors appended to the token table under the file's name."""
+    torch = pytest.importorskip("torch")
+    import sdjax
+    from sdjax.loading import textual_inversion as ti
+    from sdjax.models_dir import ModelsDir
+    from sdjax.pipelines import load_pipeline
+    from sdjax.server import models_api
+
+    for sub in ("Stable-diffusion", "embeddings"):  # the A1111 layout
+        (tmp_path / sub).mkdir()
+    vectors = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    a1111 = {"string_to_token": {"*": 265}, "string_to_param": {"*": torch.from_numpy(vectors)}, "name": "qzold",
+             "step": 1500, "sd_checkpoint": "abcdef", "sd_checkpoint_name": "model"}  # fmt: skip
+    torch.save(a1111, tmp_path / "embeddings" / "qzold.pt")
+    md = ModelsDir(tmp_path)
+    pipe, _ = load_pipeline(sdjax.EMBEDDED_MODEL)
+    assert models_api.load_embeddings(pipe, md) == {"loaded": {}, "skipped": {"qzold": dict.fromkeys(
+        ("step", "sd_checkpoint", "sd_checkpoint_name", "shape", "vectors"))}}  # fmt: skip
+    size = pipe.text_encoder.config.vocab_size
+    body = models_api.load_embeddings(pipe, md, allow_pickle=True)
+    assert body["loaded"]["qzold"]["vectors"] == 2 and body["loaded"]["qzold"]["shape"] == 64
+    assert list(pipe.tokenizer(["qzold"])[0][1:3]) == [size, size + 1]
+    table = pipe.params["text_encoder"]
+    for k in ti.TOKEN_EMBEDDING:
+        table = table[k]
+    np.testing.assert_array_equal(np.asarray(table)[size : size + 2], vectors)

@@ -170,6 +170,7 @@ class ServerConfig:
     api_auth: tuple[tuple[str, str], ...] = ()  # (user, password) pairs accepted as HTTP basic auth
     cors_origins: tuple[str, ...] = ()
     models_dir: str | None = None  # A1111 models directory (or a folder of diffusers models): see models_api
+    allow_pickle_embeddings: bool = False  # load its .pt/.bin embeddings (restricted unpickler) instead of skipping
     checkpoint: str = ""  # the served model's name in the models directory (sd_model_checkpoint); "": model_name
     vae_name: str = ""  # the VAE the server was started with (sd_vae); "": the model's own ("Automatic")
     controlnet_dir: str | None = None  # ControlNet folders A1111 requests may name (alwayson_scripts.controlnet)
@@ -227,7 +228,9 @@ def create_app(
         metrics.watch_cache(pipeline.generator.cache)
     md = models_api.open_models_dir(config.models_dir)
     checkpoint = config.checkpoint or config.model_name
-    embeddings = models_api.load_embeddings(pipeline, md)  # before start-up compiles: vocab grows
+    embeddings = models_api.load_embeddings(
+        pipeline, md, allow_pickle=config.allow_pickle_embeddings
+    )  # before start-up compiles: vocab grows
     box = {"served": served_for(pipeline, config.model_name, config, checkpoint=checkpoint, embeddings=embeddings)}
     networks = Networks(md, served_vae=config.vae_name)  # <lora:...> tags and sd_vae per request, as params
     batcher = Batcher(
@@ -641,7 +644,7 @@ def create_app(
         def load() -> tuple[Any, Any, str]:
             pipe = loader(str(entry.path))
             title = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
-            return pipe, models_api.load_embeddings(pipe, md), title
+            return pipe, models_api.load_embeddings(pipe, md, allow_pickle=config.allow_pickle_embeddings), title
 
         async with switch_lock:
             if same_checkpoint(entry.name):

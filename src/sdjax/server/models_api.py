@@ -92,9 +92,10 @@ def sd_vae(md: ModelsDir | None) -> list[dict[str, Any]]:
     return [{"model_name": e.name.rsplit("/", 1)[-1], "filename": _relative(md, e)} for e in md.list("vae")]
 
 
-def load_embeddings(pipeline: Any, md: ModelsDir | None) -> dict[str, dict[str, Any]]:
+def load_embeddings(pipeline: Any, md: ModelsDir | None, *, allow_pickle: bool = False) -> dict[str, dict[str, Any]]:
     """Load every embedding of `embeddings/` into `pipeline` (trigger word: the file name without extension, as
-    A1111); those that do not fit the model (or are pickles) are skipped with a log line. Returns A1111's
+    A1111); those that do not fit the model (or are pickles, unless `allow_pickle`: then sdjax's restricted
+    unpickler reads them) are skipped with a log line. Returns A1111's
     `{"loaded": {...}, "skipped": {...}}` body of `GET /sdapi/v1/embeddings` (`step`, `sd_checkpoint` and
     `sd_checkpoint_name` describe the embedding's training in A1111's pickles; .safetensors files carry none)."""
     body: dict[str, dict[str, Any]] = {"loaded": {}, "skipped": {}}
@@ -107,10 +108,10 @@ def load_embeddings(pipeline: Any, md: ModelsDir | None) -> dict[str, dict[str, 
         info: dict[str, Any] = {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None, "shape": None,
                                 "vectors": None}  # fmt: skip
         try:
-            emb = ti.read_embedding(e.path, token=name)
+            emb = ti.read_embedding(e.path, token=name, allow_pickle=allow_pickle)
             rows = next(iter(emb.vectors.values()))
             info.update(shape=int(rows.shape[-1]), vectors=int(rows.shape[0]))
-            pipeline.load_textual_inversion(e.path, token=name)
+            pipeline.load_textual_inversion(e.path, token=name, allow_pickle=allow_pickle)
         except Exception as err:  # a file for another model, a pickle, a token the tokenizer has
             log.warning("embedding %s skipped: %s", e.name, err)
             body["skipped"][name] = info
