@@ -1,12 +1,14 @@
 """Does a UNet call cost the same inside the generation's denoising loop as compiled alone? (docs/benchmarks.md)
 
 `sdjax bench` times one UNet step compiled alone and the whole generation; their difference mixes the loop's
-cost with the text encoders, the sampler and the VAE. This script isolates the loop: it compiles the whole
-generation at two step counts and takes the difference, which is (extra model calls) x (one in-loop call plus the
-sampler's update), and times the UNet alone in the same rounds (calls interleaved, so load on the machine slows
-all three alike).
+cost with the text encoders, the sampler and the VAE. This script isolates the loop with ONE compiled generation
+(Euler, `--steps` steps): it runs it over the whole schedule and over its first half (`denoising_end=0.5`, the
+same executable: the window is a traced input), so the difference is (half the steps) x (one in-loop model call
+plus Euler's update); what is left of the whole run (text encoders, VAE decode, the host's work) is set beside
+the text encoders and the VAE decoder compiled alone. The pieces compiled alone are timed in the same rounds
+(calls interleaved, so load on the machine slows all of them alike).
 
-    python benchmarks/loop_vs_alone.py --arch sd15 --size 512 --steps 2 4 --rounds 2
+    python benchmarks/loop_vs_alone.py --arch sd15 --size 512 --steps 4 --rounds 2
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sd15")
     ap.add_argument("--size", type=int, default=512)
-    ap.add_argument("--steps", type=int, nargs=2, default=[2, 4])
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--sampler", default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -35,6 +36,9 @@ def main() -> None:
     import numpy as np
 
     from sdjax import samplers
+    from sdjax.core import autoencoder
+    from sdjax.core.tasks.base import TaskRequest
+    from sdjax.core.tasks.txt2img import Txt2Img
     from sdjax.ops import conv as ops_conv
     from sdjax.pipelines.presets import build_pipeline
 
@@ -48,15 +52,21 @@ def main() -> None:
         "neg_ids": cond.tokenize([""]),
         **cond.host_inputs(negative_prompts=[None], height=size, width=size, task="txt2img"),
     }
-    extra = {k: v for k, v in host.items() if k not in ("ids", "neg_ids")}
-    keys = np.zeros((1, 2), np.uint32)
-    guidance = np.full((1,), 7.5, np.float32)
-
-    runs = {}
-    for steps in args.steps:
-        fn = pipe.aot_compile(batch_size=1, height=size, width=size, steps=steps, sampler=args.sampler, params=params)
-        sampler = gen.sampler if args.sampler is None else samplers.get_sampler(args.sampler)
-        runs[steps] = (fn, int(sampler.num_model_calls(steps)))
+    sampler = samplers.get_sampler("euler", base_config=dict(pipe.scheduler.config))
+    base = dict(
+        prompts=["a photograph of an astronaut riding a horse"],
+        negative_prompts=[""],
+        keys=np.zeros((1, 2), np.uint32),
+        guidance_scales=[7.5],
+        steps=args.steps,
+        height=size,
+        width=size,
+        sampler=sampler,
+        params=params,
+    )
+    tasks = {"whole": TaskRequest(Txt2Img()), "first half": TaskRequest(Txt2Img(), denoising_end=0.5)}
+    spec = gen.spec(batch=1, height=size, width=size, steps=args.steps, sampler=sampler)
+    calls_in = {k: (lambda w: w[1] - w[0])(gen.window(spec, t)) for k, t in tasks.items()}
 
     unet_params = jax.jit(ops_conv.prepare)(params["unet"])
     inputs = {k: jnp.asarray(v) for k, v in host.items()}
@@ -70,6 +80,10 @@ def main() -> None:
         .compile()
     )
 
+    z = jnp.asarray(np.random.default_rng(1).standard_normal((1, 4, size // f, size // f)), jnp.float32)
+    decode = jax.jit(lambda p, z: autoencoder.decode(pipe.vae, p["vae"], z, pipe.dtype)).lower(params, z).compile()
+    text = jax.jit(lambda p, i: cond.encode(p, i, cfg=True)).lower(params, inputs).compile()
+
     def timed(fn):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
@@ -77,10 +91,9 @@ def main() -> None:
 
     calls = {
         "unet alone": lambda: unet(unet_params, x, t, context, added),
-        **{
-            f"generation {s} steps": (lambda fn=fn: fn(host["ids"], host["neg_ids"], keys, guidance, extra))
-            for s, (fn, _) in runs.items()
-        },
+        "vae decode alone": lambda: decode(params, z),
+        "text encoders alone": lambda: text(params, inputs),
+        **{f"generation, {k}": (lambda task=task: gen.run(**base, task=task)) for k, task in tasks.items()},
     }
     for fn in calls.values():  # warm
         timed(fn)
@@ -89,17 +102,19 @@ def main() -> None:
         for k, fn in calls.items():
             times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
-    (s0, (_, c0)), (s1, (_, c1)) = sorted(runs.items())
-    in_loop = (med[f"generation {s1} steps"] - med[f"generation {s0} steps"]) / (c1 - c0)
+    extra_calls = calls_in["whole"] - calls_in["first half"]
+    in_loop = (med["generation, whole"] - med["generation, first half"]) / extra_calls
     out = {
         "arch": args.arch,
         "size": size,
+        "steps": args.steps,
+        "model_calls": calls_in,
         "medians_s": med,
-        "model_calls": {s: c for s, (_, c) in runs.items()},
         "in_loop_call_s": in_loop,
         "alone_call_s": med["unet alone"],
         "in_loop_over_alone": in_loop / med["unet alone"],
-        "rest_of_generation_s": med[f"generation {s0} steps"] - c0 * in_loop,
+        "rest_of_generation_s": med["generation, whole"] - calls_in["whole"] * in_loop,
+        "text_and_decode_alone_s": med["vae decode alone"] + med["text encoders alone"],
     }
     print(json.dumps(out, indent=2))
     if args.json:
