@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
     }
-    env.pop("XLA_FLAGS", None)  # the server as users run it: one CPU device
+    # The server as users run it: one CPU device. Under the test suite, its compile flags (tests/conftest.py sets
+    # SDJAX_TEST_COMPILE_FLAGS: LLVM optimisation off, the start-up compilation in about half the time).
+    env["XLA_FLAGS"] = os.environ.get("SDJAX_TEST_COMPILE_FLAGS", "")
     server = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     report: dict = {"users": args.users, "seconds": args.seconds, "steps": args.steps, "max_batch": args.max_batch}
     checks: dict[str, bool] = {}

@@ -417,13 +417,28 @@ KNOWN = {
 }
 
 
+_TORCH_SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}
+_torch_shapes = sf._torch_shapes
+
+
+def _cached_torch_shapes(model_cls, config):
+    """`sf._torch_shapes` once per (model, config): tracing a full-size model's abstract params takes seconds, and
+    the architectures share components (the SD 1.x/2.x text encoders and VAEs, SDXL's CLIPs)."""
+    key = (model_cls, repr(config))
+    if key not in _TORCH_SHAPES:
+        _TORCH_SHAPES[key] = _torch_shapes(model_cls, config)
+    return dict(_TORCH_SHAPES[key])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config_set", sorted(FULL_SIZE))
-def test_full_size_architectures(config_set):
+def test_full_size_architectures(config_set, monkeypatch):
     """For each released architecture: the `{key: shape}` set of its original file (from sdjax's abstract params
     and `ldm_keys`) is inferred as the right architecture, by sdjax and by diffusers' `infer_diffusers_model_type`,
     and diffusers' own LDM converters map it to exactly the diffusers keys and shapes sdjax's models have."""
     from diffusers.loaders import single_file_utils as su
+
+    monkeypatch.setattr(sf, "_torch_shapes", _cached_torch_shapes)
 
     shapes = sf.checkpoint_shapes(config_set)
     arch, diffusers_type = FULL_SIZE[config_set]

@@ -2,9 +2,11 @@
 node started on 127.0.0.1 without the dashboard. The Ray driver runs in a subprocess (Ray installs its own signal
 handlers and processes); it checks that every Ray process of the node listens on loopback addresses only.
 
-The fake-pipeline test (about 20 s, most of it Ray's start) runs in the suite whenever `ray[serve]` is installed
-(the `ray` extra). The embedded-model test loads and compiles the model in both replicas (about a minute on two
-cores) and is marked `ray_model`: deselect it with `-m "not ray_model"` on a busy machine.
+Both tests share one Ray node (a module fixture; Ray's start is most of the fake-pipeline test's time): the fake
+pipeline's deployment, then the embedded model's on the same node. The fake-pipeline test runs in the suite whenever
+`ray[serve]` is installed (the `ray` extra). The embedded-model test loads and compiles the model in both replicas
+(with the suite's compile flags) and is marked `ray_model`: deselect it with `-m "not ray_model"` on a busy machine
+(the node then runs the fake pipeline's deployment only).
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ DRIVER = textwrap.dedent("""
     from sdjax.server.ray_serve import run
 
     ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
-             runtime_env={{"env_vars": {{"PYTHONPATH": {pythonpath!r}, "JAX_PLATFORMS": "cpu"}}}})
-    port = free_port()
-    url = f"http://127.0.0.1:{{port}}"
-    out = {{}}
-    try:
+             runtime_env={{"env_vars": {{"PYTHONPATH": {pythonpath!r}, "JAX_PLATFORMS": "cpu",
+                                        "XLA_FLAGS": {xla_flags!r}}}}})
+
+    def phase(factory, config, steps, check):
+        port = free_port()
+        url = f"http://127.0.0.1:{{port}}"
+        out = {{}}
         t0 = time.monotonic()
-        factory = {factory}
-        run(None, factory=factory, config=ServerConfig(model_name="replicated", max_batch=2, {config}),
+        run(None, factory=factory, config=ServerConfig(model_name="replicated", max_batch=2, **config),
             num_replicas=2, ray_actor_options={{"num_cpus": 0.5}}, host="127.0.0.1", port=port)
         deadline = time.monotonic() + 600
         while httpx.get(url + "/health/ready", timeout=10).status_code != 200:
@@ -50,14 +53,14 @@ DRIVER = textwrap.dedent("""
         out["deploy_s"] = time.monotonic() - t0
 
         def post(i):
-            body = {{"prompt": f"request {{i}}", "seed": i, "steps": {steps}}}
+            body = {{"prompt": f"request {{i}}", "seed": i, "steps": steps}}
             return httpx.post(url + "/v1/images/generations", json=body, timeout=600)
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(post, range(12)))
         out["status"] = [r.status_code for r in responses]
         out["replicas"] = sorted({{r.headers.get("x-replica") for r in responses}})
-        if {check!r}:
+        if check:
             for i, r in enumerate(responses):
                 check_image(r.json()["data"][0]["b64_json"], prompt=f"request {{i}}", seed=i, model="replicated")
         out["images_ok"] = all(r.status_code == 200 and r.json()["data"][0]["b64_json"] for r in responses)
@@ -69,23 +72,44 @@ DRIVER = textwrap.dedent("""
         out["listening"] = len(listening)
         out["non_loopback"] = sorted({{f"{{c.laddr.ip}}:{{c.laddr.port}}" for c in listening
                                      if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:")).is_loopback}})
+        serve.shutdown()  # the next phase deploys on the same Ray node
+        return out
+
+    results = {{}}
+    try:
+        for name, factory, config, steps, check in {phases}:
+            results[name] = phase(eval(factory), config, steps, check)
     finally:
         serve.shutdown()
         ray.shutdown()
-    print("RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(results))
 """)
 
+# The phases one Ray node runs in turn (Ray's start is paid once): name, factory, extra config, steps, check images.
+FAKE = ("fake", "functools.partial(FakePipeline, delay_s=0.5)", {"warm": False}, 4, True)
+EMBEDDED = ("embedded", "None", {"default_steps": 4, "batch_sizes": (2,)}, 4, False)
 
-def drive(factory: str, config: str, steps: int, check: bool) -> dict:
+
+def drive(phases: list[tuple]) -> dict:
     pythonpath = os.pathsep.join([str(HERE), str(SRC)])
+    # The replicas compile as the rest of the suite does (tests/conftest.py), on one CPU device each.
+    xla_flags = os.environ.get("SDJAX_TEST_COMPILE_FLAGS", "")
     script = DRIVER.format(
-        here=str(HERE), src=str(SRC), pythonpath=pythonpath, factory=factory, config=config, steps=steps, check=check
+        here=str(HERE), src=str(SRC), pythonpath=pythonpath, xla_flags=xla_flags, phases=repr(phases)
     )
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def results(request) -> dict:
+    """One Ray node for the module: the fake pipeline's deployment, then (when its test is selected) the embedded
+    model's."""
+    with_model = any(item.get_closest_marker("ray_model") for item in request.session.items)
+    return drive([FAKE, EMBEDDED] if with_model else [FAKE])
 
 
 def check(result: dict) -> None:
@@ -95,12 +119,12 @@ def check(result: dict) -> None:
     assert result["listening"] > 5 and result["non_loopback"] == [], result
 
 
-def test_two_replicas_of_the_fake_pipeline():
-    check(drive("functools.partial(FakePipeline, delay_s=0.5)", "warm=False", steps=4, check=True))
+def test_two_replicas_of_the_fake_pipeline(results):
+    check(results["fake"])
 
 
 @pytest.mark.ray_model
-def test_two_replicas_of_the_embedded_model():
-    result = drive("None", "default_steps=4, batch_sizes=(2,)", steps=4, check=False)
+def test_two_replicas_of_the_embedded_model(results):
+    result = results["embedded"]
     check(result)
     print(f"two embedded-model replicas ready in {result['deploy_s']:.0f} s")

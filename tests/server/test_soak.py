@@ -1,8 +1,8 @@
-"""The soak's short form (issue 19's proof): 8 locust clients for 60 s against the embedded model on 127.0.0.1,
+"""The soak's short form (issue 19's proof): 8 locust clients for 20 s against the embedded model on 127.0.0.1,
 mixing valid, invalid, oversized, slow-body and disconnecting requests (benchmarks/soak). No valid request lost or
 mixed, every bad one answered as it should be, RSS bounded after warm-up, the server ready at the end and stopping
-on SIGTERM. About two and a half minutes with start-up compilation; deselect with `-m "not soak"`. The long form
-(64 clients, 10 minutes) is `python benchmarks/soak/run_soak.py --users 64 --seconds 600`."""
+on SIGTERM. The server compiles with the suite's flags (SDJAX_TEST_COMPILE_FLAGS); deselect with `-m "not soak"`.
+The long form (64 clients, 10 minutes) is `python benchmarks/soak/run_soak.py --users 64 --seconds 600`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_soak_short_form(tmp_path):
     import run_soak
 
     report = run_soak.main(
-        ["--users", "8", "--seconds", "30", "--max-batch", "4", "--json-out", str(tmp_path / "r.json")]
+        ["--users", "8", "--seconds", "20", "--max-batch", "4", "--json-out", str(tmp_path / "r.json")]
     )
     clients = report["clients"]
     print(json.dumps({k: report[k] for k in ("clients", "rss_mib", "server", "checks")}, indent=1))

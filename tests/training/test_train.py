@@ -34,7 +34,21 @@ def _fit(loss_fn, params, batch, steps=6, lr=3e-3):
     return losses
 
 
-def test_diffusion_loss_is_finite_and_falls_on_a_fixed_batch():
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One complete `python -m sdjax.training --preset tiny` run: (output folder, log text). Its exported weights
+    are also the starting point of the fixed-batch fit (no second UNet init to compile)."""
+    from sdjax.training.__main__ import main
+
+    tmp = tmp_path_factory.mktemp("tiny-run")
+    out = tmp / "tiny-sd"
+    assert main(["--preset", "tiny", "--out", str(out), "--log", str(tmp / "log.txt")]) == 0
+    return out, (tmp / "log.txt").read_text()
+
+
+def test_diffusion_loss_is_finite_and_falls_on_a_fixed_batch(tiny_run):
+    from sdjax import StableDiffusionPipeline
+
     text_config, unet_config, _ = train.model_configs(TINY)
     tokenizer = CLIPTokenizer.default()
     key = jax.random.key(0)
@@ -42,15 +56,13 @@ def test_diffusion_loss_is_finite_and_falls_on_a_fixed_batch():
     latents = jax.random.normal(key, (4, 4, 16, 16))
     used = train.caption_vocabulary_ids(tokenizer)
     assert {tokenizer.encode("triangle")[0], tokenizer.bos_token_id, tokenizer.eos_token_id} <= set(used.tolist())
-    params = {
-        "text_encoder": train.init_text_params(text_config, key, used),
-        "unet": UNet2DConditionModel(unet_config).init(
-            key, latents[:1], jnp.zeros((1,)), jnp.zeros((1, 77, text_config.hidden_size))
-        )["params"],
-    }
     # Rows of words the captions never use start at zero.
-    emb = params["text_encoder"]["text_model"]["embeddings"]["token_embedding"]["embedding"]
+    emb = train.init_text_params(text_config, key, used)["text_model"]["embeddings"]["token_embedding"]["embedding"]
     assert float(jnp.abs(emb[tokenizer.encode("dog")[0]]).sum()) == 0.0
+    # The fit starts from the tiny run's exported text encoder and UNet (the preset's architecture, a few steps
+    # away from their initialisation).
+    _, loaded = StableDiffusionPipeline.from_pretrained(str(tiny_run[0]))
+    params = {"text_encoder": loaded["text_encoder"], "unet": loaded["unet"]}
     alphas = jnp.asarray(train.training_alphas_cumprod(TINY.scheduler))
     loss_fn = train.diffusion_loss_fn(CLIPTextModel(text_config), UNet2DConditionModel(unet_config), alphas, 5.0)
     losses = _fit(loss_fn, params, (latents, ids, jax.random.key(1)))
@@ -117,13 +129,10 @@ def test_training_schedule_matches_the_exported_scheduler():
     np.testing.assert_allclose(ab, get_sampler(dict(train.SCHEDULER)).alphas_cumprod, rtol=1e-5)
 
 
-def test_tiny_run_writes_a_pipeline_that_sdjax_loads(tmp_path):
+def test_tiny_run_writes_a_pipeline_that_sdjax_loads(tiny_run):
     from sdjax import StableDiffusionPipeline
-    from sdjax.training.__main__ import main
 
-    out = tmp_path / "tiny-sd"
-    assert main(["--preset", "tiny", "--out", str(out), "--log", str(tmp_path / "log.txt")]) == 0
-    log = (tmp_path / "log.txt").read_text()
+    out, log = tiny_run
     assert "vae step" in log and "diffusion step" in log and "nan" not in log.lower()
     for sub in (
         "model_index.json",
