@@ -95,6 +95,17 @@ def test_keep_table_is_diffusers_controlnet_keep():
     np.testing.assert_array_equal(table[0, :, 0], [0, 0, 0, 1, 1, 0])
 
 
+def on_two_devices(pipe):
+    """A data-parallel mesh of 2 devices: the 2 images without the 6 padding images of the default 8-device mesh
+    (a quarter of the work, a smaller program). The `sd` pipeline keeps the default mesh, padding included."""
+    import jax
+
+    from sdjax.parallel import make_mesh
+
+    pipe.mesh = make_mesh(2, 1, jax.devices()[:2])
+    return pipe
+
+
 def saved(model, tmp_path_factory, name):
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder, safe_serialization=True)
@@ -214,7 +225,7 @@ def sdxl(sdxl_dir):
     """One SDXL pipeline for the module: its compiled programs are shared by the tests of the same shape."""
     from sdjax import StableDiffusionXLPipeline
 
-    return StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    return on_two_devices(StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0])
 
 
 def test_sdxl_txt2img_matches_diffusers(sdxl, sdxl_net, torch_sdxl):
@@ -288,7 +299,7 @@ def inpaint9(torch_sd1, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-sd1-inpaint-cn")
     diffusers.StableDiffusionInpaintPipeline(**parts).save_pretrained(folder, safe_serialization=True)
-    return parts, folder, StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    return parts, folder, on_two_devices(StableDiffusionPipeline.from_pretrained(str(folder))[0])
 
 
 def test_sd_inpaint_9_channels_matches_diffusers(inpaint9, sd_nets):
@@ -464,7 +475,7 @@ def test_guidance_distilled_unet_with_controlnet_matches_diffusers(torch_sd1, tm
     assert "time_cond_proj_dim" not in json.loads((net_folder / "config.json").read_text())
     torch_pipe = diffusers.StableDiffusionControlNetPipeline(**parts, controlnet=torch_net)
     swap(torch_pipe, folder, "EulerDiscreteScheduler")
-    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    pipe = on_two_devices(StableDiffusionPipeline.from_pretrained(str(folder))[0])
     net = FlaxControlNetModel.from_pretrained(str(net_folder))
     latents = np.random.default_rng(3).standard_normal((2, *SHAPE)).astype(np.float32)
     cond = control_images(11)
