@@ -1,6 +1,8 @@
 """Test helpers for ControlNet generation: tiny torch ControlNets that fit the tiny UNets of tests/reference.py,
 and control maps."""
 
+import contextlib
+
 import numpy as np
 import reference
 import torch
@@ -37,3 +39,17 @@ def control_images(seed: int) -> list:
             a[y : y + r.integers(2, 12), x : x + r.integers(2, 12)] = 255
         out.append(Image.fromarray(a))
     return out
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """PyTorch on one thread while the block runs (the previous count after). The tiny reference pipelines run
+    a few hundred small ops; with two intra-op threads on a busy 2-core machine (CI runs two test workers), each
+    op's thread hand-off costs more than the op: measured here 8-25 s of CPU for one 5-step ControlNet
+    pipeline call instead of 0.25 s on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -28,8 +28,16 @@ def picture(tmp_path_factory):
     return path, pixels
 
 
-def test_cli_controlnet_image_matches_the_api(sd1_dir, net_dir, picture, tmp_path):
+def test_cli_controlnet_image_matches_the_api(sd1_dir, net_dir, picture, tmp_path, monkeypatch):
     path, pixels = picture
+    loaded = []  # the pipeline the CLI loads, reused below for the API's image (its compiled programs too)
+
+    def load_pipeline(*args, **kwargs):
+        loaded.append(real_load(*args, **kwargs))
+        return loaded[-1]
+
+    real_load = cli.load_pipeline
+    monkeypatch.setattr(cli, "load_pipeline", load_pipeline)
     args = ["generate", "a house", "-m", str(sd1_dir), "--steps", "2", "-W", "64", "-H", "64", "--seed", "5"]
     args += ["--controlnet", str(net_dir), "--control-image", str(path), "--control-preprocess", "invert"]
     r = runner.invoke(cli.app, [*args, "--control-scale", "0.7", "-o", str(tmp_path)])
@@ -37,10 +45,13 @@ def test_cli_controlnet_image_matches_the_api(sd1_dir, net_dir, picture, tmp_pat
     (png,) = tmp_path.glob("*.png")
     text = metadata.read_parameters(png.read_bytes())
     assert f'ControlNet 0: "Module: invert, Model: {net_dir.name}, Weight: 0.7, Guidance Start: 0.0' in text
-    pipe, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    (pipe,) = loaded
+    assert isinstance(pipe, StableDiffusionPipeline)
+    # A no-op progress callback as the CLI's progress bars: the program the CLI compiled.
     ref = pipe.generate(
         "a house", seed=5, steps=2, height=64, width=64, guidance_scale=7.5, controlnet=str(net_dir),
         control_image=preprocess.invert(pixels), controlnet_conditioning_scale=0.7, output_type="np",
+        progress=lambda stage, step, total: None,
     )  # fmt: skip
     ours = np.asarray(Image.open(png), np.float32) / 255
     assert np.abs(ours - np.asarray(ref)[0]).max() <= 1 / 255 + 1e-6

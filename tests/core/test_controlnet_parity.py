@@ -6,6 +6,8 @@ non-default scale and guidance start/end), `StableDiffusionXLControlNetPipeline`
 tiny models of tests/reference.py. The ControlNets are `ControlNetModel.from_unet` copies of the tiny UNets with
 random zero convs (else their residuals would be 0 and the comparison would prove nothing) and perturbed norms.
 Images in [0, 1] agree to 1e-3 absolute (float32); each case also checks the nets change the image by far more.
+The image without a net (or without the second net) comes from the same call with that net's scale 0: the net is
+skipped and its residuals are exactly 0, so the image is the one without it, from the already compiled program.
 """
 
 import json
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import reference
 import torch
-from controlnet_cases import control_images, torch_controlnet
+from controlnet_cases import control_images, one_torch_thread, torch_controlnet
 
 from sdjax import StableDiffusionPipeline, rng
 from sdjax.core.controlnet import keep_table
@@ -27,6 +29,13 @@ PROMPTS = ["a photo of an astronaut riding a horse", "a red circle on a blue bac
 NEGATIVE = ["blurry, low quality", "green"]
 STEPS = 5
 SHAPE = (4, 8, 8)
+ZERO = {"controlnet_conditioning_scale": 0.0}  # the nets skipped: the image without ControlNet (module docstring)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_on_one_thread():
+    with one_torch_thread():
+        yield
 
 
 def init_images() -> list:
@@ -86,6 +95,17 @@ def test_keep_table_is_diffusers_controlnet_keep():
     np.testing.assert_array_equal(table[0, :, 0], [0, 0, 0, 1, 1, 0])
 
 
+def on_two_devices(pipe):
+    """A data-parallel mesh of 2 devices: the 2 images without the 6 padding images of the default 8-device mesh
+    (a quarter of the work, a smaller program). The `sd` pipeline keeps the default mesh, padding included."""
+    import jax
+
+    from sdjax.parallel import make_mesh
+
+    pipe.mesh = make_mesh(2, 1, jax.devices()[:2])
+    return pipe
+
+
 def saved(model, tmp_path_factory, name):
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder, safe_serialization=True)
@@ -139,7 +159,7 @@ def test_sd_txt2img_matches_diffusers(case, sd, sd_nets, torch_sd1, sd1_dir):
         torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
     )
     out = sd_generate(sd, "euler_a", control_image=cond, controlnet=nets[0], height=64, width=64, **case)
-    plain = sd_generate(sd, "euler_a", height=64, width=64)
+    plain = sd_generate(sd, "euler_a", control_image=cond, controlnet=nets[0], height=64, width=64, **case | ZERO)
     assert out.shape == ref.shape == (2, 64, 64, 3)
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
@@ -179,15 +199,15 @@ def test_two_nets_match_multicontrolnet(sd, sd_nets, torch_sd1, sd1_dir):
         torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=nested, height=64, width=64, **case
     )
     out = sd_generate(sd, "ddim", seed=7, control_image=nested, controlnet=list(nets), height=64, width=64, **case)
-    one = sd_generate(
+    one = sd_generate(  # the first net alone: the second at scale 0
         sd,
         "ddim",
         seed=7,
-        control_image=a,
-        controlnet=nets[0],
+        control_image=nested,
+        controlnet=list(nets),
         height=64,
         width=64,
-        **case | {"controlnet_conditioning_scale": 0.9, "control_guidance_start": 0.0, "control_guidance_end": 0.7},
+        **case | {"controlnet_conditioning_scale": [0.9, 0.0]},
     )
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
@@ -200,14 +220,20 @@ def sdxl_net(torch_sdxl, tmp_path_factory):
     return net, saved(net, tmp_path_factory, "cn-sdxl")
 
 
-def test_sdxl_txt2img_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
-    import diffusers
-
+@pytest.fixture(scope="module")
+def sdxl(sdxl_dir):
+    """One SDXL pipeline for the module: its compiled programs are shared by the tests of the same shape."""
     from sdjax import StableDiffusionXLPipeline
+
+    return on_two_devices(StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0])
+
+
+def test_sdxl_txt2img_matches_diffusers(sdxl, sdxl_net, torch_sdxl):
+    import diffusers
 
     torch_net, net = sdxl_net
     torch_pipe = diffusers.StableDiffusionXLControlNetPipeline(**torch_sdxl.components, controlnet=torch_net)
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    pipe = sdxl
     sampler = pipe._sampler(None)
     keys = inject.image_keys(3, 2)
     cond = control_images(3)
@@ -217,7 +243,7 @@ def test_sdxl_txt2img_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
         torch_pipe, sampler=sampler, keys=keys, start=start, end=end, image=cond, height=64, width=64, **case
     )
     out = sd_generate(pipe, None, seed=3, control_image=cond, controlnet=net, height=64, width=64, **case)
-    plain = sd_generate(pipe, None, seed=3, height=64, width=64)
+    plain = sd_generate(pipe, None, seed=3, control_image=cond, controlnet=net, height=64, width=64, **ZERO)
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
     assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
@@ -266,25 +292,24 @@ def test_sd_img2img_matches_diffusers(sd, sd_nets, torch_sd1, sd1_dir):
 
 @pytest.fixture(scope="module")
 def inpaint9(torch_sd1, tmp_path_factory):
-    """A tiny 9-channel SD inpainting model (diffusers parts + folder)."""
+    """A tiny 9-channel SD inpainting model (diffusers parts, folder and the sdjax pipeline loaded from it)."""
     unet9 = reference.unet({**reference.UNET_SD1, "in_channels": 9}, seed=7)
     parts = {**torch_sd1.components, "unet": unet9}
     import diffusers
 
     folder = tmp_path_factory.mktemp("tiny-sd1-inpaint-cn")
     diffusers.StableDiffusionInpaintPipeline(**parts).save_pretrained(folder, safe_serialization=True)
-    return parts, folder
+    return parts, folder, on_two_devices(StableDiffusionPipeline.from_pretrained(str(folder))[0])
 
 
 def test_sd_inpaint_9_channels_matches_diffusers(inpaint9, sd_nets):
     """The nets see the 4 latent channels of the 9-channel UNet's input; diffusers' inpainting default scale 0.5."""
     import diffusers
 
-    parts, folder = inpaint9
+    parts, folder, pipe = inpaint9
     torch_nets, nets = sd_nets
     torch_pipe = diffusers.StableDiffusionControlNetInpaintPipeline(**parts, controlnet=torch_nets[0])
     swap(torch_pipe, folder, "EulerAncestralDiscreteScheduler")
-    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
     sampler = pipe._sampler("euler_a")
     keys, strength = inject.image_keys(6, 2), 1.0
     cond, init, mask = control_images(5), init_images(), masks()
@@ -306,22 +331,20 @@ def test_sd_inpaint_9_channels_matches_diffusers(inpaint9, sd_nets):
     )
     kwargs = dict(image=init, mask_image=mask, strength=strength)
     out = sd_generate(pipe, "euler_a", seed=6, **kwargs, control_image=cond, controlnet=nets[0])
-    plain = sd_generate(pipe, "euler_a", seed=6, **kwargs)
+    plain = sd_generate(pipe, "euler_a", seed=6, **kwargs, control_image=cond, controlnet=nets[0], **ZERO)
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
     assert float(np.abs(out - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"
 
 
-def test_sdxl_inpaint_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+def test_sdxl_inpaint_matches_diffusers(sdxl, sdxl_net, torch_sdxl):
     """Latent blending (4-channel UNet) with an SDXL net; diffusers' SDXL inpainting default scale is 1.0, not SD's
     0.5."""
     import diffusers
 
-    from sdjax import StableDiffusionXLPipeline
-
     torch_net, net = sdxl_net
     torch_pipe = diffusers.StableDiffusionXLControlNetInpaintPipeline(**torch_sdxl.components, controlnet=torch_net)
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    pipe = sdxl
     sampler = pipe._sampler(None)
     keys = inject.image_keys(4, 2)
     cond, init, mask = control_images(6), init_images(), masks()
@@ -349,15 +372,13 @@ def test_sdxl_inpaint_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
     assert float(np.abs(half - ref).max()) > 10 * ATOL, "the default scale is not diffusers' 1.0"
 
 
-def test_sdxl_guess_mode_matches_diffusers(sdxl_net, torch_sdxl, sdxl_dir):
+def test_sdxl_guess_mode_matches_diffusers(sdxl, sdxl_net, torch_sdxl):
     """SDXL guess mode: the net sees the conditional half only, with its `text_embeds` and `time_ids`."""
     import diffusers
 
-    from sdjax import StableDiffusionXLPipeline
-
     torch_net, net = sdxl_net
     torch_pipe = diffusers.StableDiffusionXLControlNetPipeline(**torch_sdxl.components, controlnet=torch_net)
-    pipe = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+    pipe = sdxl
     sampler = pipe._sampler(None)
     keys = inject.image_keys(8, 2)
     cond = control_images(7)
@@ -409,11 +430,10 @@ def test_two_nets_inpaint_match_multicontrolnet(inpaint9, sd_nets):
     latent channels only; one map per net for every image; the default scale 0.5 for each net."""
     import diffusers
 
-    parts, folder = inpaint9
+    parts, folder, pipe = inpaint9
     torch_nets, nets = sd_nets
     torch_pipe = diffusers.StableDiffusionControlNetInpaintPipeline(**parts, controlnet=list(torch_nets))
     swap(torch_pipe, folder, "DDIMScheduler")
-    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
     sampler = pipe._sampler("ddim")
     keys, strength = inject.image_keys(10, 2), 0.8
     a, b = control_images(10)
@@ -427,7 +447,10 @@ def test_two_nets_inpaint_match_multicontrolnet(inpaint9, sd_nets):
     )  # fmt: skip
     kwargs = dict(image=init, mask_image=mask, strength=strength)
     out = sd_generate(pipe, "ddim", seed=10, **kwargs, control_image=[a, b], controlnet=list(nets), **case)
-    one = sd_generate(pipe, "ddim", seed=10, **kwargs, control_image=a, controlnet=nets[0], control_guidance_start=0.2)
+    one = sd_generate(  # the first net alone (its default scale 0.5, its window): the second at scale 0
+        pipe, "ddim", seed=10, **kwargs, control_image=[a, b], controlnet=list(nets), **case,
+        controlnet_conditioning_scale=[0.5, 0.0],
+    )  # fmt: skip
     err = float(np.abs(out - ref).max())
     assert err < ATOL, f"max abs image error {err}"
     assert float(np.abs(out - one).max()) > 50 * ATOL, "the second net did not change the image"
@@ -452,7 +475,7 @@ def test_guidance_distilled_unet_with_controlnet_matches_diffusers(torch_sd1, tm
     assert "time_cond_proj_dim" not in json.loads((net_folder / "config.json").read_text())
     torch_pipe = diffusers.StableDiffusionControlNetPipeline(**parts, controlnet=torch_net)
     swap(torch_pipe, folder, "EulerDiscreteScheduler")
-    pipe = StableDiffusionPipeline.from_pretrained(str(folder))[0]
+    pipe = on_two_devices(StableDiffusionPipeline.from_pretrained(str(folder))[0])
     net = FlaxControlNetModel.from_pretrained(str(net_folder))
     latents = np.random.default_rng(3).standard_normal((2, *SHAPE)).astype(np.float32)
     cond = control_images(11)
@@ -468,7 +491,12 @@ def test_guidance_distilled_unet_with_controlnet_matches_diffusers(torch_sd1, tm
             controlnet_conditioning_scale=0.8, **common,
         )
     )  # fmt: skip
-    plain = np.asarray(pipe.generate(PROMPTS, steps=3, guidance_scale=4.0, noise=latents, sampler="euler", **common))
+    plain = np.asarray(
+        pipe.generate(
+            PROMPTS, steps=3, guidance_scale=4.0, noise=latents, sampler="euler", control_image=cond, controlnet=net,
+            **common, **ZERO,
+        )
+    )  # fmt: skip
     err = float(np.abs(ours - ref).max())
     assert err < ATOL, f"max abs image error {err}"
     assert float(np.abs(ours - plain).max()) > 50 * ATOL, "the ControlNet did not change the image"

@@ -6,13 +6,19 @@ import jax
 import numpy as np
 import pytest
 import torch
-from controlnet_cases import control_images, torch_controlnet
+from controlnet_cases import control_images, one_torch_thread, torch_controlnet
 
 from sdjax import FlaxControlNetModel, FlaxStableDiffusionControlNetPipeline, StableDiffusionPipeline, replicate, shard
 from sdjax.models.controlnet import ControlNetConfig, ControlNetModel
 
 STEPS = 4
 ATOL = 1e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_on_one_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
