@@ -17,6 +17,10 @@ os.environ.setdefault(
     "XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {os.environ['SDJAX_TEST_COMPILE_FLAGS']}".strip()
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# PyTorch references on one thread: the tiny reference models run hundreds of small ops, and with two test workers
+# on two cores each intra-op thread hand-off costs more than the op (tests/controlnet_cases.py measured 8-25 s of
+# CPU for one 5-step reference call under load, 0.25 s on one thread).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import pytest
