@@ -89,17 +89,25 @@ def test_cache_is_bounded_and_evicted_executables_are_freed():
     assert refs[1]() is None and refs[0]() is not None
 
 
-def test_pipeline_cache_evicts_compiled_programs(sd1_dir):
-    pipe, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
-    pipe.generator.cache.max_entries = 1
-    pipe.generate("a", steps=2)
-    first = next(iter(pipe.generator.cache._entries.values()))[0]
-    ref = weakref.ref(first)
-    del first
-    pipe.generate("a", steps=3)  # another program: the first is evicted
-    assert len(pipe.generator.cache) == 1 and pipe.generator.cache.stats.evictions == 1
-    gc.collect()
-    assert ref() is None
+def test_pipeline_cache_evicts_compiled_programs(sd):
+    """On the module's pipeline: its 2-step program (compiled by the tests above) is reused, then evicted."""
+    pipe, _ = sd
+    cache = pipe.generator.cache
+    saved = cache.max_entries
+    try:
+        cache.max_entries = 1
+        pipe.generate("a", steps=2)
+        assert len(cache) == 1  # the 2-step program, the only one cached so far
+        first = next(iter(cache._entries.values()))[0]
+        ref = weakref.ref(first)
+        del first
+        evictions = cache.stats.evictions
+        pipe.generate("a", steps=3)  # another program: the first is evicted
+        assert len(cache) == 1 and cache.stats.evictions == evictions + 1
+        gc.collect()
+        assert ref() is None
+    finally:
+        cache.max_entries = saved
 
 
 def test_should_stop_cancels_between_steps(sd):
