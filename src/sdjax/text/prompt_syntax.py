@@ -75,8 +75,12 @@ class Network:
         if unknown or len(positional) > 2:
             what = f"{unknown[0]}=" if unknown else f"{len(positional)} values"
             raise ValueError(f"prompt tag <{self.kind}:{self.name}:...>: {what} is not supported (te, unet)")
-        te = float(named.get("te", positional[0] if positional else 1.0))
-        unet = float(named.get("unet", positional[1] if len(positional) > 1 else te))
+        try:
+            te = float(named.get("te", positional[0] if positional else 1.0))
+            unet = float(named.get("unet", positional[1] if len(positional) > 1 else te))
+        except ValueError:
+            tag = ":".join((self.kind, self.name, *self.args))
+            raise ValueError(f"prompt tag '<{tag}>': a weight is not a number") from None
         return te if te == unet else (te, unet)
 
 
@@ -88,12 +92,13 @@ def extract_networks(prompt: str) -> tuple[str, list[Network]]:
     def take(m: re.Match) -> str:
         name, *args = m.group(2).split(":")
         net = Network(m.group(1), name, tuple(args))
-        try:
-            net.lora_scale if net.kind == "lora" else net.weight  # noqa: B018 (validates)
-        except ValueError as e:
-            if "not supported" in str(e):
-                raise
-            raise ValueError(f"prompt tag {m.group(0)!r}: a weight is not a number") from None
+        if net.kind == "lora":
+            net.lora_scale  # noqa: B018 (validates; its errors name the tag)
+        else:
+            try:
+                net.weight  # noqa: B018 (validates)
+            except ValueError:
+                raise ValueError(f"prompt tag {m.group(0)!r}: a weight is not a number") from None
         found.append(net)
         return ""
 
