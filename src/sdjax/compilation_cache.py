@@ -4,6 +4,10 @@ The SDXL guide calls `jax.experimental.compilation_cache.compilation_cache.initi
 removed; the modern form is `jax.config.update("jax_compilation_cache_dir", dir)`. `enable_compilation_cache`
 does that and also caches small programs, which JAX skips by default. `initialize_cache` is the same function
 under the old name, so the guide's `from sdjax import compilation_cache as cc; cc.initialize_cache(dir)` works.
+
+JAX opens the cache directory once per process, at the first compile after it is set; pointing the setting at
+another directory later is silently ignored (entries keep going to the first one). `enable_compilation_cache`
+resets JAX's cache state, so the directory it is given is the one used from the next compile on.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
 
 def enable_compilation_cache(path: str | os.PathLike, *, min_compile_time_secs: float = 0.0) -> str:
@@ -20,6 +25,8 @@ def enable_compilation_cache(path: str | os.PathLike, *, min_compile_time_secs: 
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_secs))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # Close the directory JAX may have opened earlier in this process; the next compile opens `path`.
+    _jax_cache.reset_cache()
     return path
 
 
