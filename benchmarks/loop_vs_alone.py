@@ -5,8 +5,10 @@ cost with the text encoders, the sampler and the VAE. This script isolates the l
 (Euler, `--steps` steps): it runs it over the whole schedule and over its first half (`denoising_end=0.5`, the
 same executable: the window is a traced input), so the difference is (half the steps) x (one in-loop model call
 plus Euler's update); what is left of the whole run (text encoders, VAE decode, the host's work) is set beside
-the text encoders and the VAE decoder compiled alone. The pieces compiled alone are timed in the same rounds
-(calls interleaved, so load on the machine slows all of them alike).
+the text encoders and the VAE decoder compiled alone. A third run of the whole schedule returns latents
+(`output="latents"`: the same loop without the decode, its own executable), which splits that rest into the decode
+as the generation runs it (whole - latents) and everything else (text encoders, noise, host work). The pieces
+compiled alone are timed in the same rounds (calls interleaved, so load on the machine slows all of them alike).
 
     python benchmarks/loop_vs_alone.py --arch sd15 --size 512 --steps 4 --rounds 2
 """
@@ -94,6 +96,7 @@ def main() -> None:
         "vae decode alone": lambda: decode(params, z),
         "text encoders alone": lambda: text(params, inputs),
         **{f"generation, {k}": (lambda task=task: gen.run(**base, task=task)) for k, task in tasks.items()},
+        "generation, whole, latents": lambda: gen.run(**base, task=tasks["whole"], output="latents"),
     }
     for fn in calls.values():  # warm
         timed(fn)
@@ -115,6 +118,12 @@ def main() -> None:
         "in_loop_over_alone": in_loop / med["unet alone"],
         "rest_of_generation_s": med["generation, whole"] - calls_in["whole"] * in_loop,
         "text_and_decode_alone_s": med["vae decode alone"] + med["text encoders alone"],
+        # The decode (and the conversion to images) as the generation runs it, against the decoder alone.
+        "decode_in_generation_s": med["generation, whole"] - med["generation, whole, latents"],
+        "decode_alone_s": med["vae decode alone"],
+        # What is left without the decode: text encoders, noise, the sampler's host side, transfers.
+        "rest_without_decode_s": med["generation, whole, latents"] - calls_in["whole"] * in_loop,
+        "text_alone_s": med["text encoders alone"],
     }
     print(json.dumps(out, indent=2))
     if args.json:

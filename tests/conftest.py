@@ -5,17 +5,21 @@ import pathlib
 import sys
 
 # Eight simulated CPU devices for every test (set before JAX is imported anywhere).
-# The tests' models are tiny, so their time is almost all XLA:CPU compilation (LLVM). The suite compiles with
-# LLVM's optimisation off: about 40% less CPU per file (tests/core/test_generator.py: 109 -> 56 s of CPU time),
-# the same HLO, the same library kernels (Eigen/oneDNN convolutions and dots), only slower elementwise loops.
-# Results may differ from an optimised build by float rounding (summation order), which every tolerance here
-# allows for. SDJAX_TEST_XLA_OPT=1 runs the suite with XLA's default (optimised) compilation instead.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# Subprocesses that set their own XLA_FLAGS (tests/parallel/multihost_worker.py) add SDJAX_TEST_COMPILE_FLAGS.
-os.environ["SDJAX_TEST_COMPILE_FLAGS"] = "" if os.environ.get("SDJAX_TEST_XLA_OPT") == "1" else _FAST_COMPILE
-os.environ.setdefault(
-    "XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {os.environ['SDJAX_TEST_COMPILE_FLAGS']}".strip()
+# The tests' models are tiny, so most tests' time is XLA:CPU compilation (LLVM). The suite compiles with LLVM's
+# optimisation off (JAX's `jax_disable_most_optimizations`: XLA backend optimisation level 0, no expensive LLVM
+# passes): about 40% less CPU per compile-bound file (tests/core/test_generator.py: 109 -> 56 s of CPU time), the
+# same HLO, the same library kernels (Eigen/oneDNN convolutions and dots), only slower elementwise loops. Results
+# may differ from an optimised build by float rounding (summation order), which every tolerance here allows for.
+# Tests marked `xla_optimized` run many generations on few programs (the embedded model's quality checks): they
+# compile with the default optimisation (tests/evaluation/test_quality.py: 111 -> 47 s of CPU time).
+# SDJAX_TEST_XLA_OPT=1 runs the whole suite with XLA's default (optimised) compilation.
+_OPTIMISED = os.environ.get("SDJAX_TEST_XLA_OPT") == "1"
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "0" if _OPTIMISED else "1")  # inherited by subprocesses
+# The same as XLA flags, for subprocesses that set their own XLA_FLAGS (tests/parallel/multihost_worker.py).
+os.environ["SDJAX_TEST_COMPILE_FLAGS"] = (
+    "" if _OPTIMISED else "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 )
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # PyTorch references on one thread: the tiny reference models run hundreds of small ops, and with two test workers
 # on two cores each intra-op thread hand-off costs more than the op (tests/controlnet_cases.py measured 8-25 s of
@@ -24,6 +28,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Compile with XLA's default optimisation while an `xla_optimized` test (and its fixtures) runs."""
+    if _OPTIMISED or item.get_closest_marker("xla_optimized") is None:
+        return (yield)
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        return (yield)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1")
 
 
 def _save(pipe, path: pathlib.Path, legacy_tokenizer: bool) -> pathlib.Path:

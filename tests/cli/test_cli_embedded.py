@@ -26,6 +26,7 @@ def sdjax_command() -> list[str]:
 def test_generate_with_the_embedded_model(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user has
+    env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)  # and XLA's default compilation (tests/conftest.py turns it off)
     args = [*sdjax_command(), "generate", "a red circle", "--steps", "2", "--seed", "4", "--out", str(tmp_path)]
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr

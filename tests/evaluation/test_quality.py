@@ -23,6 +23,9 @@ FLOORS = {"colour": 0.9, "background": 0.9, "size": 0.9, "shape": 0.7, "one_shap
 # prompt (the control) changes it in 0.64.
 NEGATIVE_FLOOR = 0.7
 HELD_OUT_BATCH = 32  # the 28 held-out prompts padded to a multiple of the 8 simulated devices
+# 20-step generations of 32 images on two programs: run time, not compile time, so XLA's default optimisation
+# (tests/conftest.py; 111 -> 47 s of CPU for this file).
+pytestmark = pytest.mark.xla_optimized
 
 
 @pytest.fixture(scope="module")

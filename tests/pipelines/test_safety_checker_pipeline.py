@@ -58,13 +58,30 @@ def _folder_with_checker(base, tmp_path, weight: float):
     return folder
 
 
-@pytest.mark.parametrize("weight,flagged", [(-2.0, True), (2.0, False)])
-def test_checker_flags_and_blacks_per_image(sd1_dir, tmp_path, weight, flagged):
-    folder = _folder_with_checker(sd1_dir, tmp_path, weight)
+@pytest.fixture(scope="module")
+def loaded(sd1_dir, tmp_path_factory):
+    """The folder whose checker flags every image, loaded with and without its checker; the unchecked image."""
+    folder = _folder_with_checker(sd1_dir, tmp_path_factory.mktemp("checker"), -2.0)
     pipe, params = StableDiffusionPipeline.from_pretrained(str(folder))
     assert "safety_checker" in params and pipe.safety_checker is not None
-    ids = shard(pipe.prepare_inputs(["a cat", "a dog"] * 8))  # (8, 2, 77): two images per device
+    plain, plain_params = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None)
+    assert "safety_checker" not in plain_params
     rng = jax.random.split(jax.random.PRNGKey(0), 8)
+    unchecked = plain(plain.prepare_inputs(["a cat"]), plain_params, rng[0], num_inference_steps=2)
+    assert unchecked.nsfw_content_detected is None and unchecked.images.max() > 0
+    return pipe, params, rng, unchecked
+
+
+# The second case sets the loaded checker's thresholds to flag nothing (weight 2: no cosine similarity passes) in
+# the params, so both cases run the same compiled programs.
+@pytest.mark.parametrize("weight,flagged", [(-2.0, True), (2.0, False)])
+def test_checker_flags_and_blacks_per_image(loaded, weight, flagged):
+    pipe, params, rng, unchecked = loaded
+    checker = dict(params["safety_checker"])
+    for name in ("concept_embeds_weights", "special_care_embeds_weights"):
+        checker[name] = np.full_like(np.asarray(checker[name]), weight)
+    params = {**params, "safety_checker": checker}
+    ids = shard(pipe.prepare_inputs(["a cat", "a dog"] * 8))  # (8, 2, 77): two images per device
     out = pipe(ids, replicate(params), rng, num_inference_steps=2, jit=True)
     assert out.images.shape == (8, 2, 64, 64, 3)
     assert out.nsfw_content_detected.shape == (8, 2)
@@ -73,10 +90,6 @@ def test_checker_flags_and_blacks_per_image(sd1_dir, tmp_path, weight, flagged):
     # jit=False with the checker (crashed upstream).
     single = pipe(pipe.prepare_inputs(["a cat"]), params, rng[0], num_inference_steps=2)
     assert single.nsfw_content_detected.shape == (1,) and bool(single.nsfw_content_detected[0]) == flagged
-    # Disabled: no flags, images as generated.
-    plain, plain_params = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None)
-    assert "safety_checker" not in plain_params
-    unchecked = plain(plain.prepare_inputs(["a cat"]), plain_params, rng[0], num_inference_steps=2)
-    assert unchecked.nsfw_content_detected is None and unchecked.images.max() > 0
+    # Disabled (safety_checker=None, in the fixture): no flags, images as generated.
     if not flagged:
         np.testing.assert_allclose(single.images, unchecked.images, atol=1e-6)

@@ -81,6 +81,7 @@ def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path, monkeypatch):
     assert [p.read_bytes() for p in again] == [p.read_bytes() for p in first]  # same settings, same bytes
 
 
+@pytest.mark.xla_optimized  # run time more than compile time (tests/conftest.py)
 def test_server_batches_real_requests(pipe):
     h, w = pipe.default_size
     # No start-up compilation (it would be for the default 50 steps); the shape below is the CLI test's.
