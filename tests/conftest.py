@@ -30,6 +30,30 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import pytest
 
 
+def _without_flax_param_shape_check() -> None:
+    """Flax re-traces every parameter's initializer (`jax.eval_shape`) at each `apply` to check the parameter's
+    shape: 0.67 of the 1.75 s of tracing in one tiny-pipeline compile (docs/benchmarks.md), paid by every compile
+    of the suite. The tests skip that check (sdjax's loader checks every shape against the config itself, and
+    `tests/loading` tests those errors); SDJAX_TEST_FLAX_CHECKS=1 keeps Flax's check."""
+    from flax.core import meta
+    from flax.core.scope import Scope
+
+    checked = Scope.param
+
+    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+        if not self.has_variable("params", name):
+            return checked(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+        self.reserve(name, "params")
+        value = self.get_variable("params", name)
+        return meta.unbox(value) if unbox else value
+
+    Scope.param = param
+
+
+if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
+    _without_flax_param_shape_check()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Compile with XLA's default optimisation while an `xla_optimized` test (and its fixtures) runs."""
