@@ -9,6 +9,8 @@ the text encoders and the VAE decoder compiled alone. A third run of the whole s
 (`output="latents"`: the same loop without the decode, its own executable), which splits that rest into the decode
 as the generation runs it (whole - latents) and everything else (text encoders, noise, host work). The pieces
 compiled alone are timed in the same rounds (calls interleaved, so load on the machine slows all of them alike).
+`Generator.run` decodes with a second executable (`split_decode`); a fourth run of the whole schedule compiles the
+decode into the generation's program instead (`split_decode=False`), the way every run went before 2026-11-26.
 
     python benchmarks/loop_vs_alone.py --arch sd15 --size 512 --steps 4 --rounds 2
 """
@@ -28,6 +30,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--split-only",
+        action="store_true",
+        help="time only the whole generation, split (default) against one program, alternating for --rounds",
+    )
     args = ap.parse_args()
 
     from sdjax import runtime
@@ -91,13 +98,23 @@ def main() -> None:
         jax.block_until_ready(fn())
         return time.perf_counter() - t0
 
+    def one_program(task):
+        gen.split_decode = False
+        try:
+            return gen.run(**base, task=task)
+        finally:
+            gen.split_decode = True
+
     calls = {
         "unet alone": lambda: unet(unet_params, x, t, context, added),
         "vae decode alone": lambda: decode(params, z),
         "text encoders alone": lambda: text(params, inputs),
         **{f"generation, {k}": (lambda task=task: gen.run(**base, task=task)) for k, task in tasks.items()},
         "generation, whole, latents": lambda: gen.run(**base, task=tasks["whole"], output="latents"),
+        "generation, whole, one program": lambda: one_program(tasks["whole"]),
     }
+    if args.split_only:
+        calls = {k: calls[k] for k in ("generation, whole", "generation, whole, one program")}
     for fn in calls.values():  # warm
         timed(fn)
     times = {k: [] for k in calls}
@@ -105,6 +122,20 @@ def main() -> None:
         for k, fn in calls.items():
             times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
+    if args.split_only:
+        out = {
+            "arch": args.arch,
+            "size": size,
+            "steps": args.steps,
+            "times_s": times,
+            "medians_s": med,
+            "split_over_one_program": med["generation, whole"] / med["generation, whole, one program"],
+        }
+        print(json.dumps(out, indent=2))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=2)
+        return
     extra_calls = calls_in["whole"] - calls_in["first half"]
     in_loop = (med["generation, whole"] - med["generation, first half"]) / extra_calls
     out = {
@@ -124,6 +155,8 @@ def main() -> None:
         # What is left without the decode: text encoders, noise, the sampler's host side, transfers.
         "rest_without_decode_s": med["generation, whole, latents"] - calls_in["whole"] * in_loop,
         "text_alone_s": med["text encoders alone"],
+        # The split run (loop's program, then the decode executable) against one program holding both.
+        "split_over_one_program": med["generation, whole"] / med["generation, whole, one program"],
     }
     print(json.dumps(out, indent=2))
     if args.json:

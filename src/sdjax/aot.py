@@ -5,7 +5,9 @@ describes the devices of a slice (`v5e:2x2`: four v5e chips), a `Mesh` over them
 shardings, and `jax.jit(...).lower(abstract inputs).compile()` runs XLA's TPU compiler on this machine. The program
 is the generator's (`sdjax.core.generator.program`: text encoders -> the denoising `while` loop -> VAE decode),
 lowered by `Generator.lower` from abstract params (`jax.ShapeDtypeStruct` from the model's configs: no weights are
-read or allocated) placed by `sdjax.parallel.sharding`'s rules.
+read or allocated) placed by `sdjax.parallel.sharding`'s rules. (`Generator.run` executes the same computation as
+two executables, the program up to the latents and then the VAE decode; their peak is the larger of the two
+phases', which this one-program analysis does not report separately.)
 
 What the report says, per device (one chip; on v4 libtpu's topology has one device per TensorCore, two per chip,
 and each gets half the chip's HBM):

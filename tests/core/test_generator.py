@@ -98,16 +98,34 @@ def test_pipeline_cache_evicts_compiled_programs(sd):
         cache.max_entries = 1
         pipe.generate("a", steps=2)
         assert len(cache) == 1  # the 2-step program, the only one cached so far
-        first = next(iter(cache._entries.values()))[0]
-        ref = weakref.ref(first)
-        del first
+        main, decode = next(iter(cache._entries.values()))[0]  # the loop's program and the VAE decode
+        refs = [weakref.ref(main), weakref.ref(decode)]
+        del main, decode
         evictions = cache.stats.evictions
         pipe.generate("a", steps=3)  # another program: the first is evicted
         assert len(cache) == 1 and cache.stats.evictions == evictions + 1
         gc.collect()
-        assert ref() is None
+        assert refs[0]() is None  # the 2-step loop's executable is freed ...
+        assert refs[1]() is next(iter(cache._entries.values()))[0][1]  # ... its decode serves the 3-step program
+        cache.clear()
+        gc.collect()
+        assert refs[1]() is None  # freed with the last program that used it
     finally:
         cache.max_entries = saved
+
+
+def test_the_split_decode_gives_the_one_programs_images(sd):
+    """`Generator.run` decodes with a second executable (`split_decode`; the test above checks that programs of one
+    image shape share it): the images equal those of the program that holds the decode."""
+    pipe, _ = sd
+    gen = pipe.generator
+    split = pipe.generate("a", steps=2, output_type="np")
+    gen.split_decode = False
+    try:
+        whole = pipe.generate("a", steps=2, output_type="np")
+    finally:
+        gen.split_decode = True
+    np.testing.assert_allclose(split, whole, atol=2e-6)
 
 
 def test_should_stop_cancels_between_steps(sd):

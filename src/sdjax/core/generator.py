@@ -15,6 +15,12 @@ programs:
 - placing params once per leaf: a leaf is placed again only when it is a different array (params are never cached
   by the id of their dict, so new or edited params are always the ones used).
 
+`run` executes the program up to the latents and the VAE decode as two executables (`split_decode`, on by
+default): the decode executable depends only on the image shape, so programs that differ in steps, sampler, task or
+guidance share it (one decode compile per shape, not per program), and on XLA:CPU the two run faster than one
+program holding both (docs/benchmarks.md, "loop vs alone"). The whole program stays one function for `lower`,
+`sdjax.aot` and the guide API.
+
 The guide API's `pmap` path (`pipeline(..., jit=True)`) runs the same `program` under `jax.pmap`, and
 `pipeline._generate` traces it inside a user's own `pmap`.
 """
@@ -26,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -169,6 +176,21 @@ def program(
     return images, stopped
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """What fixes a compiled VAE decode (the second executable of a split run): the image shape and the tiling."""
+
+    batch: int
+    height: int
+    width: int
+    vae_tiling: Any = None
+
+
+def decode_program(models: Models, spec: DecodeSpec, vae_params: dict, latents: jax.Array) -> jax.Array:
+    """UNet latents -> images NHWC float32 in [0, 1] (the decode of `program`, as its own function)."""
+    return autoencoder.decode(models.vae, vae_params, latents, models.dtype, spec.vae_tiling)
+
+
 # ------------------------------------------------------------------------------------------------- the cache
 @dataclasses.dataclass
 class CacheStats:
@@ -263,6 +285,8 @@ def release_memory() -> None:
 
 
 def _code_bytes(executable) -> int:
+    if isinstance(executable, tuple):  # a split pair (a decode shared by pairs is counted in each)
+        return sum(_code_bytes(e) for e in executable if e is not None)
     try:
         analysis = executable.memory_analysis()
         return int(getattr(analysis, "generated_code_size_in_bytes", 0) or 0)
@@ -292,6 +316,7 @@ class Generator:
         self.sampler = sampler
         self.params = params
         self.vae_tiling = None  # a `models.vae_tiling.VaeTiling` that `spec()` puts in every program, or None
+        self.split_decode = True  # `run` decodes with a second executable (module docstring); False: one program
         self.mesh = mesh
         self.devices = list(devices) if devices is not None else None
         self.cache = ProgramCache(cache_size, cache_bytes)
@@ -300,6 +325,7 @@ class Generator:
         self._runs: dict[int, tuple[Progress | None, Callable[[], bool] | None]] = {}
         self._run_ids = itertools.count(1)
         self._pmapped: dict[Any, Any] = {}
+        self._decoders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ placement
     def get_mesh(self) -> Mesh:
@@ -423,6 +449,41 @@ class Generator:
         mesh = self.get_mesh()
         key = (spec, _mesh_key(mesh))
         return self.cache.get(key, lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs).compile())
+
+    def executables(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
+        """What `run` executes for `spec`, compiled (or from the cache): `(main, decode)`. With `split_decode` and
+        image output, `main` is the program up to the latents and `decode` the VAE decode of its output (one cache
+        entry; programs of one image shape share the decode executable); else `main` is the whole program and
+        `decode` is None."""
+        if not (self.split_decode and spec.output == "images"):
+            return self.compile(spec, params=params, inputs=inputs), None
+        mesh = self.get_mesh()
+
+        def build():
+            latents_spec = dataclasses.replace(spec, output="latents")
+            main = self.lower(latents_spec, params=params, mesh=mesh, inputs=inputs).compile()
+            checked = self.check_params(self.params if params is None else params, control=spec.control is not None)
+            vae = self.place_params(checked, mesh)["vae"]
+            decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling)
+            return main, self._decoder(decode, vae, main.output_shardings[0], mesh)
+
+        return self.cache.get(("split", spec, _mesh_key(mesh)), build)
+
+    def _decoder(self, spec: DecodeSpec, vae_params: dict, latents_sharding: NamedSharding, mesh: Mesh):
+        """The VAE decode executable for `spec` (latents laid out as `latents_sharding`, the main program's output),
+        shared while any cached program pair holds it."""
+        key = (spec, _mesh_key(mesh), latents_sharding)
+        with self._place_lock:
+            decoder = self._decoders.get(key)
+        if decoder is None:
+            f = self.models.vae_scale_factor
+            shape = (spec.batch, self.models.latent_channels, spec.height // f, spec.width // f)
+            latents = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=latents_sharding)
+            fn = jax.jit(functools.partial(decode_program, self.models, spec))
+            decoder = fn.lower(vae_params, latents).compile()
+            with self._place_lock:
+                self._decoders[key] = decoder
+        return decoder
 
     def _window_spec(self, mesh: Mesh) -> dict:
         rep = NamedSharding(mesh, PartitionSpec())
@@ -570,7 +631,7 @@ class Generator:
             params = {**params, "controlnet": tuple(control.params)}
             calls = int(spec.sampler.num_model_calls(steps))
             host.update({k: _pad(v, pad) for k, v in control.arrays(start=start, end=end, calls=calls).items()})
-        executable = self.compile(spec, params=params, inputs=host)
+        executable, decode = self.executables(spec, params=params, inputs=host)
         placed = self.place_params(params, mesh)
         inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}
         run_id = next(self._run_ids)
@@ -583,9 +644,11 @@ class Generator:
             if progress is not None:
                 progress("denoise", 0, end - start)
             out, stopped = executable(placed, inputs, win)
-            out = sharding_lib.gather_to_host(out)
-            if bool(np.asarray(stopped)):
+            if spec.interactive and bool(np.asarray(stopped)):  # (only a host callback can stop a run)
                 raise Cancelled("stopped by should_stop() before the last denoising step")
+            if decode is not None:
+                out = decode(placed["vae"], out)
+            out = sharding_lib.gather_to_host(out)
         finally:
             self._runs.pop(run_id, None)
         if progress is not None and output == "images":

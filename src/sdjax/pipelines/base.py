@@ -629,9 +629,10 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         controlnet=None,
         guess_mode: bool = False,
     ):
-        """Compile (or fetch from the cache) the program that `generate_arrays` runs for this setting, so the
-        first request of that shape does not wait for XLA. Returns the executable. `controlnet` (as for
-        `generate`; True for the pipeline's own net) and `guess_mode` compile the ControlNet program."""
+        """Compile (or fetch from the cache) what `generate_arrays` runs for this setting, so the first request of
+        that shape does not wait for XLA. Returns `(main, decode)` (`Generator.executables`: the program up to the
+        latents and the VAE decode, or the whole program and None). `controlnet` (as for `generate`; True for the
+        pipeline's own net) and `guess_mode` compile the ControlNet program."""
         from sdjax.core.tasks import TASKS
 
         dh, dw = self.default_size
@@ -663,7 +664,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             control, trees = control_spec(self, None if controlnet is True else controlnet, None, guess_mode)
             spec = dataclasses.replace(spec, control=control)
             params = {**self.generator.check_params(self.params), "controlnet": trees}
-        return self.generator.compile(spec, params=params)
+        return self.generator.executables(spec, params=params)
 
     def warmup(
         self, batch_size: int, height: int, width: int, steps: int, sampler=None, interactive: bool = False
@@ -687,9 +688,10 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         """Compile text-to-image for one static setting ahead of time (`jit(...).lower(...).compile()`).
 
         Returns `fn(prompt_ids, neg_prompt_ids, keys, guidance_scales, extra=None) -> images (B, H, W, 3)` float32
-        that runs the compiled executable with the params placed on the pipeline's mesh; `keys` are per-image raw
-        keys `(B, 2)`; `extra` overrides the family's micro-conditioning inputs (a dict; SDXL's `time_ids`,
-        `neg_time_ids`, `zero_neg`). `batch_size` must divide by the mesh's data axis.
+        that runs the compiled executables (`fn.compiled`, and `fn.decode` for the VAE decode when the generator
+        splits it off; `Generator.executables`) with the params placed on the pipeline's mesh; `keys` are
+        per-image raw keys `(B, 2)`; `extra` overrides the family's micro-conditioning inputs (a dict; SDXL's
+        `time_ids`, `neg_time_ids`, `zero_neg`). `batch_size` must divide by the mesh's data axis.
         """
         from sdjax.parallel import sharding as sharding_lib
 
@@ -713,7 +715,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             guidance_rescale=guidance_rescale,
         )
         params = gen.check_params(self.params if params is None else params)
-        compiled = gen.compile(spec, params=params)
+        compiled, decode = gen.executables(spec, params=params)
         placed = gen.place_params(params, mesh)
         start, end = gen.window(spec, TaskRequest(spec.task))
         defaults = gen.example_inputs(spec)
@@ -729,10 +731,11 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             }
             inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}
             win = {"start": np.int32(start), "end": np.int32(end), "run": np.int32(0)}
-            images, _ = compiled(placed, inputs, win)
-            return images
+            out, _ = compiled(placed, inputs, win)
+            return out if decode is None else decode(placed["vae"], out)
 
         run.compiled = compiled
+        run.decode = decode
         return run
 
     # ------------------------------------------------------------------ the guide API's shared plumbing
