@@ -18,7 +18,9 @@ fi
 .venv/bin/python -m ruff format --check src tests benchmarks scripts
 .venv/bin/python -m ruff check src tests benchmarks scripts
 set +e
-.venv/bin/python -m pytest -n "${SDJAX_TEST_WORKERS:-2}" --dist loadfile -q "$@"
+# --no-loadscope-reorder: hand files out in collection order (tests/conftest.py puts the longest first), not by
+# their number of tests (xdist's default, which leaves the long one-test files for the end).
+.venv/bin/python -m pytest -n "${SDJAX_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder -q "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -54,6 +54,29 @@ if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
     _without_flax_param_shape_check()
 
 
+# The longest files (worker-seconds in a full run) are handed out first: with `--dist loadfile
+# --no-loadscope-reorder` (scripts/test.sh) xdist gives files to the workers in collection order, so a long file
+# collected last would keep one worker busy after the other has finished.
+LONGEST_FIRST = (
+    "tests/server/test_ray_serve.py",
+    "tests/training/test_train.py",
+    "tests/server/test_soak.py",
+    "tests/core/test_controlnet_parity.py",
+    "tests/core/test_generator.py",
+    "tests/core/test_img2img_inpaint_parity.py",
+    "tests/core/test_sdxl_tasks_parity.py",
+    "tests/loading/test_single_file.py",
+    "tests/server/test_real_model.py",
+    "tests/cli/test_bench_samplers.py",
+    "tests/parallel/test_multihost.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Compile with XLA's default optimisation while an `xla_optimized` test (and its fixtures) runs."""
