@@ -31,6 +31,15 @@ def test_module_is_flax_conv(kernel, stride, padding):
     np.testing.assert_allclose(ours.apply(p, x), theirs.apply(p, x), rtol=1e-6, atol=1e-6)
 
 
+def test_winograd_kernel_is_g_g_gt():
+    """The kernel transform (written as additions) is Lavin & Gray's `G g G^T` per (Cin, Cout) pair, positions
+    row-major, computed here with float64 matrix products."""
+    k = _rand((3, 3, 5, 7), 4)
+    g = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+    want = np.einsum("ai,ijcd,bj->abcd", g, k.astype(np.float64), g).reshape(16, 5, 7)
+    np.testing.assert_allclose(np.asarray(ops_conv.winograd_kernel(jnp.asarray(k))), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(2, 8, 8, 16), (1, 7, 5, 3), (3, 1, 1, 4), (1, 2, 9, 6)])
 def test_winograd_equals_torch_conv2d(shape):
     torch = pytest.importorskip("torch")

@@ -180,3 +180,27 @@ def test_data_parallel_splits_the_batch_over_devices_that_divide_it():
     assert train.data_parallel(n + 1, 1)[1].mesh.size == max(d for d in range(1, n + 1) if (n + 1) % d == 0)
     assert train.data_parallel(8)[1].mesh.size == 1  # fewer than 16 each: not split (the VAE stage)
     assert train.data_parallel(1)[1].mesh.size == 1
+
+
+@pytest.mark.parametrize(
+    "extra,word",
+    [
+        (["--log", "{tmp}/missing/log.txt"], "--log"),
+        (["--log", "{tmp}"], "--log"),
+        (["--steps", "0"], "--steps"),
+        (["--vae-from", "{tmp}"], "--vae-from"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every"),
+        (["--out", "{tmp}/a-file"], "--out"),
+    ],
+)
+def test_bad_arguments_are_named_before_anything_runs(extra, word, tmp_path, capsys):
+    """`python -m sdjax.training` names the bad argument and exits with status 2 (no traceback, nothing written)."""
+    from sdjax.training.__main__ import main
+
+    (tmp_path / "a-file").write_text("")
+    args = ["--preset", "tiny", "--out", str(tmp_path / "out"), *[a.format(tmp=tmp_path) for a in extra]]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert word in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

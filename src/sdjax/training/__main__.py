@@ -28,6 +28,26 @@ def _set_cpu_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad arguments end the run here, before any backend starts or any step is taken (exit status 2)."""
+    if args.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
+    for flag, value in (("--steps", args.steps), ("--vae-steps", args.vae_steps), ("--batch", args.batch)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 (off) or more, got {args.checkpoint_every}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {args.out} is a file; give a folder to write the pipeline to")
+    if args.log and not Path(args.log).resolve().parent.is_dir():
+        parser.error(f"--log {args.log}: the folder {Path(args.log).resolve().parent} does not exist")
+    if args.log and Path(args.log).is_dir():
+        parser.error(f"--log {args.log} is a folder; give a file to append the log lines to")
+    if args.vae_from and not (Path(args.vae_from) / "vae").is_dir():
+        parser.error(f"--vae-from {args.vae_from}: no vae/ folder there (give a diffusers pipeline folder)")
+
+
 def main(argv: list[str] | None = None) -> int:
     # Importing the training module starts no JAX backend, so the XLA flags below still take effect.
     from sdjax.training.train import PRESETS, save, train
@@ -61,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "1.09x faster per step on 2 cores than one device); ignored on GPU/TPU",
     )
     args = parser.parse_args(argv)
-    if args.cpu_devices < 1:
-        parser.error(f"--cpu-devices must be at least 1, got {args.cpu_devices}")
+    _check_args(parser, args)
     if not runtime.backend_initialized():  # XLA reads its flags once, when the first backend starts
         _set_cpu_devices(args.cpu_devices)
         runtime.configure_cpu()  # XLA:CPU's Eigen convolutions train ~1.4x faster than YNNPACK's
