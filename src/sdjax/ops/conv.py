@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Winograd F(2x2, 3x3): input transform B^T (4x4), kernel transform G (4x3), output transform A^T (2x4).
+# Winograd F(2x2, 3x3): input transform B^T (4x4) and output transform A^T (2x4); the kernel transform G (4x3) is
+# written out as additions in `winograd_kernel`.
 _BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float32)
-_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
 _AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float32)
 
 # prepare()'s rule: 3x3 kernels with at least this many input channels get Winograd on CPU.
