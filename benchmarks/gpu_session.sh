@@ -33,6 +33,13 @@ for phase in "$@"; do
     compile)
       timeout 100 python3 benchmarks/make_random_model.py sdxl /tmp/sdxl-random &&
         timeout 300 python3 benchmarks/bench_compile.py --model /tmp/sdxl-random --steps 30 --json "$OUT/compile-h100.json" ;;
+    split)  # the decode as a second executable against one program (Generator.split_decode), SD 1.5 bf16, 50 steps
+      timeout 240 python3 benchmarks/loop_vs_alone.py --arch sd15 --dtype bfloat16 --size 512 --steps 50 --rounds 8 \
+        --split-only --json "$OUT/split-sd15-bf16.json" ;;
+    memory)  # a generation's device memory alone, split and one program, each in a fresh process
+      timeout 200 python3 benchmarks/gpu_memory.py --arch sd15 --dtype bfloat16 --size 512 --json "$OUT/memory-sd15.json" ;;
+    memoryxl)
+      timeout 300 python3 benchmarks/gpu_memory.py --arch sdxl --dtype bfloat16 --size 1024 --json "$OUT/memory-sdxl.json" ;;
     aotcuda)  # compile in a process that sees no GPU (target config: XLA's h100_sxm.txtpb in .whl/), run on the GPU
       CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 300 \
         python3 benchmarks/cuda_aot_roundtrip.py compile --target-config .whl/h100.txtpb --dir /tmp/exe &&

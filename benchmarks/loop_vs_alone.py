@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="weights and compute (float32, bfloat16, float16)")
     ap.add_argument("--json")
     ap.add_argument(
         "--split-only",
@@ -51,7 +52,7 @@ def main() -> None:
     from sdjax.ops import conv as ops_conv
     from sdjax.pipelines.presets import build_pipeline
 
-    pipe, params = build_pipeline(args.arch, jnp.float32)
+    pipe, params = build_pipeline(args.arch, jnp.dtype(args.dtype))
     pipe.devices = jax.devices()[:1]
     gen = pipe.generator
     cond = gen.models.conditioning
@@ -127,6 +128,8 @@ def main() -> None:
             "arch": args.arch,
             "size": size,
             "steps": args.steps,
+            "dtype": args.dtype,
+            "device": str(jax.devices()[0].device_kind),
             "times_s": times,
             "medians_s": med,
             "split_over_one_program": med["generation, whole"] / med["generation, whole, one program"],
