@@ -17,6 +17,8 @@ memory traffic as the saving (XLA:CPU does not hoist it out of a `while` loop), 
 `prepare(params)` adds the `winograd` leaves to a params tree (inside the jitted program, before the denoising
 loop; `sdjax.core.generator` does this for the UNet and `sdjax.core.autoencoder` for the VAE decoder), and
 `Conv` uses a leaf when it finds one. Params without the leaves (a direct `unet.apply`) take XLA's convolution.
+Once per program is still once per generation; `PreparedKernels` computes the leaves outside the program and keeps
+them between generations (the generator does this on CPU), and `prepare` leaves existing leaves as they are.
 
 Where Winograd is used (`prepare`'s rule, `WINOGRAD_MIN_CHANNELS`): 3x3 kernels with at least that many input
 channels, float32 only. On GPU and TPU the leaves are ignored and XLA's convolution runs (the choice is made per
@@ -26,7 +28,9 @@ Measured on a 2-core AVX2 CPU, in `docs/benchmarks.md`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Winograd F(2x2, 3x3): input transform B^T (4x4) and output transform A^T (2x4); the kernel transform G (4x3) is
 # written out as additions in `winograd_kernel`.
@@ -118,18 +123,94 @@ def winograd_eligible(kernel: Any) -> bool:
 
 
 def prepare(params: Any) -> Any:
-    """`params` with a `winograd` leaf (`winograd_kernel(kernel)`) next to every eligible 3x3 kernel.
+    """`params` with a `winograd` leaf (`winograd_kernel(kernel)`) next to every eligible 3x3 kernel that has none.
 
     Call it inside the jitted program, once, outside any loop over model calls. A conv module that runs with
-    stride 2 ignores its leaf (and XLA drops the unused computation); so does every conv on GPU and TPU.
+    stride 2 ignores its leaf (and XLA drops the unused computation); so does every conv on GPU and TPU. Leaves
+    already there (computed ahead by `PreparedKernels`) are kept, not computed again.
     """
+    return _add_leaves(params, winograd_kernel)
+
+
+def _add_leaves(params: Any, make: Callable[[Any], Any]) -> Any:
     if not isinstance(params, Mapping):
         return params
-    out = {k: prepare(v) for k, v in params.items()}
+    out = {k: _add_leaves(v, make) for k, v in params.items()}
     kernel = params.get("kernel")
-    if kernel is not None and not isinstance(kernel, Mapping) and winograd_eligible(kernel):
-        out[WINOGRAD_LEAF] = winograd_kernel(kernel)
+    if (
+        kernel is not None
+        and not isinstance(kernel, Mapping)
+        and WINOGRAD_LEAF not in params
+        and winograd_eligible(kernel)
+    ):
+        out[WINOGRAD_LEAF] = make(kernel)
     return out
+
+
+class PreparedKernels:
+    """The `winograd` leaves computed outside the generation's program and kept between programs (CPU only).
+
+    `prepare` inside a program computes every transformed kernel on every run: for SD 1.5 in float32 that is 945 M
+    weights, 3.8 GB written, about 2 s of a CPU generation (docs/benchmarks.md). `add(params)` returns placed params
+    with the leaves already there, each computed once per kernel *array* and reused while that same array object
+    is passed again (the generator's placement cache keeps placed arrays alive, so an id is never reused while its
+    entry lives); an edited or new kernel (a LoRA fused in, other params) gets a new leaf, and the entries of
+    kernels no longer passed are dropped. The cost is memory held between runs: the leaves are 16/9 of the eligible
+    kernels (3.8 GB for SD 1.5 float32). A program that computes them holds them for its whole loop anyway, so the
+    loop's peak is unchanged; what rises is the peak of the VAE decode, which now runs with the UNet's leaves still
+    allocated (by up to the size of the leaves; docs/benchmarks.md has the measured process peaks). Abstract params
+    (`jax.ShapeDtypeStruct`, for lowering without weights) get abstract leaves.
+    Each leaf is laid out like its kernel: split over the mesh the way the kernel's input and output channels are.
+    """
+
+    def __init__(self):
+        self._entries: dict[int, tuple[Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(u.nbytes) for _, u in self._entries.values())
+
+    def add(self, params: Any) -> Any:
+        with self._lock:
+            new: dict[int, tuple[Any, Any]] = {}
+
+            def make(kernel):
+                sharding = _leaf_sharding(getattr(kernel, "sharding", None))
+                if isinstance(kernel, jax.ShapeDtypeStruct):
+                    return jax.ShapeDtypeStruct((16, *kernel.shape[2:]), kernel.dtype, sharding=sharding)
+                hit = self._entries.get(id(kernel))
+                if hit is not None and hit[0] is kernel:
+                    u = hit[1]
+                else:
+                    u = _transform(sharding)(kernel)
+                new[id(kernel)] = (kernel, u)
+                return u
+
+            out = _add_leaves(params, make)
+            if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params)):
+                self._entries = new  # only the kernels passed now: the others' leaves are freed
+            return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries = {}
+
+
+def _leaf_sharding(kernel_sharding):
+    """The layout of a kernel's `(16, Cin, Cout)` leaf: the kernel's `(h, w, Cin, Cout)` split, less h and w."""
+    if isinstance(kernel_sharding, NamedSharding):
+        spec = (*kernel_sharding.spec, None, None, None, None)[:4]
+        return NamedSharding(kernel_sharding.mesh, PartitionSpec(None, spec[2], spec[3]))
+    return kernel_sharding
+
+
+@functools.lru_cache(maxsize=64)
+def _transform(sharding):
+    return jax.jit(winograd_kernel, out_shardings=sharding) if sharding is not None else jax.jit(winograd_kernel)
 
 
 # --------------------------------------------------------------------------------------------- the module

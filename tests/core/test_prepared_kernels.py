@@ -1,0 +1,128 @@
+"""Winograd kernels kept between runs on CPU (`Generator.keep_winograd_kernels`, `ops.conv.PreparedKernels`): the
+images are those of kernels computed inside the program, the program reads the kept kernels instead of computing
+them, an edited kernel gets a new one, and kernels no longer used are freed.
+
+The tiny test model's channels are under `WINOGRAD_MIN_CHANNELS`, so these tests lower the threshold to 1 (every
+3x3 kernel of the UNet and the VAE takes Winograd's path) in a pipeline of their own."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdjax import StableDiffusionPipeline
+from sdjax.ops import conv as ops_conv
+from sdjax.parallel.sharding import make_mesh
+
+KW = dict(steps=2, seed=1, output_type="np")
+
+
+@pytest.fixture(scope="module")
+def sd(sd1_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops_conv, "WINOGRAD_MIN_CHANNELS", 1)
+        pipe, params = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+        pipe.devices = jax.devices()[:1]
+        yield pipe, params
+
+
+def _eligible(tree) -> int:
+    count = 0
+
+    def walk(node):
+        nonlocal count
+        if isinstance(node, dict):
+            kernel = node.get("kernel")
+            count += kernel is not None and not isinstance(kernel, dict) and ops_conv.winograd_eligible(kernel)
+            for v in node.values():
+                walk(v)
+
+    walk(tree)
+    return count
+
+
+def _counting(monkeypatch):
+    calls = []
+    transform = ops_conv._transform
+
+    def counted(sharding):
+        fn = transform(sharding)
+        return lambda kernel: (calls.append(kernel.shape), fn(kernel))[1]
+
+    monkeypatch.setattr(ops_conv, "_transform", counted)
+    return calls
+
+
+def test_kept_kernels_give_the_images_of_kernels_computed_in_the_program(sd, monkeypatch):
+    pipe, params = sd
+    gen = pipe.generator
+    calls = _counting(monkeypatch)
+    kept = pipe.generate("a red boat", **KW)
+    wanted = _eligible(params["unet"]) + _eligible(params["vae"])
+    assert wanted > 10 and len(gen.kernels) == wanted
+    assert len(calls) == wanted
+    again = pipe.generate("a red boat", **KW)
+    assert len(calls) == wanted  # the second run computed no kernel
+    gen.keep_winograd_kernels = False
+    try:
+        computed = pipe.generate("a red boat", **KW)
+    finally:
+        gen.keep_winograd_kernels = True
+    np.testing.assert_array_equal(again, kept)
+    np.testing.assert_allclose(kept, computed, atol=1e-6)
+
+
+def test_the_program_reads_the_kept_kernels(sd):
+    """The kept kernels are the ones the program computes with (it does not compute its own): zeroing them changes
+    the images."""
+    pipe, _ = sd
+    gen = pipe.generator
+    before = pipe.generate("a cat", **KW)
+    entries = gen.kernels._entries
+    try:
+        for key, (kernel, u) in list(entries.items()):
+            entries[key] = (kernel, jnp.zeros_like(u))
+        zeroed = pipe.generate("a cat", **KW)
+    finally:
+        gen.kernels.clear()  # the next run computes them again
+    assert np.abs(zeroed - before).max() > 0.05
+    np.testing.assert_array_equal(pipe.generate("a cat", **KW), before)
+
+
+def test_an_edited_kernel_gets_a_new_transform_and_old_ones_are_freed(sd, monkeypatch):
+    pipe, params = sd
+    gen = pipe.generator
+    pipe.generate("a dog", **KW)
+    nbytes = gen.kernels.nbytes
+    calls = _counting(monkeypatch)
+    unet = jax.tree_util.tree_map(lambda x: x, params["unet"])  # new dicts, the same arrays
+    block = unet["conv_in"]
+    block["kernel"] = block["kernel"] * 1.5
+    edited = {**params, "unet": unet}
+    got = pipe.generate("a dog", params=edited, **KW)
+    assert len(calls) == 1  # only the edited kernel was transformed again
+    assert gen.kernels.nbytes == nbytes  # the old kernel's transform was dropped, not kept beside the new one
+    gen.keep_winograd_kernels = False
+    try:
+        want = pipe.generate("a dog", params=edited, **KW)
+    finally:
+        gen.keep_winograd_kernels = True
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert np.abs(got - pipe.generate("a dog", **KW)).max() > 1e-2
+
+
+def test_kept_kernels_follow_the_kernels_sharding_over_the_model_axis(sd):
+    """On a (data, model) mesh the kept kernels are split like their kernels' channels; the images do not change."""
+    pipe, params = sd
+    gen = pipe.generator
+    want = pipe.generate("a tree", **KW)
+    saved = pipe.devices
+    gen.mesh = make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    try:
+        got = pipe.generate("a tree", **KW)
+        split = [u for _, u in gen.kernels._entries.values() if tuple(u.sharding.spec)[2:] == ("model",)]
+    finally:
+        gen.mesh = None
+        pipe.devices = saved
+    assert split  # output channels that divide by 2 are split over the model axis
+    np.testing.assert_allclose(got, want, atol=2e-5)
