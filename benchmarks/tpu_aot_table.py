@@ -2,13 +2,14 @@
 
     python benchmarks/tpu_aot_table.py [--models sd15,sd21,sdxl] [--per-chip 1,4,8] \
         [--targets v5e-1,v5e-4,v5e-8,v6e-4,v4-8] [--steps 30] [--dtype bfloat16] [--no-unet-cost] \
-        [--out tpu_aot.jsonl] [--markdown]
+        [--vae-slicing] [--out tpu_aot.jsonl] [--markdown]
 
 Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-aot]'`) of the whole generation at
 the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
 process (a compile of SDXL takes minutes and a few GB of host memory). Rows are appended to `--out` as JSON lines
 as they finish, and a row already in `--out` is not compiled again, so the table can be filled over several
-sessions. `--markdown` prints the table of everything in `--out`.
+sessions. `--vae-slicing` compiles the rows with the VAE run one image per chip at a time (`sdjax compile
+--vae-slicing`); such rows are rows of their own. `--markdown` prints the table of everything in `--out`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ SIZES = {"sd15": 512, "sd21": 768, "sdxl": 1024}
 
 
 def key(row: dict) -> tuple:
-    return (row["model"], row["target"], row["batch"], row["steps"], row["dtype"])
+    return (row["model"], row["target"], row["batch"], row["steps"], row["dtype"], bool(row.get("vae_slicing")))
 
 
 def child(spec: dict) -> dict:
@@ -38,6 +39,7 @@ def child(spec: dict) -> dict:
         steps=spec["steps"],
         dtype=spec["dtype"],
         unet_cost=spec["unet_cost"],
+        vae_slicing=spec.get("vae_slicing", False),
     )
     return report.to_dict()
 
@@ -48,6 +50,7 @@ def markdown(rows: list[dict]) -> str:
         "size",
         "target (chips)",
         "batch (per chip)",
+        "VAE",
         "arguments",
         "temporaries",
         "code",
@@ -67,13 +70,14 @@ def markdown(rows: list[dict]) -> str:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"])):
+    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"], bool(r.get("vae_slicing")))):
         total = gib(r["total_bytes"]) + ("" if r["argument_bytes"] is not None else " (temps; OOM)")
         cells = [
             r["model"],
             str(r["height"]),
             f"{r['target']} ({r['chips']})",
             f"{r['batch']} ({r['batch'] / r['chips']:g})",
+            "sliced" if r.get("vae_slicing") else "whole",
             gib(r["argument_bytes"]),
             gib(r["temp_bytes"]),
             gib(r["code_bytes"]),
@@ -97,6 +101,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-unet-cost", action="store_true", help="skip the UNet call's compile (no FLOPs/roofline)")
+    ap.add_argument("--vae-slicing", action="store_true", help="the VAE one image per chip at a time")
     ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -125,8 +130,9 @@ def main() -> None:
                     "steps": args.steps,
                     "dtype": args.dtype,
                     "unet_cost": not args.no_unet_cost,
+                    "vae_slicing": args.vae_slicing,
                 }
-                if (model, target, spec["batch"], args.steps, args.dtype) in done:
+                if (model, target, spec["batch"], args.steps, args.dtype, args.vae_slicing) in done:
                     continue
                 t0 = time.perf_counter()
                 proc = subprocess.run(

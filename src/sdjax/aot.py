@@ -221,6 +221,7 @@ class Report:
     peak_flops: float  # per device, datasheet estimate
     hbm_bytes_per_s: float  # per device, datasheet estimate
     saved: str | None = None
+    vae_slicing: bool = False  # the VAE ran one image per device at a time
     error: str | None = None  # the compiler's out-of-memory message: the program does not fit
     required_bytes: int | None = None  # what that message says is needed ...
     available_bytes: int | None = None  # ... and available (libtpu's usable HBM, a little under the datasheet's)
@@ -296,7 +297,7 @@ class Report:
         return (
             f"{self.model} ({self.pipeline}, {self.task}), {self.dtype}, {self.height}x{self.width}, batch "
             f"{self.batch}, {self.steps} steps, {self.sampler} on {self.target} ({self.chips} x {self.chip}, "
-            f"{self.devices} devices, mesh {mesh}); per device:"
+            f"{self.devices} devices, mesh {mesh}){', VAE slicing' if self.vae_slicing else ''}; per device:"
         )
 
 
@@ -312,6 +313,7 @@ def compile_for(
     dtype: str = "bfloat16",
     task: str = "txt2img",
     model_parallel: int | None = None,
+    vae_slicing: bool = False,
     unet_cost: bool = True,
     save_cache: str | os.PathLike | None = None,
     log: Callable[[str], None] = lambda s: None,
@@ -319,8 +321,10 @@ def compile_for(
     """Compile generation for `target` (a TPU slice such as `"v5e-4"` or `"v5e:2x2"`) and report memory, FLOPs
     and a roofline bound per device (module doc). `model` is a preset (`sd15`, `sd21`, `sdxl`, ...) or a diffusers
     folder (only its configs are read); `size` is `H` or `(H, W)` (default: the model's); `batch` is the global
-    batch. `unet_cost=False` skips the UNet call's compile (no loop-corrected FLOPs, bytes or roofline).
-    `save_cache` writes the executable (`save_executable`) into that folder."""
+    batch. `vae_slicing` decodes (and encodes) one image per chip at a time (`models.vae_slicing`: the VAE's
+    activations of one image instead of the batch's). `unet_cost=False` skips the UNet call's compile (no
+    loop-corrected FLOPs, bytes or roofline). `save_cache` writes the executable (`save_executable`) into that
+    folder."""
     import jax.numpy as jnp
 
     from sdjax.core.tasks import TASKS
@@ -357,7 +361,10 @@ def compile_for(
     pipe.validate(steps=steps, height=height, width=width, sampler=sampler)
     gen = pipe.generator
     sampler_obj = pipe._sampler(sampler)
-    spec = gen.spec(task=TASKS[task](), batch=batch, height=height, width=width, steps=steps, sampler=sampler_obj)
+    gen.vae_slicing = vae_slicing
+    spec = gen.spec(
+        task=TASKS[task](), batch=batch, height=height, width=width, steps=steps, sampler=sampler_obj, mesh=mesh
+    )
     calls = int(sampler_obj.num_model_calls(steps))
 
     log(f"compiling the whole generation for {topology} ({n} devices)")
@@ -417,6 +424,7 @@ def compile_for(
         peak_flops=chip.bf16_flops / per_chip,
         hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip,
         saved=saved,
+        vae_slicing=bool(vae_slicing),
         error=error,
         required_bytes=required,
         available_bytes=available,

@@ -386,6 +386,14 @@ def generate(
             "for large images; images larger than one tile (the VAE's sample_size, 512 px for SD 1.5) change slightly.",
         ),
     ] = False,
+    vae_slicing: Annotated[
+        bool,
+        typer.Option(
+            "--vae-slicing",
+            help="Encode/decode one image per device at a time (diffusers' enable_vae_slicing): less memory for "
+            "large batches, the same images.",
+        ),
+    ] = False,
     image: Annotated[
         Path | None,
         typer.Option(
@@ -545,6 +553,8 @@ def generate(
         timings.load = time.perf_counter() - t0
         if vae_tiling:
             pipe.enable_vae_tiling()
+        if vae_slicing:
+            pipe.enable_vae_slicing()
         if bars:
             bars.update(task, total=1, completed=1)
         task = _task_options(
@@ -576,6 +586,8 @@ def generate(
                 refiner_pipe = load_pipeline(refiner, dtype)
                 if vae_tiling:
                     refiner_pipe.enable_vae_tiling()
+                if vae_slicing:
+                    refiner_pipe.enable_vae_slicing()
             except Exception as e:
                 err.print(
                     f"[red]error:[/red] could not load the refiner {refiner}: {escape(str(e))}",
@@ -1484,6 +1496,13 @@ def compile_(
         int | None,
         typer.Option(min=1, help="Devices per model replica (the mesh's model axis). Default: what the batch needs."),
     ] = None,
+    vae_slicing: Annotated[
+        bool,
+        typer.Option(
+            help="Decode (and encode) one image per chip at a time (diffusers' enable_vae_slicing): the VAE's "
+            "activations of one image instead of the whole batch's. Same images."
+        ),
+    ] = False,
     unet_cost: Annotated[
         bool, typer.Option(help="Also compile one UNet call for loop-corrected FLOPs, bytes and the roofline.")
     ] = True,
@@ -1523,6 +1542,7 @@ def compile_(
                 dtype=dtype,
                 task=task,
                 model_parallel=model_parallel,
+                vae_slicing=vae_slicing,
                 unet_cost=unet_cost,
                 save_cache=save_cache,
                 log=lambda s: status.update(s),

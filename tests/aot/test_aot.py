@@ -97,7 +97,7 @@ def test_saved_executable_holds_the_serialized_program(tiny):
 
 @needs_libtpu
 def test_a_program_that_cannot_fit_is_reported_and_the_cli_exits_1():
-    # 32 images of 1024 x 1024 on one v5e chip: the VAE decoder's activations alone exceed 16 GiB
+    # 32 images of 1024 x 1024 on one v5e chip (latents 512 x 512 for this VAE): the UNet's activations exceed 16 GiB
     r = runner.invoke(
         cli.app,
         ["compile", "--target", "v5e-1", "-m", "tiny", "--size", "1024", "--batch", "32", "--steps", "1"]
@@ -109,6 +109,31 @@ def test_a_program_that_cannot_fit_is_reported_and_the_cli_exits_1():
     assert report["required_bytes"] > report["available_bytes"] > 15 * 2**30
     assert report["margin_bytes"] < 0 and report["argument_bytes"] is None
     assert "does not fit" in r.stderr
+
+
+@needs_libtpu
+def test_vae_slicing_reaches_the_program_as_one_image_per_device(monkeypatch):
+    """`sdjax compile --vae-slicing` compiles the program whose VAE runs one image per device of the data axis at a
+    time (the compile itself is not run here: the spec it would compile is caught)."""
+    from sdjax.core.generator import Generator
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def lower(self, spec, **kwargs):
+        seen.append((spec, kwargs["mesh"]))
+        raise Stop  # before compiling
+
+    monkeypatch.setattr(Generator, "lower", lower)
+    for flag in ([], ["--vae-slicing"]):
+        r = runner.invoke(
+            cli.app, ["compile", "--target", "v5e-4", "-m", "tiny", "--batch", "8", "--steps", "1", *flag]
+        )
+        assert isinstance(r.exception, Stop), r.output
+    (plain, _), (sliced, mesh) = seen
+    assert plain.vae_slicing == 0 and sliced.vae_slicing == mesh.shape["data"] == 4
 
 
 @needs_libtpu

@@ -8,7 +8,8 @@
 
 A VAE whose config says `force_upcast` runs in float32 when the pipeline computes in float16 (SDXL's VAE
 overflows in float16), as diffusers does. `tiling` (a `models.vae_tiling.VaeTiling`) runs the encoder/decoder
-tile by tile as diffusers' `enable_vae_tiling()` does; None runs it on the whole image.
+tile by tile as diffusers' `enable_vae_tiling()` does; None runs it on the whole image. `slicing` (images per slice,
+0: the whole batch) runs it over the batch a slice at a time as `enable_vae_slicing()` does (`models.vae_slicing`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sdjax.models import vae_tiling
+from sdjax.models import vae_slicing, vae_tiling
 from sdjax.ops import conv as ops_conv
 
 
@@ -52,28 +53,42 @@ def from_unet_latents(cfg, latents: jax.Array) -> jax.Array:
     return latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
 
 
-def encode(vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, dtype, tiling=None) -> jax.Array:
+def encode(
+    vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, dtype, tiling=None, slicing: int = 0
+) -> jax.Array:
     """Images NCHW in [-1, 1] -> UNet latents NCHW float32 (the posterior sample with `eps`, or its mean when
     `eps` is None)."""
     module, p = _runtime(vae, vae_params, dtype)
     p = ops_conv.prepare(p)
-    x = images_nchw.astype(module.dtype)
-    if tiling is not None:
-        posterior = vae_tiling.tiled_encode(module, p, x, tiling)
-    else:
-        posterior = module.apply({"params": p}, x, method=module.encode)
-    z = posterior.mean if eps is None else posterior.mean + posterior.std * eps.astype(jnp.float32)
+
+    def moments(x):
+        if tiling is not None:
+            posterior = vae_tiling.tiled_encode(module, p, x, tiling)
+        else:
+            posterior = module.apply({"params": p}, x, method=module.encode)
+        return posterior.mean, posterior.std
+
+    mean, std = _batched(moments, images_nchw.astype(module.dtype), slicing)
+    z = mean if eps is None else mean + std * eps.astype(jnp.float32)
     return to_unet_latents(vae.config, z.astype(jnp.float32))
 
 
-def decode(vae, vae_params: Any, latents: jax.Array, dtype, tiling=None) -> jax.Array:
+def decode(vae, vae_params: Any, latents: jax.Array, dtype, tiling=None, slicing: int = 0) -> jax.Array:
     """UNet latents NCHW -> images NHWC float32 in [0, 1]."""
     module, p = _runtime(vae, vae_params, dtype)
     p = ops_conv.prepare(p)
+
+    def run(z):
+        if tiling is not None:
+            return vae_tiling.tiled_decode(module, p, z, tiling)
+        return module.apply({"params": p}, z, method=module.decode)
+
     z = from_unet_latents(vae.config, latents.astype(jnp.float32)).astype(module.dtype)
-    if tiling is not None:
-        images = vae_tiling.tiled_decode(module, p, z, tiling)
-    else:
-        images = module.apply({"params": p}, z, method=module.decode)
+    images = _batched(run, z, slicing)
     images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
     return images.transpose(0, 2, 3, 1)
+
+
+def _batched(fn, x, slicing: int):
+    """`fn(x)`, or with `slicing` images at a time (`models.vae_slicing`)."""
+    return vae_slicing.sliced(fn, x, slicing) if slicing else fn(x)

@@ -76,6 +76,7 @@ class ProgramSpec:
     text_chunks: int = 0  # A1111 prompt syntax: that many 77-token chunks per prompt, with token weights (0: plain)
     control: Any = None  # a `core.controlnet.ControlSpec` (the nets and guess mode) or None
     vae_tiling: Any = None  # a `models.vae_tiling.VaeTiling`: encode/decode tile by tile (diffusers' VAE tiling)
+    vae_slicing: int = 0  # encode/decode this many images at a time (`models.vae_slicing`); 0: the whole batch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,7 +119,9 @@ def program(
 
     def encode(images_nchw, stream):
         eps = rng.per_image_normal(keys, stream, shape[1:])
-        return autoencoder.encode(models.vae, params["vae"], images_nchw, eps, models.dtype, spec.vae_tiling)
+        return autoencoder.encode(
+            models.vae, params["vae"], images_nchw, eps, models.dtype, spec.vae_tiling, spec.vae_slicing
+        )
 
     ctx = Context(
         sampler=sampler,
@@ -172,7 +175,7 @@ def program(
     images = jax.lax.cond(
         stopped,
         lambda z: jnp.zeros((z.shape[0], height, width, 3), jnp.float32),
-        lambda z: autoencoder.decode(models.vae, params["vae"], z, models.dtype, spec.vae_tiling),
+        lambda z: autoencoder.decode(models.vae, params["vae"], z, models.dtype, spec.vae_tiling, spec.vae_slicing),
         latents,
     )
     return images, stopped
@@ -186,11 +189,12 @@ class DecodeSpec:
     height: int
     width: int
     vae_tiling: Any = None
+    vae_slicing: int = 0
 
 
 def decode_program(models: Models, spec: DecodeSpec, vae_params: dict, latents: jax.Array) -> jax.Array:
     """UNet latents -> images NHWC float32 in [0, 1] (the decode of `program`, as its own function)."""
-    return autoencoder.decode(models.vae, vae_params, latents, models.dtype, spec.vae_tiling)
+    return autoencoder.decode(models.vae, vae_params, latents, models.dtype, spec.vae_tiling, spec.vae_slicing)
 
 
 # ------------------------------------------------------------------------------------------------- the cache
@@ -318,6 +322,9 @@ class Generator:
         self.sampler = sampler
         self.params = params
         self.vae_tiling = None  # a `models.vae_tiling.VaeTiling` that `spec()` puts in every program, or None
+        # Encode/decode a slice of the batch at a time (`models.vae_slicing`; `spec()` makes a slice one image per
+        # device of the mesh's data axis).
+        self.vae_slicing = False
         self.split_decode = True  # `run` decodes with a second executable (module docstring); False: one program
         # On CPU, keep the Winograd-transformed kernels of the UNet and VAE between runs (`ops.conv.PreparedKernels`:
         # about 2 s less per SD 1.5 float32 generation, 3.8 GB held); False: each program computes them (less memory
@@ -406,7 +413,12 @@ class Generator:
         previews: bool = False,
         text_chunks: int = 0,
         control=None,
+        mesh: Mesh | None = None,
+        vae_slice: int | None = None,
     ) -> ProgramSpec:
+        """The program for these settings, with the generator's VAE tiling and slicing. With slicing on, a slice is
+        `vae_slice` images (default: one per device of the data axis of `mesh`, default the generator's; the
+        per-device programs of `pmap` pass 1)."""
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r} must be one of {list(OUTPUTS)}")
         return ProgramSpec(
@@ -425,6 +437,7 @@ class Generator:
             text_chunks=int(text_chunks),
             control=control,
             vae_tiling=self.vae_tiling,
+            vae_slicing=(vae_slice or (mesh or self.get_mesh()).shape[sharding_lib.DATA]) if self.vae_slicing else 0,
         )
 
     def window(self, spec: ProgramSpec, task: TaskRequest) -> tuple[int, int]:
@@ -483,7 +496,7 @@ class Generator:
             main = self.lower(latents_spec, params=params, mesh=mesh, inputs=inputs).compile()
             checked = self.check_params(self.params if params is None else params, control=spec.control is not None)
             vae = self.place_params(checked, mesh)["vae"]
-            decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling)
+            decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling, spec.vae_slicing)
             return main, self._decoder(decode, vae, main.output_shardings[0], mesh)
 
         return self.cache.get(("split", spec, self._layout_key(mesh)), build)

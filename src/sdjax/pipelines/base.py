@@ -827,6 +827,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             explicit_noise=call.noise is not None,
             output=call.output,
             control=None if call.control is None else call.control.spec,
+            vae_slice=1,  # a per-device program
         )
         start, end = gen.window(spec, task)
         if call.control is not None:
@@ -873,6 +874,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             explicit_noise=call.noise is not None,
             output=call.output,
             control=None if call.control is None else call.control.spec,
+            vae_slice=1,  # a per-device program
         )
         start, end = gen.window(spec, call.task)
         if call.start is not None:
