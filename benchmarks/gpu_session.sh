@@ -38,6 +38,9 @@ for phase in "$@"; do
         --split-only --json "$OUT/split-sd15-bf16.json" ;;
     memory)  # a generation's device memory alone, split and one program, each in a fresh process
       timeout 200 python3 benchmarks/gpu_memory.py --arch sd15 --dtype bfloat16 --size 512 --json "$OUT/memory-sd15.json" ;;
+    slicing)  # VAE slicing (one image at a time) against the whole batch: memory and time, SD 1.5 batch 8
+      timeout 240 python3 benchmarks/gpu_memory.py --arch sd15 --dtype bfloat16 --size 512 --steps 20 --batch 8 \
+        --modes split,sliced --json "$OUT/slicing-sd15-b8.json" ;;
     memoryxl)
       timeout 300 python3 benchmarks/gpu_memory.py --arch sdxl --dtype bfloat16 --size 1024 --json "$OUT/memory-sdxl.json" ;;
     aotcuda)  # compile in a process that sees no GPU (target config: XLA's h100_sxm.txtpb in .whl/), run on the GPU
