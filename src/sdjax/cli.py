@@ -1563,6 +1563,13 @@ def compile_(
             err.print(f"wrote {report.saved}", highlight=False)
     if not report.fits:
         err.print(f"[red]does not fit[/red] on {target}", highlight=False)
+        if not report.vae_slicing and report.batch > report.mesh.get("data", 1):
+            err.print(
+                "hint: --vae-slicing decodes one image per chip at a time (the same images); at large sizes the "
+                "VAE's activations of the whole batch are often what does not fit",
+                highlight=False,
+                soft_wrap=True,
+            )
         raise typer.Exit(1)
 
 

@@ -108,7 +108,7 @@ def test_a_program_that_cannot_fit_is_reported_and_the_cli_exits_1():
     assert report["fits"] is False and "RESOURCE_EXHAUSTED" in report["error"]
     assert report["required_bytes"] > report["available_bytes"] > 15 * 2**30
     assert report["margin_bytes"] < 0 and report["argument_bytes"] is None
-    assert "does not fit" in r.stderr
+    assert "does not fit" in r.stderr and "--vae-slicing" in r.stderr  # 32 images on one chip: slicing may help
 
 
 @needs_libtpu
