@@ -89,6 +89,26 @@ def test_cache_is_bounded_and_evicted_executables_are_freed():
     assert refs[1]() is None and refs[0]() is not None
 
 
+def test_the_byte_budget_counts_a_shared_decode_once():
+    """Program pairs of one image shape share their decode executable: the budget counts its code once, so a
+    second pair costs only its own loop program."""
+
+    class Executable:
+        def __init__(self, size):
+            self.size = size
+
+        def memory_analysis(self):
+            return type("Analysis", (), {"generated_code_size_in_bytes": self.size})()
+
+    decode = Executable(1000)
+    cache = ProgramCache(max_entries=8, max_bytes=1250)
+    cache.get("steps=20", lambda: (Executable(100), decode))
+    cache.get("steps=30", lambda: (Executable(100), decode))
+    assert cache.nbytes == 1200 and len(cache) == 2  # 100 + 100 + the decode once (counted per pair: 2200)
+    cache.get("other size", lambda: (Executable(100), Executable(1000)))
+    assert cache.keys() == ["other size"] and cache.nbytes == 1100  # over budget: the oldest pairs went
+
+
 def test_pipeline_cache_evicts_compiled_programs(sd):
     """On the module's pipeline: its 2-step program (compiled by the tests above) is reused, then evicted."""
     pipe, _ = sd

@@ -231,7 +231,13 @@ class ProgramCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(size for _, size in self._entries.values())
+        """Generated code of the cached executables, each counted once (program pairs share decode executables)."""
+        seen: dict[int, int] = {}
+        for value, _ in self._entries.values():
+            for exe in value if isinstance(value, tuple) else (value,):
+                if exe is not None and id(exe) not in seen:
+                    seen[id(exe)] = _code_bytes(exe)
+        return sum(seen.values())
 
     def get(self, key, build: Callable[[], Any]):
         """The executable for `key`, built (outside the lock; one builder per key) when missing."""
@@ -249,7 +255,7 @@ class ProgramCache:
             event.wait()
         try:
             value = build()
-            size = _code_bytes(value)
+            size = _code_bytes(value)  # (this entry's own count; `nbytes` counts a shared executable once)
             with self._lock:
                 self.stats.compiles += 1
                 self._entries[key] = (value, size)
@@ -291,7 +297,7 @@ def release_memory() -> None:
 
 
 def _code_bytes(executable) -> int:
-    if isinstance(executable, tuple):  # a split pair (a decode shared by pairs is counted in each)
+    if isinstance(executable, tuple):  # a split pair
         return sum(_code_bytes(e) for e in executable if e is not None)
     try:
         analysis = executable.memory_analysis()
