@@ -495,7 +495,10 @@ def _compile_unet_call(gen, spec, params, mesh):
         return models.unet.apply({"params": p["unet"]}, x, t, c, **a)
 
     abstract = jax.tree_util.tree_map(sharded, (context, added))
-    return jax.jit(call).lower(placed, x, t, *abstract).compile()
+    from sdjax.ops import attention as ops_attention
+
+    with ops_attention.lowering_for(mesh.devices.flat[0].platform):  # the slice's attention choice
+        return jax.jit(call).lower(placed, x, t, *abstract).compile()
 
 
 def _cost(compiled) -> tuple[float | None, float | None]:

@@ -137,6 +137,31 @@ def test_vae_slicing_reaches_the_program_as_one_image_per_device(monkeypatch):
 
 
 @needs_libtpu
+def test_a_tpu_slices_program_gets_the_tpus_attention(monkeypatch):
+    """Regression: "auto" attention was resolved by the process's default backend, so a program compiled for a TPU
+    slice on a CPU host got the CPU's chunked attention (a `lax.map` over heads), not the plain attention a TPU VM
+    traces. It follows the platform being lowered for."""
+    import jax.numpy as jnp
+
+    from sdjax.ops import attention
+    from sdjax.parallel.sharding import make_mesh
+    from sdjax.pipelines.presets import build_pipeline
+
+    seen = []
+    real = attention.resolve
+    monkeypatch.setattr(attention, "resolve", lambda impl, t: seen.append((t, real(impl, t))) or seen[-1][1])
+    pipe, params = build_pipeline("tiny", jnp.float32, abstract=True)
+    gen = pipe.generator
+    choices = {}
+    for name, devices in (("tpu", aot.topology_devices("v5e-1")[1]), ("cpu", jax.devices()[:1])):
+        mesh = make_mesh(1, 1, devices)
+        seen.clear()
+        gen.lower(gen.spec(batch=1, height=64, width=64, steps=1, mesh=mesh), params=params, mesh=mesh)
+        choices[name] = {choice for tokens, choice in seen if tokens > attention.AUTO_CHUNK_ABOVE}
+    assert choices == {"tpu": {"xla"}, "cpu": {"chunked"}}
+
+
+@needs_libtpu
 def test_cpu_path_is_unaffected(tiny):
     assert jax.default_backend() == "cpu"
     assert all(d.platform == "cpu" for d in jax.devices())

@@ -46,6 +46,7 @@ from sdjax import rng
 from sdjax.core import autoencoder, guidance_embedding, loop
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax.ops import attention as ops_attention
 from sdjax.ops import conv as ops_conv
 from sdjax.parallel import sharding as sharding_lib
 
@@ -379,7 +380,7 @@ class Generator:
         return self._with_kernels(placed, mesh)
 
     def _keeps_kernels(self, mesh: Mesh) -> bool:
-        return bool(self.keep_winograd_kernels) and mesh.devices.flat[0].platform == "cpu"
+        return bool(self.keep_winograd_kernels) and _platform(mesh) == "cpu"
 
     def _layout_key(self, mesh: Mesh):
         """What fixes the params' layout in a compiled program: the mesh, and whether kept kernels are inputs."""
@@ -478,7 +479,8 @@ class Generator:
             placed = self.place_params(params, mesh)
         example = inputs if inputs is not None else self.example_inputs(spec)
         abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), example)
-        return self._jitted(spec).lower(placed, abstract, self._window_spec(mesh))
+        with ops_attention.lowering_for(_platform(mesh)):  # "auto" attention: the choice of the mesh's devices
+            return self._jitted(spec).lower(placed, abstract, self._window_spec(mesh))
 
     def compile(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
         """The AOT-compiled executable for `spec` on the current mesh (from the cache, or compiled now).
@@ -518,7 +520,8 @@ class Generator:
             shape = (spec.batch, self.models.latent_channels, spec.height // f, spec.width // f)
             latents = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=latents_sharding)
             fn = jax.jit(functools.partial(decode_program, self.models, spec))
-            decoder = fn.lower(vae_params, latents).compile()
+            with ops_attention.lowering_for(_platform(mesh)):
+                decoder = fn.lower(vae_params, latents).compile()
             with self._place_lock:
                 self._decoders[key] = decoder
         return decoder
@@ -747,6 +750,10 @@ def _pad(x: np.ndarray, pad: int, fill: float = 0.0) -> np.ndarray:
 def _abstract(x, mesh: Mesh):
     x = np.asarray(x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_lib.batch_sharding(mesh))
+
+
+def _platform(mesh: Mesh) -> str:
+    return mesh.devices.flat[0].platform
 
 
 def _mesh_key(mesh: Mesh):

@@ -25,6 +25,8 @@ float rounding.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -35,13 +37,35 @@ IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product")
 AUTO_CHUNK_ABOVE = 256
 
 
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("sdjax_attention_platform", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str | None):
+    """Trace attention for `platform` ("cpu", "gpu", "tpu"; a device's `.platform`) instead of the default backend.
+
+    "auto" is resolved when a program is traced; a program lowered for other devices than the default backend's
+    (a TPU slice compiled on a CPU host: `sdjax.aot`) must get that platform's choice, the one a machine with those
+    devices makes. `Generator.lower` traces its programs inside this context."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
+def target_platform() -> str:
+    """The platform programs are being traced for: `lowering_for`'s, else the default backend."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
 def resolve(implementation: str, query_tokens: int) -> str:
-    """The implementation "auto" stands for on this backend and sequence length; any other name unchanged."""
+    """The implementation "auto" stands for on the target platform and sequence length; any other name unchanged."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
     if implementation != "auto":
         return implementation
-    backend = jax.default_backend()
+    backend = target_platform()
     if backend == "gpu":
         return "dot_product"
     if backend == "cpu" and query_tokens > AUTO_CHUNK_ABOVE:
@@ -157,7 +181,7 @@ def _attend_flash(q_btnd, k_bsnd, v_bsnd, block):
 def _attend_dot_product(q_btnd, k_bsnd, v_bsnd):
     dtype = v_bsnd.dtype
     d = q_btnd.shape[-1]
-    if jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
+    if target_platform() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
         try:
             return jax.nn.dot_product_attention(q_btnd, k_bsnd, v_bsnd, implementation="cudnn")
         except Exception:  # an unsupported cuDNN version or shape: XLA's lowering below
