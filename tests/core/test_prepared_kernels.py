@@ -111,18 +111,22 @@ def test_an_edited_kernel_gets_a_new_transform_and_old_ones_are_freed(sd, monkey
     assert np.abs(got - pipe.generate("a dog", **KW)).max() > 1e-2
 
 
-def test_kept_kernels_follow_the_kernels_sharding_over_the_model_axis(sd):
-    """On a (data, model) mesh the kept kernels are split like their kernels' channels; the images do not change."""
-    pipe, params = sd
-    gen = pipe.generator
-    want = pipe.generate("a tree", **KW)
-    saved = pipe.devices
-    gen.mesh = make_mesh(data=2, model=2, devices=jax.devices()[:4])
-    try:
-        got = pipe.generate("a tree", **KW)
-        split = [u for _, u in gen.kernels._entries.values() if tuple(u.sharding.spec)[2:] == ("model",)]
-    finally:
-        gen.mesh = None
-        pipe.devices = saved
-    assert split  # output channels that divide by 2 are split over the model axis
-    np.testing.assert_allclose(got, want, atol=2e-5)
+def test_kept_kernels_are_laid_out_like_their_kernels_on_the_mesh():
+    """On a (data, model) mesh a kept transform is split over the model axis like its kernel's output channels
+    (and replicated where the kernel is), and holds `winograd_kernel` of the kernel."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = make_mesh(data=2, model=2, devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    split = jax.device_put(
+        rng.standard_normal((3, 3, 4, 8), np.float32), NamedSharding(mesh, PartitionSpec(None, None, None, "model"))
+    )
+    whole = jax.device_put(rng.standard_normal((3, 3, 4, 6), np.float32), NamedSharding(mesh, PartitionSpec()))
+    kernels = ops_conv.PreparedKernels()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops_conv, "WINOGRAD_MIN_CHANNELS", 1)
+        out = kernels.add({"a": {"kernel": split}, "b": {"kernel": whole}})
+    assert tuple(out["a"]["winograd"].sharding.spec) == (None, None, "model")
+    assert out["b"]["winograd"].sharding.is_fully_replicated
+    for name, kernel in (("a", split), ("b", whole)):
+        np.testing.assert_array_equal(out[name]["winograd"], ops_conv.winograd_kernel(kernel))
