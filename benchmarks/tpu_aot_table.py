@@ -8,7 +8,8 @@ Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-
 the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
 process (a compile of SDXL takes minutes and a few GB of host memory). Rows are appended to `--out` as JSON lines
 as they finish, and a row already in `--out` is not compiled again, so the table can be filled over several
-sessions. `--vae-slicing` compiles the rows with the VAE run one image per chip at a time (`sdjax compile
+sessions. A compile that kills its process (libtpu's compiler has crashed on some shapes) is recorded as such, not
+tried again. `--vae-slicing` compiles the rows with the VAE run one image per chip at a time (`sdjax compile
 --vae-slicing`); such rows are rows of their own. `--markdown` prints the table of everything in `--out`.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -71,6 +73,21 @@ def markdown(rows: list[dict]) -> str:
         return "-" if x is None else format(x, fmt)
 
     for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"], bool(r.get("vae_slicing")))):
+        if r.get("crashed"):
+            head = [
+                r["model"],
+                str(r["height"]),
+                f"{r['target']} ({r['chips']})",
+                f"{r['batch']} ({r['batch'] / r['chips']:g})",
+            ]
+            cells = (
+                head
+                + ["sliced" if r.get("vae_slicing") else "whole"]
+                + ["-"] * 5
+                + [f"compiler crashed ({r['crashed']})"]
+            )
+            lines.append("| " + " | ".join(cells + ["-"] * (len(cols) - len(cells))) + " |")
+            continue
         total = gib(r["total_bytes"]) + ("" if r["argument_bytes"] is not None else " (temps; OOM)")
         cells = [
             r["model"],
@@ -140,6 +157,11 @@ def main() -> None:
                 )
                 if proc.returncode != 0:
                     print(f"{spec}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                    if proc.returncode < 0:  # killed by a signal: the compiler crashed (an exception exits 1)
+                        crash = {**spec, "height": SIZES.get(model), "chips": chips}
+                        crash["crashed"] = signal.Signals(-proc.returncode).name
+                        with args.out.open("a") as f:
+                            f.write(json.dumps(crash) + "\n")
                     continue
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
                 with args.out.open("a") as f:

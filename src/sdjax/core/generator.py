@@ -216,7 +216,8 @@ class ProgramCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.stats = CacheStats()
-        self._entries: collections.OrderedDict[Any, tuple[Any, int]] = collections.OrderedDict()
+        # key -> (value, ((executable, its generated code bytes), ...)): sizes measured once, when built
+        self._entries: collections.OrderedDict[Any, tuple[Any, tuple]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._building: dict[Any, threading.Event] = {}
 
@@ -234,10 +235,8 @@ class ProgramCache:
     def nbytes(self) -> int:
         """Generated code of the cached executables, each counted once (program pairs share decode executables)."""
         seen: dict[int, int] = {}
-        for value, _ in self._entries.values():
-            for exe in value if isinstance(value, tuple) else (value,):
-                if exe is not None and id(exe) not in seen:
-                    seen[id(exe)] = _code_bytes(exe)
+        for _, parts in self._entries.values():
+            seen.update((id(exe), n) for exe, n in parts)
         return sum(seen.values())
 
     def get(self, key, build: Callable[[], Any]):
@@ -256,10 +255,11 @@ class ProgramCache:
             event.wait()
         try:
             value = build()
-            size = _code_bytes(value)  # (this entry's own count; `nbytes` counts a shared executable once)
+            exes = value if isinstance(value, tuple) else (value,)  # a split pair: (loop, decode)
+            parts = tuple((exe, _code_bytes(exe)) for exe in exes if exe is not None)
             with self._lock:
                 self.stats.compiles += 1
-                self._entries[key] = (value, size)
+                self._entries[key] = (value, parts)
                 self._evict()
             return value
         finally:
@@ -298,8 +298,6 @@ def release_memory() -> None:
 
 
 def _code_bytes(executable) -> int:
-    if isinstance(executable, tuple):  # a split pair
-        return sum(_code_bytes(e) for e in executable if e is not None)
     try:
         analysis = executable.memory_analysis()
         return int(getattr(analysis, "generated_code_size_in_bytes", 0) or 0)
