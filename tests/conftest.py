@@ -54,38 +54,6 @@ if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
     _without_flax_param_shape_check()
 
 
-def pytest_configure(config):
-    """One persistent XLA compilation cache for the run, shared by the xdist workers: the files build the same tiny
-    models, so many programs recur across files (tests/core + tests/pipelines: 429 -> 396 s on two workers). Only
-    compiles of a second or more are kept: caching every small eager op's program made tests/models/test_unet.py
-    1.5x slower (50 -> 75 s; 52 s with the threshold). In this process only (subprocess tests compile on their own);
-    a fresh folder per run, removed at its end; the size cap turns on JAX's file lock, so two workers never read an
-    entry the other is still writing. SDJAX_TEST_XLA_CACHE=0 turns it off."""
-    if os.environ.get("SDJAX_TEST_XLA_CACHE") == "0":
-        return
-    path = os.environ.get("SDJAX_TEST_XLA_CACHE_DIR")
-    if path is None:  # the controller (or a run without xdist): workers inherit the variable when they start
-        import tempfile
-
-        path = config._sdjax_xla_cache = tempfile.mkdtemp(prefix="sdjax-tests-xla-cache-")
-        os.environ["SDJAX_TEST_XLA_CACHE_DIR"] = path
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_compilation_cache_max_size", 4 << 30)
-
-
-def pytest_unconfigure(config):
-    path = getattr(config, "_sdjax_xla_cache", None)
-    if path is not None:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
-        os.environ.pop("SDJAX_TEST_XLA_CACHE_DIR", None)
-
-
 # The longest files (worker-seconds in a full run) are handed out first: with `--dist loadfile
 # --no-loadscope-reorder` (scripts/test.sh) xdist gives files to the workers in collection order, so a long file
 # collected last would keep one worker busy after the other has finished.
