@@ -11,11 +11,17 @@ from sdjax.cli import app
 
 
 @pytest.fixture(scope="module")
-def result(sd1_dir):
-    cfg = bench_samplers.SamplerBenchConfig(
-        model=str(sd1_dir), samplers=("ddim", "dpmpp_2m"), steps=(4, 12), reference_steps=24, timing_steps=2
-    )
-    return bench_samplers.run(cfg)
+def cli_run(sd1_dir, tmp_path_factory):
+    """One `sdjax bench samplers ... --json` run: (its exit code, stdout, the JSON it wrote)."""
+    out = tmp_path_factory.mktemp("bench-samplers") / "r.json"
+    args = ["bench", "samplers", "-m", str(sd1_dir), "--samplers", "ddim,dpmpp_2m", "--steps", "4,12"]
+    r = CliRunner().invoke(app, [*args, "--reference-steps", "24", "--json", str(out)])
+    return r.exit_code, r.output, json.loads(out.read_text()) if out.exists() else None
+
+
+@pytest.fixture(scope="module")
+def result(cli_run):
+    return cli_run[2]
 
 
 def test_errors_shrink_with_steps_and_order(result):
@@ -52,9 +58,8 @@ def test_bad_input_is_named(args, word, tmp_path):
     assert r.exit_code == 2 and word in r.output, r.output
 
 
-def test_cli_writes_json(sd1_dir, tmp_path):
-    out = tmp_path / "r.json"
-    args = ["bench", "samplers", "-m", str(sd1_dir), "--samplers", "euler", "--steps", "2", "--reference-steps", "8"]
-    r = CliRunner().invoke(app, [*args, "--json", str(out)])
-    assert r.exit_code == 0, r.output
-    assert json.loads(out.read_text())["rows"][0]["sampler"] == "euler" and "euler" in r.stdout
+def test_cli_writes_json(cli_run):
+    code, output, written = cli_run
+    assert code == 0, output
+    assert [r["sampler"] for r in written["rows"]][:1] == ["ddim"] and "dpmpp_2m" in output
+    assert written["reference"] == {"sampler": "heun", "steps": 24}
