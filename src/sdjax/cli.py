@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import re
@@ -1511,10 +1512,19 @@ def compile_(
         typer.Option(help="Write the compiled executable here (serialize_executable; same JAX/libtpu to load)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
+    isolate: Annotated[
+        bool,
+        typer.Option(
+            "--isolate/--in-process",
+            help="Compile in a child process, so that a crash of libtpu's compiler is reported instead of ending "
+            "this command without a message (--in-process: in this process, for debuggers and native tracebacks).",
+        ),
+    ] = True,
 ) -> None:
     """Compile the whole generation for a TPU slice on this machine (no TPU needed, libtpu's compiler) and report
-    memory per chip against its HBM, FLOPs and a roofline bound. Exit status 1 when it does not fit."""
-    from sdjax import aot
+    memory per chip against its HBM, FLOPs and a roofline bound. Exit status 1 when it does not fit, 3 when the
+    compiler crashes."""
+    from sdjax import aot, isolated
 
     err = Console(stderr=True)
     try:
@@ -1532,7 +1542,8 @@ def compile_(
         hw = (h, w)
     try:
         with err.status("compiling") as status:
-            report = aot.compile_for(
+            run = functools.partial(isolated.call, aot.compile_for, what="compile") if isolate else aot.compile_for
+            report = run(
                 target,
                 model=model,
                 size=hw,
@@ -1550,6 +1561,15 @@ def compile_(
     except (ValueError, FileNotFoundError) as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    except isolated.ChildCrashed as e:
+        err.print(
+            f"[red]error:[/red] libtpu's compiler crashed on this program ({e}). Known for some shapes (SD 1.5 with "
+            "8 images per chip, in the VAE decoder's convolutions); --vae-slicing changes those shapes, or try "
+            "another libtpu version.",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(3) from None
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:

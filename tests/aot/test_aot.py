@@ -129,7 +129,8 @@ def test_vae_slicing_reaches_the_program_as_one_image_per_device(monkeypatch):
     monkeypatch.setattr(Generator, "lower", lower)
     for flag in ([], ["--vae-slicing"]):
         r = runner.invoke(
-            cli.app, ["compile", "--target", "v5e-4", "-m", "tiny", "--batch", "8", "--steps", "1", *flag]
+            cli.app,
+            ["compile", "--target", "v5e-4", "-m", "tiny", "--batch", "8", "--steps", "1", "--in-process", *flag],
         )
         assert isinstance(r.exception, Stop), r.output
     (plain, _), (sliced, mesh) = seen
