@@ -1,0 +1,53 @@
+"""benchmarks/tpu_aot_table.py's runner: a row whose compile kills its child process (libtpu's compiler has died
+with SIGSEGV on some shapes) is recorded as a crash row, shown in the table and not compiled again; a row that
+compiled is not compiled again either. The child process is replaced (no compile runs here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tpu_aot_table.py"
+
+
+@pytest.fixture
+def table():
+    spec = importlib.util.spec_from_file_location("tpu_aot_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_crashed_compile_is_a_row_and_is_not_retried(table, tmp_path, monkeypatch):
+    out = tmp_path / "rows.jsonl"
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        spec = json.loads(cmd[-1])
+        ran.append((spec["model"], spec["target"], spec["batch"]))
+        if spec["batch"] == 8:  # the crashing shape
+            return subprocess.CompletedProcess(cmd, -signal.SIGSEGV, "", "Fatal Python error: Segmentation fault")
+        row = {**spec, "height": 512, "chips": 1, "argument_bytes": 2**30, "temp_bytes": 2**30, "code_bytes": 0,
+               "total_bytes": 2 * 2**30, "hbm_bytes": 16 * 2**30, "fits": True, "compile_s": 1.0, "flops": None,
+               "roofline_s": None, "roofline_images_per_s": None}  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(row) + "\n", "")
+
+    monkeypatch.setattr(table.subprocess, "run", fake_run)
+    argv = [str(SCRIPT), "--models", "sd15", "--per-chip", "1,8", "--targets", "v5e-1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    table.main()
+    assert ran == [("sd15", "v5e-1", 1), ("sd15", "v5e-1", 8)]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("crashed") for r in rows] == [None, "SIGSEGV"]
+    table.main()  # both rows are in --out: nothing runs again
+    assert len(ran) == 2
+    lines = table.markdown(rows).splitlines()
+    crash = [line for line in lines if "compiler crashed (SIGSEGV)" in line]
+    assert len(crash) == 1 and crash[0].startswith("| sd15 | 512 | v5e-1 (1) | 8 (8) | whole |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines)  # every row has every column
