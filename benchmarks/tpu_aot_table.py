@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 SIZES = {"sd15": 512, "sd21": 768, "sdxl": 1024}
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 
 
 def key(row: dict) -> tuple:
@@ -157,7 +158,8 @@ def main() -> None:
                 )
                 if proc.returncode != 0:
                     print(f"{spec}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                    if proc.returncode < 0:  # killed by a signal: the compiler crashed (an exception exits 1)
+                    if -proc.returncode in CRASH_SIGNALS:  # the compiler crashed (an exception exits 1; a
+                        # SIGTERM/SIGKILL is someone stopping the run, or the OOM killer: tried again next time)
                         crash = {**spec, "height": SIZES.get(model), "chips": chips}
                         crash["crashed"] = signal.Signals(-proc.returncode).name
                         with args.out.open("a") as f:

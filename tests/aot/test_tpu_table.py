@@ -33,6 +33,8 @@ def test_a_crashed_compile_is_a_row_and_is_not_retried(table, tmp_path, monkeypa
         ran.append((spec["model"], spec["target"], spec["batch"]))
         if spec["batch"] == 8:  # the crashing shape
             return subprocess.CompletedProcess(cmd, -signal.SIGSEGV, "", "Fatal Python error: Segmentation fault")
+        if spec["target"] == "v5e-4":  # stopped from outside (or the OOM killer): not a crash, tried again
+            return subprocess.CompletedProcess(cmd, -signal.SIGTERM, "", "")
         row = {**spec, "height": 512, "chips": 1, "argument_bytes": 2**30, "temp_bytes": 2**30, "code_bytes": 0,
                "total_bytes": 2 * 2**30, "hbm_bytes": 16 * 2**30, "fits": True, "compile_s": 1.0, "flops": None,
                "roofline_s": None, "roofline_images_per_s": None}  # fmt: skip
@@ -47,6 +49,10 @@ def test_a_crashed_compile_is_a_row_and_is_not_retried(table, tmp_path, monkeypa
     assert [r.get("crashed") for r in rows] == [None, "SIGSEGV"]
     table.main()  # both rows are in --out: nothing runs again
     assert len(ran) == 2
+    monkeypatch.setattr(sys, "argv", [*argv[:-3], "v5e-4", "--per-chip", "1", "--out", str(out)])
+    table.main()  # a SIGTERM is not recorded: the row runs again the next time
+    table.main()
+    assert ran[2:] == [("sd15", "v5e-4", 4)] * 2 and len(out.read_text().splitlines()) == 2
     lines = table.markdown(rows).splitlines()
     crash = [line for line in lines if "compiler crashed (SIGSEGV)" in line]
     assert len(crash) == 1 and crash[0].startswith("| sd15 | 512 | v5e-1 (1) | 8 (8) | whole |")
