@@ -28,7 +28,15 @@ CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, s
 
 
 def key(row: dict) -> tuple:
-    return (row["model"], row["target"], row["batch"], row["steps"], row["dtype"], bool(row.get("vae_slicing")))
+    return (
+        row["model"],
+        row["target"],
+        row["batch"],
+        row["steps"],
+        row["dtype"],
+        bool(row.get("vae_slicing")),
+        row.get("attention", "auto"),
+    )
 
 
 def child(spec: dict) -> dict:
@@ -43,8 +51,17 @@ def child(spec: dict) -> dict:
         dtype=spec["dtype"],
         unet_cost=spec["unet_cost"],
         vae_slicing=spec.get("vae_slicing", False),
+        attention=spec.get("attention", "auto"),
     )
     return report.to_dict()
+
+
+def variant(row: dict) -> str:
+    """The VAE column: whole or sliced, and the attention when it is not the TPU's own."""
+    attention = row.get("attention", "auto")
+    return ("sliced" if row.get("vae_slicing") else "whole") + (
+        "" if attention == "auto" else f", {attention} attention"
+    )
 
 
 def markdown(rows: list[dict]) -> str:
@@ -73,7 +90,7 @@ def markdown(rows: list[dict]) -> str:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
-    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"], bool(r.get("vae_slicing")))):
+    for r in sorted(rows, key=lambda r: (r["model"], r["target"], r["batch"], variant(r))):
         if r.get("crashed"):
             head = [
                 r["model"],
@@ -81,12 +98,7 @@ def markdown(rows: list[dict]) -> str:
                 f"{r['target']} ({r['chips']})",
                 f"{r['batch']} ({r['batch'] / r['chips']:g})",
             ]
-            cells = (
-                head
-                + ["sliced" if r.get("vae_slicing") else "whole"]
-                + ["-"] * 5
-                + [f"compiler crashed ({r['crashed']})"]
-            )
+            cells = head + [variant(r)] + ["-"] * 5 + [f"compiler crashed ({r['crashed']})"]
             lines.append("| " + " | ".join(cells + ["-"] * (len(cols) - len(cells))) + " |")
             continue
         total = gib(r["total_bytes"]) + ("" if r["argument_bytes"] is not None else " (temps; OOM)")
@@ -95,7 +107,7 @@ def markdown(rows: list[dict]) -> str:
             str(r["height"]),
             f"{r['target']} ({r['chips']})",
             f"{r['batch']} ({r['batch'] / r['chips']:g})",
-            "sliced" if r.get("vae_slicing") else "whole",
+            variant(r),
             gib(r["argument_bytes"]),
             gib(r["temp_bytes"]),
             gib(r["code_bytes"]),
@@ -120,6 +132,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-unet-cost", action="store_true", help="skip the UNet call's compile (no FLOPs/roofline)")
     ap.add_argument("--vae-slicing", action="store_true", help="the VAE one image per chip at a time")
+    ap.add_argument("--attention", default="auto", help="the UNet's and VAE's attention (auto: the TPU's own)")
     ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -149,8 +162,9 @@ def main() -> None:
                     "dtype": args.dtype,
                     "unet_cost": not args.no_unet_cost,
                     "vae_slicing": args.vae_slicing,
+                    "attention": args.attention,
                 }
-                if (model, target, spec["batch"], args.steps, args.dtype, args.vae_slicing) in done:
+                if key(spec) in done:
                     continue
                 t0 = time.perf_counter()
                 proc = subprocess.run(

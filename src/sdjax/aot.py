@@ -222,6 +222,7 @@ class Report:
     hbm_bytes_per_s: float  # per device, datasheet estimate
     saved: str | None = None
     vae_slicing: bool = False  # the VAE ran one image per device at a time
+    attention: str = "auto"  # the UNet's and VAE's attention ("auto": the TPU's own choice)
     error: str | None = None  # the compiler's out-of-memory message: the program does not fit
     required_bytes: int | None = None  # what that message says is needed ...
     available_bytes: int | None = None  # ... and available (libtpu's usable HBM, a little under the datasheet's)
@@ -297,7 +298,8 @@ class Report:
         return (
             f"{self.model} ({self.pipeline}, {self.task}), {self.dtype}, {self.height}x{self.width}, batch "
             f"{self.batch}, {self.steps} steps, {self.sampler} on {self.target} ({self.chips} x {self.chip}, "
-            f"{self.devices} devices, mesh {mesh}){', VAE slicing' if self.vae_slicing else ''}; per device:"
+            f"{self.devices} devices, mesh {mesh}){', VAE slicing' if self.vae_slicing else ''}"
+            f"{'' if self.attention == 'auto' else f', {self.attention} attention'}; per device:"
         )
 
 
@@ -314,6 +316,7 @@ def compile_for(
     task: str = "txt2img",
     model_parallel: int | None = None,
     vae_slicing: bool = False,
+    attention: str = "auto",
     unet_cost: bool = True,
     save_cache: str | os.PathLike | None = None,
     log: Callable[[str], None] = lambda s: None,
@@ -322,12 +325,15 @@ def compile_for(
     and a roofline bound per device (module doc). `model` is a preset (`sd15`, `sd21`, `sdxl`, ...) or a diffusers
     folder (only its configs are read); `size` is `H` or `(H, W)` (default: the model's); `batch` is the global
     batch. `vae_slicing` decodes (and encodes) one image per chip at a time (`models.vae_slicing`: the VAE's
-    activations of one image instead of the batch's). `unet_cost=False` skips the UNet call's compile (no
+    activations of one image instead of the batch's). `attention` replaces the UNet's and VAE's attention
+    ("chunked": query blocks, no whole score matrix; `sdjax.ops.attention`); "auto" is what a TPU VM traces.
+    `unet_cost=False` skips the UNet call's compile (no
     loop-corrected FLOPs, bytes or roofline). `save_cache` writes the executable (`save_executable`) into that
     folder."""
     import jax.numpy as jnp
 
     from sdjax.core.tasks import TASKS
+    from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
     from sdjax.parallel import sharding as sharding_lib
     from sdjax.pipelines.presets import build_pipeline
     from sdjax.precision import resolve_dtype
@@ -337,6 +343,8 @@ def compile_for(
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
     if task not in TASKS:
         raise ValueError(f"task={task!r}: expected one of {sorted(TASKS)}")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
     jdtype = jnp.dtype(resolve_dtype(dtype))
     arch = architecture(model)
     kind, _ = parse_target(target)
@@ -362,6 +370,11 @@ def compile_for(
     gen = pipe.generator
     sampler_obj = pipe._sampler(sampler)
     gen.vae_slicing = vae_slicing
+    if attention != "auto":
+        m = gen.models
+        gen.models = dataclasses.replace(
+            m, unet=m.unet.clone(attention=attention), vae=m.vae.clone(attention=attention)
+        )
     spec = gen.spec(
         task=TASKS[task](), batch=batch, height=height, width=width, steps=steps, sampler=sampler_obj, mesh=mesh
     )
@@ -425,6 +438,7 @@ def compile_for(
         hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip,
         saved=saved,
         vae_slicing=bool(vae_slicing),
+        attention=attention,
         error=error,
         required_bytes=required,
         available_bytes=available,

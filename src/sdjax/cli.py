@@ -1504,6 +1504,13 @@ def compile_(
             "activations of one image instead of the whole batch's. Same images."
         ),
     ] = False,
+    attention: Annotated[
+        str,
+        typer.Option(
+            help="The UNet's and VAE's attention: auto (what a TPU VM traces), chunked (query blocks: no whole "
+            "score matrix), xla, ..."
+        ),
+    ] = "auto",
     unet_cost: Annotated[
         bool, typer.Option(help="Also compile one UNet call for loop-corrected FLOPs, bytes and the roofline.")
     ] = True,
@@ -1554,6 +1561,7 @@ def compile_(
                 task=task,
                 model_parallel=model_parallel,
                 vae_slicing=vae_slicing,
+                attention=attention,
                 unet_cost=unet_cost,
                 save_cache=save_cache,
                 log=lambda s: status.update(s),
