@@ -163,6 +163,38 @@ def test_a_tpu_slices_program_gets_the_tpus_attention(monkeypatch):
 
 
 @needs_libtpu
+def test_an_attention_choice_reaches_the_tpu_program(monkeypatch):
+    """`compile_for(attention="chunked")` (`sdjax compile --attention chunked`) traces the UNet's and VAE's long
+    attentions as chunked for the TPU slice, where "auto" traces the plain one; an unknown name is refused first."""
+    from sdjax.core.generator import Generator
+    from sdjax.ops import attention
+
+    seen = []
+    real = attention.resolve
+    monkeypatch.setattr(attention, "resolve", lambda impl, t: seen.append((t, real(impl, t))) or seen[-1][1])
+
+    class Stop(Exception):
+        pass
+
+    lower = Generator.lower
+
+    def lower_only(self, *args, **kwargs):
+        lower(self, *args, **kwargs)  # traced for the slice (attention resolved), then stopped before compiling
+        raise Stop
+
+    monkeypatch.setattr(Generator, "lower", lower_only)
+    choices = {}
+    for name in ("auto", "chunked"):
+        seen.clear()
+        with pytest.raises(Stop):
+            aot.compile_for("v5e-1", model="tiny", size=64, batch=1, steps=1, attention=name, unet_cost=False)
+        choices[name] = {choice for tokens, choice in seen if tokens > attention.AUTO_CHUNK_ABOVE}
+    assert choices == {"auto": {"xla"}, "chunked": {"chunked"}}
+    with pytest.raises(ValueError, match="attention='flash2'"):
+        aot.compile_for("v5e-1", model="tiny", attention="flash2")
+
+
+@needs_libtpu
 def test_cpu_path_is_unaffected(tiny):
     assert jax.default_backend() == "cpu"
     assert all(d.platform == "cpu" for d in jax.devices())
