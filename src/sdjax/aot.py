@@ -371,10 +371,7 @@ def compile_for(
     sampler_obj = pipe._sampler(sampler)
     gen.vae_slicing = vae_slicing
     if attention != "auto":
-        m = gen.models
-        gen.models = dataclasses.replace(
-            m, unet=m.unet.clone(attention=attention), vae=m.vae.clone(attention=attention)
-        )
+        gen.set_attention(attention)
     spec = gen.spec(
         task=TASKS[task](), batch=batch, height=height, width=width, steps=steps, sampler=sampler_obj, mesh=mesh
     )

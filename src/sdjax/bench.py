@@ -205,8 +205,9 @@ def _load(cfg: BenchConfig, dtype):
         from sdjax.pipelines.auto import load_pipeline
 
         pipe, params = load_pipeline(cfg.model, dtype=dtype, safety_checker=None)
-    if cfg.attention != "auto":
+    if cfg.attention != "auto":  # the pieces call pipe.unet / pipe.vae, the whole generation the generator's
         pipe.unet, pipe.vae = pipe.unet.clone(attention=cfg.attention), pipe.vae.clone(attention=cfg.attention)
+        pipe.generator.set_attention(cfg.attention)
     return pipe, params
 
 

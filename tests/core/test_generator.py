@@ -46,6 +46,41 @@ def test_assigning_params_on_the_pipeline_is_used(sd):
     assert np.abs(after - before).max() > 1e-2
 
 
+def test_set_attention_changes_what_the_programs_trace(monkeypatch):
+    """`Generator.set_attention` (used by `sdjax bench --attention` and `sdjax compile --attention`): the generation
+    program traces the chosen attention, and the programs compiled before are dropped. Regression: `sdjax bench
+    --attention` replaced only the pipeline's UNet and VAE, so its end-to-end runs kept the generator's "auto"."""
+    import jax.numpy as jnp
+
+    from sdjax.ops import attention
+    from sdjax.parallel.sharding import make_mesh
+    from sdjax.pipelines.presets import build_pipeline
+
+    seen = []
+    real = attention.resolve
+    monkeypatch.setattr(attention, "resolve", lambda impl, t: seen.append((t, real(impl, t))) or seen[-1][1])
+    pipe, params = build_pipeline("tiny", jnp.float32, abstract=True)
+    gen = pipe.generator
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    gen.cache.get("old program", lambda: None)
+    choices = []
+    for name in (None, "xla"):
+        if name is not None:
+            gen.set_attention(name)
+        seen.clear()
+        gen.lower(gen.spec(batch=1, height=64, width=64, steps=1, mesh=mesh), params=params, mesh=mesh)
+        choices.append({choice for tokens, choice in seen if tokens > attention.AUTO_CHUNK_ABOVE})
+    assert choices == [{"chunked"}, {"xla"}]  # CPU's "auto" chunks the long attentions; "xla" is set
+    assert len(gen.cache) == 0
+    with pytest.raises(ValueError, match="attention='flash2'"):
+        gen.set_attention("flash2")
+    from sdjax import bench
+
+    benched, _ = bench._load(bench.BenchConfig(arch="tiny", attention="xla", memory_only=True), jnp.float32)
+    assert benched.unet.attention == benched.generator.models.unet.attention == "xla"
+    assert benched.generator.models.vae.attention == "xla"
+
+
 def test_assigning_the_scheduler_after_a_call_takes_effect(sd1_dir):
     """Regression: the guide's jit=True call kept the first sampler, and the next generate() failed with
     `DDIM.set_timesteps: expected a DDIMState ..., got PNDMState`."""

@@ -346,6 +346,19 @@ class Generator:
         self._pmapped: dict[Any, Any] = {}
         self._decoders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
+    def set_attention(self, attention: str) -> None:
+        """Trace the UNet's and VAE's attention as `attention` (`sdjax.ops.attention.IMPLEMENTATIONS`) from now
+        on; programs compiled with the previous one are dropped (the attention is not part of a `ProgramSpec`)."""
+        if attention not in ops_attention.IMPLEMENTATIONS:
+            raise ValueError(f"attention={attention!r}: expected one of {ops_attention.IMPLEMENTATIONS}")
+        m = self.models
+        self.models = dataclasses.replace(
+            m, unet=m.unet.clone(attention=attention), vae=m.vae.clone(attention=attention)
+        )
+        self.cache.clear()
+        self._pmapped.clear()
+        self._decoders.clear()
+
     # ------------------------------------------------------------------ placement
     def get_mesh(self) -> Mesh:
         """`self.mesh` if set, else a data-parallel mesh over `self.devices` (default: every device)."""
