@@ -14,6 +14,7 @@ LAYERS = {
     "precision": 0,
     "runtime": 0,
     "compilation_cache": 0,
+    "isolated": 0,
     "ops": 1,
     "models": 2,
     "samplers": 2,
