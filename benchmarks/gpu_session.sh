@@ -24,6 +24,12 @@ for phase in "$@"; do
       timeout 120 $SDJAX bench --steps 2 --reps 1 ;;
     sd15)
       timeout 330 $SDJAX bench --arch sd15 --dtype bfloat16 --steps 50 --torch --json "$OUT/sd15-bf16-h100.json" ;;
+    sd15tc)  # against diffusers with torch.compile (CUDA graphs; channels-last UNet and VAE, whole graphs)
+      timeout 480 $SDJAX bench --arch sd15 --dtype bfloat16 --steps 50 --torch --torch-compile reduce-overhead \
+        --json "$OUT/sd15-bf16-h100-torch-compile.json" ;;
+    sdxltc)
+      timeout 560 $SDJAX bench --arch sdxl --dtype bfloat16 --steps 30 --torch --torch-compile reduce-overhead \
+        --json "$OUT/sdxl-bf16-h100-torch-compile.json" ;;
     sd15fp16)
       timeout 300 $SDJAX bench --arch sd15 --dtype float16 --steps 50 --torch --json "$OUT/sd15-fp16-h100.json" ;;
     sdxl)

@@ -1300,6 +1300,14 @@ def bench(
             "--torch", help="Also run the workload in PyTorch diffusers (needs torch + diffusers) and show ratios."
         ),
     ] = False,
+    torch_compile: Annotated[
+        str | None,
+        typer.Option(
+            "--torch-compile",
+            help="With --torch: torch.compile the PyTorch UNet and VAE decode in this mode (default, "
+            "reduce-overhead, max-autotune, max-autotune-no-cudagraphs; channels-last, whole graphs).",
+        ),
+    ] = None,
     memory_only: Annotated[
         bool,
         typer.Option(
@@ -1324,6 +1332,7 @@ def bench(
         sampler=sampler,
         reps=reps,
         torch=torch,
+        torch_compile=torch_compile,
         memory_only=memory_only,
         attention=attention,
     )
@@ -1342,7 +1351,8 @@ def bench(
         raise typer.Exit(1) from None
     out = Console(width=None if sys.stdout.isatty() else 160)
     cols, rows = bench_lib.table_rows(result)
-    table = Table(*cols, title="sdjax bench")
+    mode = (result.get("torch") or {}).get("torch_compile")
+    table = Table(*cols, title="sdjax bench" + (f" (PyTorch: torch.compile, mode {mode})" if mode else ""))
     for row in rows:
         table.add_row(*row)
     for line in bench_lib.summary_lines(result):
