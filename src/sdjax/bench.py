@@ -5,6 +5,9 @@ apart from run time; run times are the median and best of `reps` calls after one
 
 - `text`: the text encoder(s) on the stacked (negative, prompt) batch, `2B x 77` tokens;
 - `unet`: one UNet call on `2B` latents (classifier-free guidance doubles the batch), i.e. one sampler step;
+- `unet_loop`: the same step `steps` times in one program (`lax.fori_loop`; torch: calls back to back), per
+  step: what a step costs inside a generation, without the per-call dispatch that one call pays (on a GPU 3.5 ms
+  of an SD 1.5 step's 11.6, docs/benchmarks.md);
 - `decode`: the VAE decoder on `B` latents;
 - `e2e`: the whole generation as the pipeline runs it (`pipeline.aot_compile`: encode -> `fori_loop` over the
   sampler -> decode), giving end-to-end latency and images/s.
@@ -90,6 +93,9 @@ class BenchConfig:
             if not self.torch:
                 raise ValueError("torch_compile applies to the PyTorch side: set torch too")
 
+
+# The timed pieces, in the order they run; "unet_loop" is per step of `steps` steps run back to back.
+PIECES = ("text", "unet", "unet_loop", "decode", "e2e")
 
 # torch.compile's modes: "reduce-overhead" and "max-autotune" replay CUDA graphs on a GPU (what removes PyTorch's
 # per-op launch cost at batch 1); "max-autotune" also times candidate kernels while compiling (minutes).
@@ -321,6 +327,23 @@ def _run_pieces(cfg, pipe, params, result, height, width, worker, log) -> dict[s
     )
     pieces["unet"] = {"compile_s": s, **timed, "flops": _flops(unet_c)}
 
+    # The same step as a generation runs it: `steps` steps in one program (torch: that many calls back to back),
+    # per step. On a GPU one call of a step also pays the dispatch and the first launches, which a loop hides.
+    log(f"compiling and timing {cfg.steps} UNet steps in one program")
+
+    def unet_loop(p, x, t, c, a):
+        return jax.lax.fori_loop(0, cfg.steps, lambda i, y: y - 0.001 * unet_step(p, y, t, c, a).astype(y.dtype), x)
+
+    loop_c, s = _compile(unet_loop, unet_params, x, t, context, added)
+    timed, torch_side["unet_loop"] = _time_side_by_side(
+        lambda: loop_c(unet_params, x, t, context, added), worker, "unet_loop", cfg.reps
+    )
+    for side in (timed, torch_side["unet_loop"]):
+        for k in ("median_s", "best_s", "first_call_s"):
+            if side is not None and k in side:
+                side[k] /= cfg.steps
+    pieces["unet_loop"] = {"compile_s": s, **timed, "flops": pieces["unet"]["flops"]}
+
     log("compiling and timing the VAE decoder")
     z = jnp.asarray(np.random.default_rng(1).standard_normal(lat_shape, np.float32))
 
@@ -370,9 +393,7 @@ def _run_pieces(cfg, pipe, params, result, height, width, worker, log) -> dict[s
     if worker is not None:
         result["torch"] = {**worker.info(), **torch_side}
         result["ratios"] = {
-            k: result["pieces"][k]["median_s"] / result["torch"][k]["median_s"]
-            for k in ("text", "unet", "decode", "e2e")
-            if k in result["torch"]
+            k: result["pieces"][k]["median_s"] / result["torch"][k]["median_s"] for k in PIECES if k in result["torch"]
         }
     return result
 
@@ -573,11 +594,18 @@ def _torch_serve(spec: dict) -> None:
     x = torch.randn((2 * b, c, height // f, width // f), generator=gen).to(dev, torch_dtype)
     t = torch.full((2 * b,), 500.0, device=dev)
     z = torch.randn((b, c, height // f, width // f), generator=gen).to(dev, torch_dtype)
+
+    def unet_loop():
+        y = x
+        for _ in range(cfg.steps):
+            y = y - 0.001 * pipe.unet(y, t, encoder_hidden_states=context, **added).sample
+
     pieces = {
         "text": lambda: pipe.encode_prompt(
             prompts, device=dev, num_images_per_prompt=1, do_classifier_free_guidance=True, negative_prompt=[""] * b
         ),
         "unet": lambda: pipe.unet(x, t, encoder_hidden_states=context, **added),
+        "unet_loop": unet_loop,
         "decode": lambda: pipe.vae.decode(z / pipe.vae.config.scaling_factor),
         "e2e": lambda: pipe(
             prompts,
@@ -663,10 +691,13 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for name, label in (
         ("text", "text encoder"),
-        ("unet", "UNet step (CFG batch)"),
+        ("unet", "UNet step (CFG batch), one call"),
+        ("unet_loop", f"UNet step in a loop of {result['steps']}"),
         ("decode", "VAE decode"),
         ("e2e", f"end to end ({result['steps']} steps)"),
     ):
+        if name not in result["pieces"]:  # results written before the piece existed
+            continue
         p = result["pieces"][name]
         row = [
             label,
