@@ -1,7 +1,8 @@
 """Where a UNet step's GPU time goes in sdjax: a profiler trace of a few steps inside one program, summed by
 kernel name (the GPU's own timings).
 
-    python benchmarks/gpu_unet_profile.py --arch sd15 --steps 5 --out DIR   # DIR/kernels.json, DIR/*.trace.json.gz
+    python benchmarks/gpu_unet_profile.py --arch sd15 --steps 5 --out DIR
+    # DIR/kernels.json (per kernel name), DIR/*.trace.json.gz (the trace), DIR/unet_loop.hlo.txt (optimized HLO)
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main() -> None:
     jax.block_until_ready(loop(params, x))
     jax.block_until_ready(loop(params, x))
     args.out.mkdir(parents=True, exist_ok=True)
+    # The optimized program, to attribute the profile's fusions (transposes, reductions) to the model's ops: each
+    # instruction's metadata names the flax module path it came from.
+    (args.out / "unet_loop.hlo.txt").write_text(loop.lower(params, x).compile().as_text())
     trace_dir = Path("/tmp/jaxtrace")
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         jax.block_until_ready(loop(params, x))
