@@ -223,6 +223,7 @@ class Report:
     saved: str | None = None
     vae_slicing: bool = False  # the VAE ran one image per device at a time
     attention: str = "auto"  # the UNet's and VAE's attention ("auto": the TPU's own choice)
+    controlnets: int = 0  # ControlNets in the program (each the UNet's encoder copy; weights counted in weights_bytes)
     error: str | None = None  # the compiler's out-of-memory message: the program does not fit
     required_bytes: int | None = None  # what that message says is needed ...
     available_bytes: int | None = None  # ... and available (libtpu's usable HBM, a little under the datasheet's)
@@ -299,7 +300,8 @@ class Report:
             f"{self.model} ({self.pipeline}, {self.task}), {self.dtype}, {self.height}x{self.width}, batch "
             f"{self.batch}, {self.steps} steps, {self.sampler} on {self.target} ({self.chips} x {self.chip}, "
             f"{self.devices} devices, mesh {mesh}){', VAE slicing' if self.vae_slicing else ''}"
-            f"{'' if self.attention == 'auto' else f', {self.attention} attention'}; per device:"
+            f"{'' if self.attention == 'auto' else f', {self.attention} attention'}"
+            f"{f', {self.controlnets} ControlNet(s)' if self.controlnets else ''}; per device:"
         )
 
 
@@ -317,6 +319,7 @@ def compile_for(
     model_parallel: int | None = None,
     vae_slicing: bool = False,
     attention: str = "auto",
+    controlnets: int = 0,
     unet_cost: bool = True,
     save_cache: str | os.PathLike | None = None,
     log: Callable[[str], None] = lambda s: None,
@@ -327,9 +330,11 @@ def compile_for(
     batch. `vae_slicing` decodes (and encodes) one image per chip at a time (`models.vae_slicing`: the VAE's
     activations of one image instead of the batch's). `attention` replaces the UNet's and VAE's attention
     ("chunked": query blocks, no whole score matrix; `sdjax.ops.attention`); "auto" is what a TPU VM traces.
-    `unet_cost=False` skips the UNet call's compile (no
-    loop-corrected FLOPs, bytes or roofline). `save_cache` writes the executable (`save_executable`) into that
-    folder."""
+    `controlnets` adds that many ControlNets (the architecture's own: `models.controlnet.config_from_unet`, as
+    diffusers' `ControlNetModel.from_unet`) to every model call, with their control images as inputs; their
+    weights are sharded by the same rules as the UNet's. `unet_cost=False` skips the compile of one model call
+    (UNet + ControlNets; no loop-corrected FLOPs, bytes or roofline). `save_cache` writes the executable
+    (`save_executable`) into that folder."""
     import jax.numpy as jnp
 
     from sdjax.core.tasks import TASKS
@@ -341,6 +346,8 @@ def compile_for(
     for name, value in (("batch", batch), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    if isinstance(controlnets, bool) or not isinstance(controlnets, int) or not 0 <= controlnets <= 8:
+        raise ValueError(f"controlnets={controlnets!r}: expected an integer in [0, 8]")
     if task not in TASKS:
         raise ValueError(f"task={task!r}: expected one of {sorted(TASKS)}")
     if attention not in ATTENTION_IMPLEMENTATIONS:
@@ -364,6 +371,9 @@ def compile_for(
 
     log(f"building {model} with abstract params")
     pipe, params = build_pipeline(arch, jdtype, abstract=True)
+    control = None
+    if controlnets:
+        control, params["controlnet"] = _abstract_controlnets(arch, jdtype, controlnets)
     dh, dw = pipe.default_size
     height, width = (size, size) if isinstance(size, int) else (size or (dh, dw))
     pipe.validate(steps=steps, height=height, width=width, sampler=sampler)
@@ -373,7 +383,14 @@ def compile_for(
     if attention != "auto":
         gen.set_attention(attention)
     spec = gen.spec(
-        task=TASKS[task](), batch=batch, height=height, width=width, steps=steps, sampler=sampler_obj, mesh=mesh
+        task=TASKS[task](),
+        batch=batch,
+        height=height,
+        width=width,
+        steps=steps,
+        sampler=sampler_obj,
+        mesh=mesh,
+        control=control,
     )
     calls = int(sampler_obj.num_model_calls(steps))
 
@@ -393,7 +410,7 @@ def compile_for(
 
     unet_flops = unet_bytes = unet_s = None
     if unet_cost and compiled is not None:
-        log("compiling one UNet call (the loop's body) for its FLOPs and bytes")
+        log("compiling one model call (the loop's body) for its FLOPs and bytes")
         t0 = time.perf_counter()
         unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh))
         unet_s = time.perf_counter() - t0
@@ -436,6 +453,7 @@ def compile_for(
         saved=saved,
         vae_slicing=bool(vae_slicing),
         attention=attention,
+        controlnets=controlnets,
         error=error,
         required_bytes=required,
         available_bytes=available,
@@ -474,8 +492,30 @@ def _oom_bytes(message: str) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _abstract_controlnets(arch, dtype, count: int):
+    """`count` ControlNets made from the architecture's UNet config -> (ControlSpec, abstract param trees)."""
+    import jax
+
+    from sdjax.core.controlnet import ControlSpec
+    from sdjax.models.controlnet import ControlNetConfig, ControlNetModel, config_from_unet
+
+    config = config_from_unet(arch.unet)
+    # The control image is at the image's size: its embedding downsamples by the VAE's factor (8 with the
+    # default 4 stages; the small test architectures' VAEs have fewer levels, so their nets fewer stages).
+    stages = len(arch.vae["block_out_channels"])
+    default = ControlNetConfig.conditioning_embedding_out_channels
+    if stages != len(default):
+        config["conditioning_embedding_out_channels"] = default[:stages]
+    net = ControlNetModel(ControlNetConfig.from_dict(config, source="controlnet"), dtype=dtype)
+    tree = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, dtype), ControlNetModel.init_params_shape(net.config)
+    )
+    return ControlSpec(nets=(net,) * count), (tree,) * count
+
+
 def _compile_unet_call(gen, spec, params, mesh):
-    """One model call of the loop's body (the CFG-doubled batch) compiled on `mesh` with the program's shardings."""
+    """One model call of the loop's body (the CFG-doubled batch; with the spec's ControlNets, their residuals
+    too) compiled on `mesh` with the program's shardings."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -483,7 +523,7 @@ def _compile_unet_call(gen, spec, params, mesh):
     from sdjax.parallel import sharding as sharding_lib
 
     models = gen.models
-    params = gen.check_params(params)
+    params = gen.check_params(params, control=spec.control is not None)
     specs = sharding_lib.param_specs(params, mesh)
     placed = jax.tree_util.tree_map(
         lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), params, specs
@@ -502,10 +542,17 @@ def _compile_unet_call(gen, spec, params, mesh):
     )
     t = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch)
 
-    def call(p, x, t, c, a):
-        return models.unet.apply({"params": p["unet"]}, x, t, c, **a)
+    control_inputs = {k: example[k] for k in ("control_image", "control_scales") if spec.control is not None}
+    channels = int(models.vae.config.latent_channels)
 
-    abstract = jax.tree_util.tree_map(sharded, (context, added))
+    def call(p, x, t, c, a, ctl):
+        extra = {}
+        if spec.control is not None:  # the nets' residuals, as the program's hook adds them at step 0
+            hook = spec.control.hook(p["controlnet"], ctl, context=c, added=a, cfg=spec.cfg, latent_channels=channels)
+            extra = hook.model_kwargs(0, x, t)
+        return models.unet.apply({"params": p["unet"]}, x, t, c, **a, **extra)
+
+    abstract = jax.tree_util.tree_map(sharded, (context, added, control_inputs))
     from sdjax.ops import attention as ops_attention
 
     with ops_attention.lowering_for(mesh.devices.flat[0].platform):  # the slice's attention choice

@@ -69,12 +69,10 @@ class ControlNetBenchConfig:
 
 
 def controlnet_config(unet: dict) -> dict:
-    """The `config.json` of a ControlNet made from a UNet with `unet`'s config (diffusers
-    `ControlNetModel.from_unet`: the keys both classes have, the rest at the ControlNet's defaults)."""
-    from sdjax.models.controlnet import ControlNetConfig
+    """`sdjax.models.controlnet.config_from_unet` (imported when called: this module loads without flax)."""
+    from sdjax.models.controlnet import config_from_unet
 
-    keys = {f.name for f in dataclasses.fields(ControlNetConfig)}
-    return {k: v for k, v in unet.items() if k in keys}
+    return config_from_unet(unet)
 
 
 def _inputs(cfg: ControlNetBenchConfig, unet: dict) -> dict[str, np.ndarray]:

@@ -1521,8 +1521,20 @@ def compile_(
             "score matrix), xla, ..."
         ),
     ] = "auto",
+    controlnets: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=8,
+            help="ControlNets in every model call (each the model's own ControlNet architecture, as "
+            "ControlNetModel.from_unet makes it); their weights count against the chip's memory.",
+        ),
+    ] = 0,
     unet_cost: Annotated[
-        bool, typer.Option(help="Also compile one UNet call for loop-corrected FLOPs, bytes and the roofline.")
+        bool,
+        typer.Option(
+            help="Also compile one model call (UNet + ControlNets) for loop-corrected FLOPs, bytes and the roofline."
+        ),
     ] = True,
     save_cache: Annotated[
         Path | None,
@@ -1572,6 +1584,7 @@ def compile_(
                 model_parallel=model_parallel,
                 vae_slicing=vae_slicing,
                 attention=attention,
+                controlnets=controlnets,
                 unet_cost=unet_cost,
                 save_cache=save_cache,
                 log=lambda s: status.update(s),

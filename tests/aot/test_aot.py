@@ -194,6 +194,59 @@ def test_an_attention_choice_reaches_the_tpu_program(monkeypatch):
         aot.compile_for("v5e-1", model="tiny", attention="flash2")
 
 
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+@needs_libtpu
+def test_controlnets_are_in_the_program_and_their_weights_on_the_chips(tiny):
+    """`sdjax compile --controlnets 1`: the program holds the net (the model's own ControlNet architecture) and
+    its control image; each device holds at least its share of the net's weights beside the base program's."""
+    from sdjax.parallel import sharding
+
+    base, _ = tiny
+    r = runner.invoke(
+        cli.app,
+        ["compile", "--target", "v5e:2x2", "-m", "tiny", "--size", "32", "--batch", "2", "--steps", "2"]
+        + ["--controlnets", "1", "--no-unet-cost", "--in-process", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["controlnets"] == 1 and report["fits"] and report["mesh"] == base.mesh
+    _, trees = aot._abstract_controlnets(aot.architecture("tiny"), jnp.bfloat16, 1)
+    assert report["weights_bytes"] == base.weights_bytes + _nbytes(trees)
+    mesh = sharding.make_mesh(2, 2, aot.topology_devices("v5e:2x2")[1])
+    specs = jax.tree_util.tree_leaves(
+        sharding.param_specs(trees, mesh), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    share = sum(
+        x.size * x.dtype.itemsize / (2 if any(a is not None for a in spec) else 1)
+        for x, spec in zip(jax.tree_util.tree_leaves(trees), specs, strict=True)
+    )
+    assert report["argument_bytes"] - base.argument_bytes >= share > 0
+
+
+def test_a_model_calls_cost_includes_its_controlnets():
+    """The loop-corrected FLOPs of `compile_for` count one model call per step: with ControlNets that call runs
+    the nets too (each about the UNet's encoder half), so it costs more than the UNet alone and less than the UNet
+    once more per net. Compiled for this machine's CPU (the same function the TPU report uses)."""
+    from sdjax.parallel import sharding
+    from sdjax.pipelines.presets import build_pipeline
+
+    arch = aot.architecture("tiny")
+    mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+    flops = {}
+    for nets in (0, 2):
+        pipe, params = build_pipeline(arch, jnp.bfloat16, abstract=True)
+        control = None
+        if nets:
+            control, params["controlnet"] = aot._abstract_controlnets(arch, jnp.bfloat16, nets)
+        gen = pipe.generator
+        spec = gen.spec(batch=1, height=32, width=32, steps=1, mesh=mesh, control=control)
+        flops[nets], _ = aot._cost(aot._compile_unet_call(gen, spec, params, mesh))
+    assert flops[0] < flops[2] < 3 * flops[0]
+
+
 @needs_libtpu
 def test_cpu_path_is_unaffected(tiny):
     assert jax.default_backend() == "cpu"
@@ -262,6 +315,8 @@ def test_bad_model_and_settings_are_named():
         aot.compile_for("v5e-4", model="tiny", task="upscale")
     with pytest.raises(ValueError, match="dtype='int8'"):
         aot.compile_for("v5e-4", model="tiny", dtype="int8")
+    with pytest.raises(ValueError, match="controlnets=9"):
+        aot.compile_for("v5e-4", model="tiny", controlnets=9)
 
 
 @needs_libtpu

@@ -159,6 +159,13 @@ class ControlNetConfig(EncoderConfig):
         return 1 + n * self.layers_per_block + (n - 1)
 
 
+def config_from_unet(unet: Mapping[str, Any]) -> dict:
+    """The `config.json` of a ControlNet made from a UNet with config `unet` (diffusers
+    `ControlNetModel.from_unet`: the keys both classes have, the rest at the ControlNet's defaults)."""
+    keys = {f.name for f in dataclasses.fields(ControlNetConfig)}
+    return {k: v for k, v in unet.items() if k in keys}
+
+
 class ControlNetConditioningEmbedding(nn.Module):
     """diffusers `ControlNetConditioningEmbedding`: `conv_in` (3x3), SiLU, then per stage a 3x3 conv
     (`blocks_{2k}`) and a 3x3 stride-2 conv to the next width (`blocks_{2k+1}`), each followed by SiLU, then
