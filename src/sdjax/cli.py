@@ -1621,6 +1621,13 @@ def compile_(
                 highlight=False,
                 soft_wrap=True,
             )
+        if report.attention == "auto":
+            err.print(
+                "hint: --attention chunked computes attention in blocks of queries, without the whole score matrix "
+                "of the long self-attentions (SD 2.1 with 8 images per v5e chip: 9.65 GiB with it, 28.4 without)",
+                highlight=False,
+                soft_wrap=True,
+            )
         raise typer.Exit(1)
 
 

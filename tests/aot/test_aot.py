@@ -109,6 +109,7 @@ def test_a_program_that_cannot_fit_is_reported_and_the_cli_exits_1():
     assert report["required_bytes"] > report["available_bytes"] > 15 * 2**30
     assert report["margin_bytes"] < 0 and report["argument_bytes"] is None
     assert "does not fit" in r.stderr and "--vae-slicing" in r.stderr  # 32 images on one chip: slicing may help
+    assert "--attention chunked" in r.stderr  # and attention without whole score matrices
 
 
 @needs_libtpu
