@@ -1291,7 +1291,7 @@ def bench(
         str,
         typer.Option(
             help="UNet/VAE attention: auto (cuDNN on GPU, XLA on CPU, chunked for long sequences on CPU), xla, "
-            "dot_product or chunked."
+            "dot_product, chunked, or pallas (JAX's TPU flash-attention kernel; TPU only)."
         ),
     ] = "auto",
     torch: Annotated[
@@ -1517,8 +1517,8 @@ def compile_(
     attention: Annotated[
         str,
         typer.Option(
-            help="The UNet's and VAE's attention: auto (what a TPU VM traces), chunked (query blocks: no whole "
-            "score matrix), xla, ..."
+            help="The UNet's and VAE's attention: auto (what a TPU VM traces: XLA's), pallas (JAX's TPU "
+            "flash-attention kernel: no score matrix in HBM), chunked (query blocks), xla, ..."
         ),
     ] = "auto",
     controlnets: Annotated[
@@ -1623,8 +1623,9 @@ def compile_(
             )
         if report.attention == "auto":
             err.print(
-                "hint: --attention chunked computes attention in blocks of queries, without the whole score matrix "
-                "of the long self-attentions (SD 2.1 with 8 images per v5e chip: 9.65 GiB with it, 28.4 without)",
+                "hint: --attention pallas (JAX's TPU flash-attention kernel) or --attention chunked (blocks of "
+                "queries) compute attention without the whole score matrix of the long self-attentions (SD 2.1 with "
+                "8 images per v5e chip: 9.65 GiB with chunked, 28.4 without)",
                 highlight=False,
                 soft_wrap=True,
             )

@@ -13,6 +13,10 @@ implementations compute the same function (scores and softmax in float32); they 
 - "flash": online softmax over key blocks of `block_size` (Dao et al. 2022, "FlashAttention"), all heads at once.
 - "dot_product": `jax.nn.dot_product_attention`: cuDNN flash attention on GPU for half-precision inputs with head
   widths it supports, XLA's lowering elsewhere.
+- "pallas": JAX's Pallas flash-attention kernel for TPUs (`jax.experimental.pallas.ops.tpu.flash_attention`): no
+  score matrix in HBM. TPU programs only (a TPU VM, or a TPU slice compiled on a CPU host with `sdjax.aot`); shapes
+  the kernel does not take (sequences not a multiple of `PALLAS_BLOCK`, such as the 77 text tokens of
+  cross-attention; head widths over 128 that are not a multiple of 128) use "xla".
 - "auto" (the default; see `resolve`): "dot_product" on GPU, "chunked" on CPU above `AUTO_CHUNK_ABOVE` query
   tokens (the 32x32 and 64x64 levels of a 512x512 image's UNet), "xla" otherwise. On XLA:CPU chunking made the
   SD 1.5 UNet step 17.3 s -> 11.6 s; chunking the 1024-token level too and 2-D block products took the
@@ -33,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product")
+IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product", "pallas")
+PALLAS_BLOCK = 128  # the kernel's default query and key block: both sequence lengths must divide by it
 AUTO_CHUNK_ABOVE = 256
 
 
@@ -63,6 +68,11 @@ def resolve(implementation: str, query_tokens: int) -> str:
     """The implementation "auto" stands for on the target platform and sequence length; any other name unchanged."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention: unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    if implementation == "pallas" and target_platform() != "tpu":
+        raise ValueError(
+            f"attention='pallas' is the TPU kernel; this program is traced for {target_platform()!r} (choose auto, "
+            "xla, chunked, flash or dot_product there)"
+        )
     if implementation != "auto":
         return implementation
     backend = target_platform()
@@ -178,6 +188,27 @@ def _attend_flash(q_btnd, k_bsnd, v_bsnd, block):
     return jnp.transpose(out_ntd.reshape(b, n, t, dv), (0, 2, 1, 3))
 
 
+def pallas_takes(t: int, s: int, d: int, dv: int) -> bool:
+    """Whether the TPU kernel takes these shapes (query and key lengths, head widths)."""
+    return t % PALLAS_BLOCK == 0 and s % PALLAS_BLOCK == 0 and all(w <= 128 or w % 128 == 0 for w in (d, dv))
+
+
+def _attend_pallas(q_btc, k_bsc, v_bsc, heads):
+    """The Pallas TPU flash-attention kernel on `(B, T, H*D)` inputs (heads split to the kernel's `(B, H, T, D)`)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+    b, t, _ = q_btc.shape
+    s = k_bsc.shape[1]
+    dtype = jnp.promote_types(q_btc.dtype, v_bsc.dtype)  # upcast: float32 q and k make the whole kernel float32
+
+    def split(x, n):
+        return x.astype(dtype).reshape(b, n, heads, -1).transpose(0, 2, 1, 3)
+
+    q, k, v = split(q_btc, t), split(k_bsc, s), split(v_bsc, s)
+    out = tpu_flash.flash_attention(q, k, v, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+    return out.transpose(0, 2, 1, 3).reshape(b, t, -1)
+
+
 def _attend_dot_product(q_btnd, k_bsnd, v_bsnd):
     dtype = v_bsnd.dtype
     d = q_btnd.shape[-1]
@@ -217,6 +248,12 @@ def attention(
     if c % heads or v_bsc.shape[-1] % heads:
         raise ValueError(f"attention: width {c} does not split into {heads} heads")
     implementation = resolve(implementation, t)
+    if implementation == "pallas":
+        if pallas_takes(t, s, c // heads, v_bsc.shape[-1] // heads):
+            if upcast:
+                q_btc, k_bsc = q_btc.astype(jnp.float32), k_bsc.astype(jnp.float32)
+            return _attend_pallas(q_btc, k_bsc, v_bsc, heads).astype(v_bsc.dtype)
+        implementation = "xla"
     if upcast:
         q_btc, k_bsc = q_btc.astype(jnp.float32), k_bsc.astype(jnp.float32)
     if split_head_dim:
