@@ -57,7 +57,7 @@ def child(spec: dict) -> dict:
 
 
 def variant(row: dict) -> str:
-    """The VAE column: whole or sliced, and the attention when it is not the TPU's own."""
+    """The "VAE, attention" column: whole or sliced, and the attention when it is not the TPU's own."""
     attention = row.get("attention", "auto")
     return ("sliced" if row.get("vae_slicing") else "whole") + (
         "" if attention == "auto" else f", {attention} attention"
@@ -70,7 +70,7 @@ def markdown(rows: list[dict]) -> str:
         "size",
         "target (chips)",
         "batch (per chip)",
-        "VAE",
+        "VAE, attention",
         "arguments",
         "temporaries",
         "code",
