@@ -30,6 +30,10 @@ for phase in "$@"; do
     sdxltc)
       timeout 560 $SDJAX bench --arch sdxl --dtype bfloat16 --steps 30 --torch --torch-compile reduce-overhead \
         --json "$OUT/sdxl-bf16-h100-torch-compile.json" ;;
+    unetloop)  # one UNet step alone and in a loop: sdjax, diffusers eager and torch.compile'd (3.6 device minutes)
+      timeout 330 python3 benchmarks/gpu_unet_loop.py --arch sd15 --steps 50 --reps 5 --json "$OUT/unet-loop-sd15-bf16.json" ;;
+    unetprofile)  # sdjax's UNet step kernel by kernel, and its optimized HLO (under a device minute)
+      timeout 170 python3 benchmarks/gpu_unet_profile.py --arch sd15 --steps 5 --out "$OUT" ;;
     sd15fp16)
       timeout 300 $SDJAX bench --arch sd15 --dtype float16 --steps 50 --torch --json "$OUT/sd15-fp16-h100.json" ;;
     sdxl)
