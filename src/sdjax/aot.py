@@ -555,7 +555,7 @@ def _compile_unet_call(gen, spec, params, mesh):
     abstract = jax.tree_util.tree_map(sharded, (context, added, control_inputs))
     from sdjax.ops import attention as ops_attention
 
-    with ops_attention.lowering_for(mesh.devices.flat[0].platform):  # the slice's attention choice
+    with ops_attention.lowering_for(mesh.devices.flat[0].platform, mesh):  # the slice's attention choice
         return jax.jit(call).lower(placed, x, t, *abstract).compile()
 
 

@@ -87,6 +87,22 @@ def test_pallas_tpu_kernel_matches_torch(tpu_kernel_on_cpu, t, s, d):
     np.testing.assert_allclose(np.asarray(got), _torch_sdpa(q, k, v, heads), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("data,model", [(4, 1), (2, 2)])
+def test_pallas_on_a_mesh_runs_per_device(tpu_kernel_on_cpu, data, model):
+    """XLA cannot partition a Mosaic kernel: on a mesh the kernel runs per device (`shard_map`, batch over the data
+    axis, heads over the model axis) and gives the unpartitioned numbers. Here on 4 of this CPU's devices."""
+    from sdjax.parallel.sharding import batch_sharding, make_mesh
+
+    mesh = make_mesh(data, model, jax.devices()[:4])
+    rng = np.random.default_rng(data)
+    q, k, v = (rng.standard_normal((4, 128, 4 * 8), dtype=np.float32) for _ in range(3))
+    placed = [jax.device_put(x, batch_sharding(mesh)) for x in (q, k, v)]
+    with ops_attention.lowering_for("tpu", mesh):
+        got = jax.jit(lambda q, k, v: attention(q, k, v, heads=4, implementation="pallas"))(*placed)
+    assert tpu_kernel_on_cpu
+    np.testing.assert_allclose(np.asarray(got), _torch_sdpa(q, k, v, 4), rtol=2e-5, atol=2e-5)
+
+
 def test_pallas_upcast_runs_the_kernel_in_float32(tpu_kernel_on_cpu):
     """SD 2.x's `upcast_attention` with bf16 activations: the kernel gets float32 q, k and v, so its output is the
     float32 attention rounded once to bf16."""
@@ -124,3 +140,27 @@ def test_pallas_keeps_no_score_matrix_on_a_tpu():
             temps[impl] = fn.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
     assert temps["xla"] >= 2 * 8 * 4096 * 4096 * 4
     assert temps["pallas"] < 2 * 4096 * 8 * 40 * 2 * 4  # a few copies of q/k/v/out at most
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (sdjax[tpu-aot])")
+def test_pallas_on_a_tpu_slice_is_not_gathered():
+    """On a v5e-4 with the batch split over the chips, each chip runs the kernel on its own images: no all-gather,
+    and about a quarter of the whole attention's FLOPs per chip (as XLA's partitioned attention)."""
+    from jax.sharding import NamedSharding
+
+    from sdjax import aot
+    from sdjax.parallel.sharding import make_mesh
+
+    mesh = make_mesh(4, 1, aot.topology_devices("v5e-4")[1])
+    x = jax.ShapeDtypeStruct((8, 1024, 8 * 40), jnp.bfloat16, sharding=NamedSharding(mesh, jax.P("data")))
+    flops = {}
+    with ops_attention.lowering_for("tpu", mesh):
+        for impl in ("xla", "pallas"):
+            fn = jax.jit(lambda q, k, v, impl=impl: attention(q, k, v, heads=8, implementation=impl))
+            compiled = fn.lower(x, x, x).compile()
+            assert "all-gather" not in compiled.as_text(), impl
+            cost = compiled.cost_analysis()
+            flops[impl] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    whole = 2 * 2 * 8 * 8 * 1024 * 1024 * 40  # q k^T and p v, every image and head
+    assert flops["xla"] == pytest.approx(whole / 4, rel=0.1)
+    assert flops["pallas"] == pytest.approx(whole / 4, rel=0.1)

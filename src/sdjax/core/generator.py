@@ -490,7 +490,7 @@ class Generator:
             placed = self.place_params(params, mesh)
         example = inputs if inputs is not None else self.example_inputs(spec)
         abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), example)
-        with ops_attention.lowering_for(_platform(mesh)):  # "auto" attention: the choice of the mesh's devices
+        with ops_attention.lowering_for(_platform(mesh), mesh):  # "auto" attention: the choice of the mesh's devices
             return self._jitted(spec).lower(placed, abstract, self._window_spec(mesh))
 
     def compile(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
@@ -531,7 +531,7 @@ class Generator:
             shape = (spec.batch, self.models.latent_channels, spec.height // f, spec.width // f)
             latents = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=latents_sharding)
             fn = jax.jit(functools.partial(decode_program, self.models, spec))
-            with ops_attention.lowering_for(_platform(mesh)):
+            with ops_attention.lowering_for(_platform(mesh), mesh):
                 decoder = fn.lower(vae_params, latents).compile()
             with self._place_lock:
                 self._decoders[key] = decoder

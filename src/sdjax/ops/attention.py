@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 IMPLEMENTATIONS = ("auto", "xla", "deferred", "chunked", "flash", "dot_product", "pallas")
 PALLAS_BLOCK = 128  # the kernel's default query and key block: both sequence lengths must divide by it
@@ -43,20 +45,25 @@ AUTO_CHUNK_ABOVE = 256
 
 
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("sdjax_attention_platform", default=None)
+_TARGET_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("sdjax_attention_mesh", default=None)
 
 
 @contextlib.contextmanager
-def lowering_for(platform: str | None):
-    """Trace attention for `platform` ("cpu", "gpu", "tpu"; a device's `.platform`) instead of the default backend.
+def lowering_for(platform: str | None, mesh: Mesh | None = None):
+    """Trace attention for `platform` ("cpu", "gpu", "tpu"; a device's `.platform`) instead of the default backend,
+    in a program partitioned over `mesh` (a `(batch, model)` mesh as `sdjax.parallel.sharding.make_mesh` makes).
 
     "auto" is resolved when a program is traced; a program lowered for other devices than the default backend's
     (a TPU slice compiled on a CPU host: `sdjax.aot`) must get that platform's choice, the one a machine with those
-    devices makes. `Generator.lower` traces its programs inside this context."""
-    token = _TARGET_PLATFORM.set(platform)
+    devices makes. The mesh is for kernels XLA cannot partition itself ("pallas": run per device with
+    `shard_map`, the batch over the mesh's first axis, the heads over its second). `Generator.lower` traces its
+    programs inside this context."""
+    token, mesh_token = _TARGET_PLATFORM.set(platform), _TARGET_MESH.set(mesh)
     try:
         yield
     finally:
         _TARGET_PLATFORM.reset(token)
+        _TARGET_MESH.reset(mesh_token)
 
 
 def target_platform() -> str:
@@ -205,7 +212,15 @@ def _attend_pallas(q_btc, k_bsc, v_bsc, heads):
         return x.astype(dtype).reshape(b, n, heads, -1).transpose(0, 2, 1, 3)
 
     q, k, v = split(q_btc, t), split(k_bsc, s), split(v_bsc, s)
-    out = tpu_flash.flash_attention(q, k, v, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+    kernel = functools.partial(tpu_flash.flash_attention, sm_scale=1.0 / math.sqrt(q.shape[-1]))
+    mesh = _TARGET_MESH.get()
+    if mesh is not None and mesh.size > 1:  # a Mosaic kernel is not partitioned by XLA: one call per device
+        names = mesh.axis_names
+        batch_axis = names[0] if b % mesh.shape[names[0]] == 0 else None
+        head_axis = names[1] if len(names) > 1 and heads % mesh.shape[names[1]] == 0 else None
+        spec = PartitionSpec(batch_axis, head_axis, None, None)
+        kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    out = kernel(q, k, v)
     return out.transpose(0, 2, 1, 3).reshape(b, t, -1)
 
 
