@@ -2,7 +2,7 @@
 
     python benchmarks/tpu_aot_table.py [--models sd15,sd21,sdxl] [--per-chip 1,4,8] \
         [--targets v5e-1,v5e-4,v5e-8,v6e-4,v4-8] [--steps 30] [--dtype bfloat16] [--no-unet-cost] \
-        [--vae-slicing] [--out tpu_aot.jsonl] [--markdown]
+        [--vae-slicing] [--attention NAME] [--controlnets N] [--out tpu_aot.jsonl] [--markdown]
 
 Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-aot]'`) of the whole generation at
 the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
@@ -36,6 +36,7 @@ def key(row: dict) -> tuple:
         row["dtype"],
         bool(row.get("vae_slicing")),
         row.get("attention", "auto"),
+        row.get("controlnets", 0),
     )
 
 
@@ -52,15 +53,19 @@ def child(spec: dict) -> dict:
         unet_cost=spec["unet_cost"],
         vae_slicing=spec.get("vae_slicing", False),
         attention=spec.get("attention", "auto"),
+        controlnets=spec.get("controlnets", 0),
     )
     return report.to_dict()
 
 
 def variant(row: dict) -> str:
-    """The "VAE, attention" column: whole or sliced, and the attention when it is not the TPU's own."""
+    """The "VAE, attention" column: whole or sliced, the attention when it is not the TPU's own, ControlNets."""
     attention = row.get("attention", "auto")
-    return ("sliced" if row.get("vae_slicing") else "whole") + (
-        "" if attention == "auto" else f", {attention} attention"
+    nets = row.get("controlnets", 0)
+    return (
+        ("sliced" if row.get("vae_slicing") else "whole")
+        + ("" if attention == "auto" else f", {attention} attention")
+        + (f", + {nets} ControlNet" if nets else "")
     )
 
 
@@ -133,6 +138,7 @@ def main() -> None:
     ap.add_argument("--no-unet-cost", action="store_true", help="skip the UNet call's compile (no FLOPs/roofline)")
     ap.add_argument("--vae-slicing", action="store_true", help="the VAE one image per chip at a time")
     ap.add_argument("--attention", default="auto", help="the UNet's and VAE's attention (auto: the TPU's own)")
+    ap.add_argument("--controlnets", type=int, default=0, help="ControlNets in every model call")
     ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -163,6 +169,7 @@ def main() -> None:
                     "unet_cost": not args.no_unet_cost,
                     "vae_slicing": args.vae_slicing,
                     "attention": args.attention,
+                    "controlnets": args.controlnets,
                 }
                 if key(spec) in done:
                     continue

@@ -57,3 +57,13 @@ def test_a_crashed_compile_is_a_row_and_is_not_retried(table, tmp_path, monkeypa
     crash = [line for line in lines if "compiler crashed (SIGSEGV)" in line]
     assert len(crash) == 1 and crash[0].startswith("| sd15 | 512 | v5e-1 (1) | 8 (8) | whole |")
     assert all(line.count("|") == lines[0].count("|") for line in lines)  # every row has every column
+
+
+def test_the_variant_column_names_slicing_attention_and_controlnets(table):
+    assert table.variant({}) == "whole"
+    assert table.variant({"vae_slicing": True, "attention": "pallas", "controlnets": 1}) == (
+        "sliced, pallas attention, + 1 ControlNet"
+    )
+    # rows written before the attention and ControlNet options keep their keys
+    old = {"model": "sd15", "target": "v5e-1", "batch": 1, "steps": 30, "dtype": "bfloat16"}
+    assert table.key(old) == table.key({**old, "attention": "auto", "controlnets": 0, "vae_slicing": False})
