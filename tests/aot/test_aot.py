@@ -185,12 +185,12 @@ def test_an_attention_choice_reaches_the_tpu_program(monkeypatch):
 
     monkeypatch.setattr(Generator, "lower", lower_only)
     choices = {}
-    for name in ("auto", "chunked"):
+    for name in ("auto", "chunked", "pallas"):
         seen.clear()
         with pytest.raises(Stop):
             aot.compile_for("v5e-1", model="tiny", size=64, batch=1, steps=1, attention=name, unet_cost=False)
         choices[name] = {choice for tokens, choice in seen if tokens > attention.AUTO_CHUNK_ABOVE}
-    assert choices == {"auto": {"xla"}, "chunked": {"chunked"}}
+    assert choices == {"auto": {"xla"}, "chunked": {"chunked"}, "pallas": {"pallas"}}
     with pytest.raises(ValueError, match="attention='flash2'"):
         aot.compile_for("v5e-1", model="tiny", attention="flash2")
 
