@@ -35,9 +35,12 @@ DRIVER = textwrap.dedent("""
     from sdjax.server import ServerConfig
     from sdjax.server.ray_serve import run
 
+    # A proxy actor that takes over 5 s to answer its ready check (importing uvicorn and FastAPI on a 2-core machine
+    # busy with the rest of the suite) is restarted, then killed: Ray's own timeouts, raised for the test's machine.
+    SLOW_MACHINE = {{"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}}
     ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
              runtime_env={{"env_vars": {{"PYTHONPATH": {pythonpath!r}, "JAX_PLATFORMS": "cpu",
-                                        "XLA_FLAGS": {xla_flags!r}}}}})
+                                        "XLA_FLAGS": {xla_flags!r}, **SLOW_MACHINE}}}})
 
     def phase(factory, config, steps, check):
         port = free_port()
@@ -98,6 +101,7 @@ def drive(phases: list[tuple]) -> dict:
         here=str(HERE), src=str(SRC), pythonpath=pythonpath, xla_flags=xla_flags, phases=repr(phases)
     )
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath}
+    env.update(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="60", RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S="60")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
