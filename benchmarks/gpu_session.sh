@@ -34,6 +34,13 @@ for phase in "$@"; do
       timeout 330 python3 benchmarks/gpu_unet_loop.py --arch sd15 --steps 50 --reps 5 --json "$OUT/unet-loop-sd15-bf16.json" ;;
     unetprofile)  # sdjax's UNet step kernel by kernel, and its optimized HLO (under a device minute)
       timeout 170 python3 benchmarks/gpu_unet_profile.py --arch sd15 --steps 5 --out "$OUT" ;;
+    unetflags)  # sdjax's UNet step in a loop under XLA flags that may close the gap to torch.compile (each its own
+      # process; a flag this jaxlib does not know fails only its own line). About 40 s each.
+      for flags in "" "--xla_gpu_enable_cudnn_layer_norm=true" "--xla_gpu_enable_command_buffer=" \
+                   "--xla_gpu_enable_latency_hiding_scheduler=true"; do
+        XLA_FLAGS="$flags" timeout 150 python3 benchmarks/gpu_unet_loop.py --arch sd15 --steps 50 --reps 5 --skip-torch \
+          --json "$OUT/unet-flags-$(echo "${flags:-none}" | tr -c 'a-z0-9\n' '_').json" | sed "s|^|[$flags] |"
+      done ;;
     sd15fp16)
       timeout 300 $SDJAX bench --arch sd15 --dtype float16 --steps 50 --torch --json "$OUT/sd15-fp16-h100.json" ;;
     sdxl)
