@@ -82,6 +82,14 @@ class BenchConfig:
 
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention={self.attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
+        if self.attention == "pallas":
+            import jax
+
+            if jax.default_backend() != "tpu":
+                raise ValueError(
+                    f"attention='pallas' is the TPU kernel and this machine runs {jax.default_backend()!r} "
+                    "(sdjax compile --attention pallas compiles for a TPU slice from here)"
+                )
         check_run_fields(self, ("steps", "batch", "reps"))
         if self.memory_only and self.arch is None:
             raise ValueError("memory_only needs arch (it compiles against abstract weights of a known config)")

@@ -104,6 +104,7 @@ def test_same_workload_in_pytorch_gives_ratios():
         (dict(model="x", arch="tiny"), "model or arch"),
         (dict(memory_only=True), "memory_only"),
         (dict(attention="flash3"), "attention"),
+        (dict(arch="tiny", attention="pallas"), "attention='pallas' is the TPU kernel"),
         (dict(arch="tiny", memory_only=True, torch=True), "torch"),
         (dict(arch="tiny", torch=True, torch_compile="fastest"), "torch_compile='fastest'"),
         (dict(arch="tiny", torch_compile="reduce-overhead"), "set torch too"),
