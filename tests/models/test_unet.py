@@ -210,6 +210,8 @@ def test_attention_function_against_numpy(upcast, context_len):
     p = np.exp(scores - scores.max(-1, keepdims=True))
     want = np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), vh).reshape(2, t, heads * d)
     for implementation in ops_attention.IMPLEMENTATIONS:
+        if implementation == "pallas":  # the TPU kernel: tests/ops/test_attention.py runs it in Pallas' interpreter
+            continue
         for split in (False, True):
             got = ops_attention.attention(
                 jnp.asarray(q),
