@@ -384,7 +384,8 @@ def main(argv=None) -> int:
     if args.torch_profile:
         result["torch_profile"] = _torch_profile(torch, builders)
     if args.full:
-        result["full_step"] = _full_step(jax, jnp, torch, ops_conv, args.reps)
+        modes = sorted({st["mode"] for st in variant_specs.values() if "mode" in st})
+        result["full_step"] = _full_step(jax, jnp, torch, ops_conv, args.reps, modes)
 
     if rows:
         print()
@@ -423,10 +424,12 @@ def _torch_profile(torch, builders) -> list[dict]:
     return out
 
 
-def _full_step(jax, jnp, torch, ops_conv, reps) -> dict:
-    """The whole SD 1.5 UNet step, both frameworks, same weights (sum-of-pieces check)."""
+def _full_step(jax, jnp, torch, ops_conv, reps, modes=()) -> dict:
+    """The whole SD 1.5 UNet step, both frameworks, same weights (sum-of-pieces check); `modes`: the sdjax step
+    also compiled with each of these XLA:CPU library modes (`sdjax.runtime`), timed in the same rounds."""
     import diffusers
 
+    from sdjax import runtime
     from sdjax.models.presets import ARCHITECTURES
     from sdjax.models.unet import UNet2DConditionConfig, UNet2DConditionModel, convert_unet
 
@@ -438,19 +441,23 @@ def _full_step(jax, jnp, torch, ops_conv, reps) -> dict:
     x, t, ctx = torch.randn(B, 4, LAT, LAT), torch.full((B,), 500.0), torch.randn(B, CTX, CTX_DIM)
     model = UNet2DConditionModel(cfg)
     xj, tj, cj = (jnp.asarray(a.numpy()) for a in (x, t, ctx))
-    compiled = jax.jit(lambda p, x, t, c: model.apply({"params": p}, x, t, c)).lower(params, xj, tj, cj).compile()
+    lowered = jax.jit(lambda p, x, t, c: model.apply({"params": p}, x, t, c)).lower(params, xj, tj, cj)
+    compiled = {"sdjax": lowered.compile()}
+    for mode in modes:
+        compiled[f"sdjax mode={mode}"] = lowered.compile(compiler_options=runtime.cpu_compiler_options(mode))
 
     def torch_run():
         with torch.inference_mode():
             return tm(x, t, encoder_hidden_states=ctx).sample
 
-    times = _interleaved(
-        {"sdjax": lambda: jax.block_until_ready(compiled(params, xj, tj, cj)), "torch": torch_run}, reps
-    )
+    calls = {k: (lambda c=c: jax.block_until_ready(c(params, xj, tj, cj))) for k, c in compiled.items()}
+    times = _interleaved({**calls, "torch": torch_run}, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
-        f"full UNet step: sdjax {med['sdjax']:.2f} s  torch {med['torch']:.2f} s  "
-        f"ratio {med['sdjax'] / med['torch']:.2f}"
+        "full UNet step: "
+        + "  ".join(f"{k} {v:.2f} s" for k, v in med.items())
+        + "  ratios "
+        + "  ".join(f"{k} {med[k] / med['torch']:.2f}" for k in compiled)
     )
     return {"median_s": med, "best_s": {k: min(v) for k, v in times.items()}}
 

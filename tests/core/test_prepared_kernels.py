@@ -27,17 +27,20 @@ def sd(sd1_dir):
 
 
 def _eligible(tree) -> int:
+    """Kernels that get a kept leaf: every Winograd-eligible 3x3 kernel, and every upsampler's (a sub-pixel one)."""
     count = 0
 
-    def walk(node):
+    def walk(node, upsampler):
         nonlocal count
         if isinstance(node, dict):
             kernel = node.get("kernel")
-            count += kernel is not None and not isinstance(kernel, dict) and ops_conv.winograd_eligible(kernel)
-            for v in node.values():
-                walk(v)
+            if kernel is not None and not isinstance(kernel, dict):
+                rule = ops_conv.subpixel_eligible if upsampler else ops_conv.winograd_eligible
+                count += rule(kernel)
+            for k, v in node.items():
+                walk(v, upsampler or k.startswith("upsamplers"))
 
-    walk(tree)
+    walk(tree, False)
     return count
 
 
@@ -45,8 +48,8 @@ def _counting(monkeypatch):
     calls = []
     transform = ops_conv._transform
 
-    def counted(sharding):
-        fn = transform(sharding)
+    def counted(kind, sharding):
+        fn = transform(kind, sharding)
         return lambda kernel: (calls.append(kernel.shape), fn(kernel))[1]
 
     monkeypatch.setattr(ops_conv, "_transform", counted)

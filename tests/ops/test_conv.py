@@ -125,3 +125,63 @@ def test_unet_and_vae_with_winograd_everywhere_match_direct(sd1_dir, monkeypatch
     for got, want in zip(winograd, direct, strict=True):
         err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
         assert 0 < err <= 1e-5  # > 0: the other path really ran
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 4, 8), (1, 3, 5, 3), (1, 1, 1, 4)])
+def test_subpixel_upsampled_conv_equals_torch_interpolate_then_conv2d(shape):
+    """The 2x2 sub-pixel conv of the input gives PyTorch's nearest 2x `interpolate` followed by the 3x3 conv."""
+    torch = pytest.importorskip("torch")
+    x, k = _rand(shape, 0), _rand((3, 3, shape[-1], 6), 1, 1 / np.sqrt(9 * shape[-1]))
+    got = np.asarray(jax.jit(ops_conv.conv3x3_upsampled)(x, ops_conv.subpixel_kernel(jnp.asarray(k))))
+    up = torch.nn.functional.interpolate(torch.from_numpy(x).permute(0, 3, 1, 2), scale_factor=2.0, mode="nearest")
+    ref = torch.nn.functional.conv2d(up, torch.from_numpy(k).permute(3, 2, 0, 1), padding=1)
+    ref = ref.permute(0, 2, 3, 1).numpy()
+    assert got.shape == ref.shape == (shape[0], 2 * shape[1], 2 * shape[2], 6)
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+def test_subpixel_kernel_taps_are_sums_of_kernel_rows_and_columns():
+    """Row phase 0 reads (k0, k1 + k2), phase 1 (k0 + k1, k2); the same over columns; channels are 4 o + 2 a + b."""
+    k = _rand((3, 3, 2, 3), 5).astype(np.float64)
+    taps = [np.array([[1, 0, 0], [0, 1, 1]]), np.array([[1, 1, 0], [0, 0, 1]])]  # (tap, kernel row), per phase
+    u = np.asarray(ops_conv.subpixel_kernel(jnp.asarray(k, jnp.float32)))
+    assert u.shape == (2, 2, 2, 12)
+    for a in range(2):
+        for b in range(2):
+            want = np.einsum("ri,ijcd,sj->rscd", taps[a], k, taps[b])
+            np.testing.assert_allclose(u[..., 2 * a + b :: 4], want, rtol=1e-6, atol=1e-6)
+
+
+def test_upsampler_module_takes_the_subpixel_path_on_cpu_and_prepare_adds_its_leaf():
+    """`Conv(upsample2x=True)` is nn.Conv of the 2x upsampled input; on CPU it lowers to the 2x2 sub-pixel conv (with
+    or without the leaf); `prepare` puts a `subpixel` leaf (not a Winograd one) under `upsamplers_*` keys."""
+    c = ops_conv.WINOGRAD_MIN_CHANNELS
+    params = {"kernel": _rand((3, 3, c, 4), 0, 0.02), "bias": _rand((4,), 1)}
+    tree = {"up_blocks_0": {"upsamplers_0": {"conv": params}}, "conv": params}
+    prepared = ops_conv.prepare(tree)
+    assert set(prepared["up_blocks_0"]["upsamplers_0"]["conv"]) == {"kernel", "bias", "subpixel"}
+    assert set(prepared["conv"]) == {"kernel", "bias", "winograd"}
+
+    module = ops_conv.Conv(4, (3, 3), padding=((1, 1), (1, 1)), upsample2x=True)
+    x = _rand((1, 3, 4, c), 2)
+    up = np.repeat(np.repeat(x, 2, axis=1), 2, axis=2)
+    want = nn.Conv(4, (3, 3), padding=((1, 1), (1, 1))).apply({"params": params}, up)
+    leaf = prepared["up_blocks_0"]["upsamplers_0"]["conv"]
+    for p in (params, leaf):
+        lowered = jax.jit(module.apply).lower({"params": p}, x).as_text()
+        assert f"tensor<2x2x{c}x16xf32>" in lowered  # the sub-pixel kernel, not the 3x3 one, is convolved
+        np.testing.assert_allclose(jax.jit(module.apply)({"params": p}, x), want, rtol=1e-5, atol=1e-5)
+    # the leaf is the one used: a wrong leaf changes the output
+    wrong = {**leaf, "subpixel": leaf["subpixel"] * 0}
+    np.testing.assert_allclose(module.apply({"params": wrong}, x), np.broadcast_to(params["bias"], want.shape))
+
+
+def test_winograd_is_not_taken_above_its_pixel_limit(monkeypatch):
+    """A prepared 3x3 conv runs Winograd's path up to `WINOGRAD_MAX_PIXELS` pixels per image and XLA's above."""
+    c = ops_conv.WINOGRAD_MIN_CHANNELS
+    module = ops_conv.Conv(4, (3, 3), padding=((1, 1), (1, 1)))
+    params = ops_conv.prepare({"kernel": jnp.zeros((3, 3, c, 4)), "bias": jnp.zeros((4,))})
+    monkeypatch.setattr(ops_conv, "WINOGRAD_MAX_PIXELS", 16)
+    small = jax.jit(module.apply).lower({"params": params}, jnp.zeros((1, 4, 4, c))).as_text()
+    large = jax.jit(module.apply).lower({"params": params}, jnp.zeros((1, 4, 5, c))).as_text()
+    assert "convolution" not in small and "convolution" in large

@@ -119,10 +119,12 @@ def conv(
     dtype: Dtype,
     name: str | None = None,
     use_bias: bool = True,
+    upsample2x: bool = False,
 ) -> ops_conv.Conv:
     """`torch.nn.Conv2d(kernel, stride, padding)` on NHWC; padding defaults to `(kernel - 1) // 2`.
 
     `sdjax.ops.conv.Conv` is `nn.Conv` with the same params, plus Winograd's algorithm on CPU where prepared.
+    `upsample2x`: the conv of the input upsampled 2x (nearest), without the upsampled tensor on CPU.
     """
     p = (kernel - 1) // 2 if padding is None else padding
     return ops_conv.Conv(
@@ -133,6 +135,7 @@ def conv(
         use_bias=use_bias,
         dtype=dtype,
         name=name,
+        upsample2x=upsample2x,
     )
 
 
@@ -350,8 +353,7 @@ def upsample_nearest(x_nhwc: jax.Array, size: tuple[int, int] | None = None) -> 
     b, h, w, c = x_nhwc.shape
     oh, ow = (2 * h, 2 * w) if size is None else size
     if (oh, ow) == (2 * h, 2 * w):
-        x = jnp.broadcast_to(x_nhwc[:, :, None, :, None, :], (b, h, 2, w, 2, c))
-        return x.reshape(b, oh, ow, c)
+        return ops_conv.upsample2x_nearest(x_nhwc)
 
     def index(n_in, n_out):
         scale = np.float32(n_in) / np.float32(n_out)
@@ -361,13 +363,18 @@ def upsample_nearest(x_nhwc: jax.Array, size: tuple[int, int] | None = None) -> 
 
 
 class Upsample2D(nn.Module):
-    """diffusers `Upsample2D(use_conv=True)`: nearest-neighbour upsampling (to `size`, default 2x), 3x3 `conv`."""
+    """diffusers `Upsample2D(use_conv=True)`: nearest-neighbour upsampling (to `size`, default 2x), 3x3 `conv`.
+
+    The 2x case is one `Conv(upsample2x=True)` (on CPU, a 2x2 sub-pixel conv of the input: `sdjax.ops.conv`)."""
 
     out_channels: int
     dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x_nhwc: jax.Array, size: tuple[int, int] | None = None) -> jax.Array:
+        _, h, w, _ = x_nhwc.shape
+        if size is None or tuple(size) == (2 * h, 2 * w):
+            return conv(self.out_channels, 3, dtype=self.dtype, name="conv", upsample2x=True)(x_nhwc)
         return conv(self.out_channels, 3, dtype=self.dtype, name="conv")(upsample_nearest(x_nhwc, size))
 
 

@@ -21,9 +21,22 @@ Once per program is still once per generation; `PreparedKernels` computes the le
 them between generations (the generator does this on CPU), and `prepare` leaves existing leaves as they are.
 
 Where Winograd is used (`prepare`'s rule, `WINOGRAD_MIN_CHANNELS`): 3x3 kernels with at least that many input
-channels, float32 only. On GPU and TPU the leaves are ignored and XLA's convolution runs (the choice is made per
-lowering platform with `lax.platform_dependent`, so a program lowered for TPU from a CPU host is the TPU one).
-Measured on a 2-core AVX2 CPU, in `docs/benchmarks.md`.
+channels, float32 only, and (the module's rule) inputs of at most `WINOGRAD_MAX_PIXELS` pixels per image: its input
+and output transforms are passes over the activations, which at the VAE decoder's 256x256 level cost more than the
+multiplications they save (a 512 -> 256 channel conv there: 2.0 s against 1.1 s direct).
+
+Upsamplers (nearest 2x, then a 3x3 conv: diffusers' `Upsample2D`) on CPU skip the upsampled tensor. Output pixel
+`(2i + a, 2j + b)` of the conv reads only input rows `i - 1 + a .. i + a` and columns `j - 1 + b .. j + b`, each row
+(column) tap a sum of the 3x3 kernel's rows (columns): for phase 0 `(k0, k1 + k2)`, for phase 1 `(k0 + k1, k2)`.
+So the four output phases are one 2x2 convolution of the input (padded by one) to `4 x Cout` channels, and its
+outputs are interleaved: 16 multiplications per input pixel and output channel instead of 36 (2.25x fewer), on a
+quarter of the pixels. `subpixel_kernel` makes the `(2, 2, Cin, 4 Cout)` kernel; `prepare` adds it as a `subpixel`
+leaf to the convs under an `upsamplers_*` key (the UNet's and the VAE decoder's), so the generator keeps it like
+the Winograd leaves. Conv modules built with `upsample2x=True` use it (or compute it, without the leaf).
+
+On GPU and TPU the leaves are ignored and XLA's convolution runs (the choice is made per lowering platform with
+`lax.platform_dependent`, so a program lowered for TPU from a CPU host is the TPU one). Measured on a 2-core CPU,
+in `docs/benchmarks.md`.
 """
 
 from __future__ import annotations
@@ -45,9 +58,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 _BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float32)
 _AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float32)
 
-# prepare()'s rule: 3x3 kernels with at least this many input channels get Winograd on CPU.
+# prepare()'s rule: 3x3 kernels with at least this many input channels get Winograd on CPU...
 WINOGRAD_MIN_CHANNELS = 512
+# ...and the module's: when the input has at most this many pixels per image (larger ones run XLA's convolution).
+WINOGRAD_MAX_PIXELS = 128 * 128
 WINOGRAD_LEAF = "winograd"
+# The upsamplers' sub-pixel kernels: a leaf next to every float32 3x3 kernel under a key with this prefix.
+SUBPIXEL_LEAF = "subpixel"
+UPSAMPLER_PREFIX = "upsamplers"
 
 
 # --------------------------------------------------------------------------------------------- the transforms
@@ -103,6 +121,43 @@ def conv3x3_winograd(x_nhwc: jax.Array, u_pcd: jax.Array) -> jax.Array:
     return y[:, :h, :w]
 
 
+def upsample2x_nearest(x_nhwc: jax.Array) -> jax.Array:
+    """Nearest-neighbour 2x upsampling of NHWC (`F.interpolate(scale_factor=2, mode="nearest")`)."""
+    b, h, w, c = x_nhwc.shape
+    x = jnp.broadcast_to(x_nhwc[:, :, None, :, None, :], (b, h, 2, w, 2, c))
+    return x.reshape(b, 2 * h, 2 * w, c)
+
+
+def subpixel_kernel(kernel_hwio: jax.Array) -> jax.Array:
+    """The `(2, 2, Cin, 4 Cout)` kernel of a 3x3 conv applied after a 2x nearest upsampling (module docstring).
+
+    Output channel `4 o + 2 a + b` is output channel `o` at row phase `a`, column phase `b` (channel-major, so a
+    kernel split over its output channels splits its leaf the same way)."""
+    if kernel_hwio.shape[:2] != (3, 3):
+        raise ValueError(f"subpixel_kernel: expected a (3, 3, Cin, Cout) kernel, got shape {kernel_hwio.shape}")
+    k = kernel_hwio.astype(jnp.float32)
+
+    def taps(k, axis):  # [phase 0 taps, phase 1 taps], each stacked on `axis` (2 taps)
+        k0, k1, k2 = (jnp.take(k, i, axis=axis) for i in range(3))
+        return [jnp.stack([k0, k1 + k2], axis), jnp.stack([k0 + k1, k2], axis)]
+
+    phases = [kb for ka in taps(k, 0) for kb in taps(ka, 1)]  # (a, b) row-major: 4 x (2, 2, Cin, Cout)
+    u = jnp.stack(phases, axis=-1)  # (2, 2, Cin, Cout, 4)
+    return u.reshape(*u.shape[:3], -1).astype(kernel_hwio.dtype)
+
+
+def conv3x3_upsampled(x_nhwc: jax.Array, u_hwio: jax.Array) -> jax.Array:
+    """The 3x3, padding-1 conv of `upsample2x_nearest(x_nhwc)`, from the conv's `subpixel_kernel` `u_hwio`."""
+    n, h, w, c = x_nhwc.shape
+    if u_hwio.shape[:3] != (2, 2, c) or u_hwio.shape[3] % 4:
+        raise ValueError(f"conv3x3_upsampled: sub-pixel kernel {u_hwio.shape} does not fit input {x_nhwc.shape}")
+    y = conv2d(x_nhwc, u_hwio.astype(x_nhwc.dtype))  # (n, h + 1, w + 1, 4 Cout): window (r, s) = rows r-1..r
+    y = y.reshape(n, h + 1, w + 1, -1, 2, 2)
+    # phase (a, b) of output pixel (i, j) is window (i + a, j + b)
+    rows = [jnp.stack([y[:, a : a + h, b : b + w, :, a, b] for b in range(2)], axis=3) for a in range(2)]
+    return jnp.stack(rows, axis=2).reshape(n, 2 * h, 2 * w, -1)  # (n, h, a, w, b, D) -> pixels
+
+
 def conv2d(x_nhwc, kernel_hwio, *, stride: int = 1, padding=((1, 1), (1, 1))) -> jax.Array:
     """XLA's convolution, `torch.nn.functional.conv2d` on NHWC activations and HWIO kernels."""
     return lax.conv_general_dilated(
@@ -122,33 +177,50 @@ def winograd_eligible(kernel: Any) -> bool:
     )
 
 
+def subpixel_eligible(kernel: Any) -> bool:
+    """prepare()'s rule for an upsampler's kernel: 3x3, float32."""
+    shape = tuple(getattr(kernel, "shape", ()))
+    return len(shape) == 4 and shape[:2] == (3, 3) and jnp.dtype(kernel.dtype) == jnp.float32
+
+
+TRANSFORMS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    WINOGRAD_LEAF: winograd_kernel,
+    SUBPIXEL_LEAF: subpixel_kernel,
+}
+
+
 def prepare(params: Any) -> Any:
-    """`params` with a `winograd` leaf (`winograd_kernel(kernel)`) next to every eligible 3x3 kernel that has none.
+    """`params` with the CPU paths' kernel leaves where they are missing: a `winograd` leaf (`winograd_kernel`) next
+    to every eligible 3x3 kernel, a `subpixel` leaf (`subpixel_kernel`) next to every upsampler's.
 
-    Call it inside the jitted program, once, outside any loop over model calls. A conv module that runs with
-    stride 2 ignores its leaf (and XLA drops the unused computation); so does every conv on GPU and TPU. Leaves
-    already there (computed ahead by `PreparedKernels`) are kept, not computed again.
+    Call it inside the jitted program, once, outside any loop over model calls. A conv module that does not take
+    its leaf (stride 2, a large input, any conv on GPU and TPU) ignores it, and XLA drops the unused computation.
+    Leaves already there (computed ahead by `PreparedKernels`) are kept, not computed again.
     """
-    return _add_leaves(params, winograd_kernel)
+    return _add_leaves(params, lambda kind, kernel: TRANSFORMS[kind](kernel))
 
 
-def _add_leaves(params: Any, make: Callable[[Any], Any]) -> Any:
+def _leaf_kind(kernel: Any, upsampler: bool) -> str | None:
+    if upsampler:
+        return SUBPIXEL_LEAF if subpixel_eligible(kernel) else None
+    return WINOGRAD_LEAF if winograd_eligible(kernel) else None
+
+
+def _add_leaves(params: Any, make: Callable[[str, Any], Any], upsampler: bool = False) -> Any:
     if not isinstance(params, Mapping):
         return params
-    out = {k: _add_leaves(v, make) for k, v in params.items()}
+    out = {k: _add_leaves(v, make, upsampler or str(k).startswith(UPSAMPLER_PREFIX)) for k, v in params.items()}
     kernel = params.get("kernel")
-    if (
-        kernel is not None
-        and not isinstance(kernel, Mapping)
-        and WINOGRAD_LEAF not in params
-        and winograd_eligible(kernel)
-    ):
-        out[WINOGRAD_LEAF] = make(kernel)
+    if kernel is not None and not isinstance(kernel, Mapping):
+        kind = _leaf_kind(kernel, upsampler)
+        if kind is not None and kind not in params:
+            out[kind] = make(kind, kernel)
     return out
 
 
 class PreparedKernels:
-    """The `winograd` leaves computed outside the generation's program and kept between programs (CPU only).
+    """The `winograd` and `subpixel` leaves computed outside the generation's program and kept between programs
+    (CPU only).
 
     `prepare` inside a program computes every transformed kernel on every run: for SD 1.5 in float32 that is 945 M
     weights, 3.8 GB written, about 2 s of a CPU generation (docs/benchmarks.md). `add(params)` returns placed params
@@ -164,7 +236,7 @@ class PreparedKernels:
     """
 
     def __init__(self):
-        self._entries: dict[int, tuple[Any, Any]] = {}
+        self._entries: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -176,18 +248,19 @@ class PreparedKernels:
 
     def add(self, params: Any) -> Any:
         with self._lock:
-            new: dict[int, tuple[Any, Any]] = {}
+            new: dict[tuple[int, str], tuple[Any, Any]] = {}
 
-            def make(kernel):
-                sharding = _leaf_sharding(getattr(kernel, "sharding", None))
+            def make(kind, kernel):
+                sharding = _leaf_sharding(kind, getattr(kernel, "sharding", None))
                 if isinstance(kernel, jax.ShapeDtypeStruct):
-                    return jax.ShapeDtypeStruct((16, *kernel.shape[2:]), kernel.dtype, sharding=sharding)
-                hit = self._entries.get(id(kernel))
+                    shape = jax.eval_shape(TRANSFORMS[kind], kernel).shape
+                    return jax.ShapeDtypeStruct(shape, kernel.dtype, sharding=sharding)
+                hit = self._entries.get((id(kernel), kind))
                 if hit is not None and hit[0] is kernel:
                     u = hit[1]
                 else:
-                    u = _transform(sharding)(kernel)
-                new[id(kernel)] = (kernel, u)
+                    u = _transform(kind, sharding)(kernel)
+                new[(id(kernel), kind)] = (kernel, u)
                 return u
 
             out = _add_leaves(params, make)
@@ -200,22 +273,29 @@ class PreparedKernels:
             self._entries = {}
 
 
-def _leaf_sharding(kernel_sharding):
-    """The layout of a kernel's `(16, Cin, Cout)` leaf: the kernel's `(h, w, Cin, Cout)` split, less h and w."""
+def _leaf_sharding(kind, kernel_sharding):
+    """The layout of a kernel's leaf: the kernel's `(h, w, Cin, Cout)` split over Cin and Cout (a Winograd leaf
+    `(16, Cin, Cout)` drops h and w; a sub-pixel leaf `(2, 2, Cin, 4 Cout)` keeps its output channels
+    channel-major, so a split over Cout is a split over 4 Cout)."""
     if isinstance(kernel_sharding, NamedSharding):
         spec = (*kernel_sharding.spec, None, None, None, None)[:4]
-        return NamedSharding(kernel_sharding.mesh, PartitionSpec(None, spec[2], spec[3]))
+        leaf = (None, spec[2], spec[3]) if kind == WINOGRAD_LEAF else (None, None, spec[2], spec[3])
+        return NamedSharding(kernel_sharding.mesh, PartitionSpec(*leaf))
     return kernel_sharding
 
 
 @functools.lru_cache(maxsize=64)
-def _transform(sharding):
-    return jax.jit(winograd_kernel, out_shardings=sharding) if sharding is not None else jax.jit(winograd_kernel)
+def _transform(kind, sharding):
+    fn = TRANSFORMS[kind]
+    return jax.jit(fn, out_shardings=sharding) if sharding is not None else jax.jit(fn)
 
 
 # --------------------------------------------------------------------------------------------- the module
 class Conv(nn.Module):
-    """`flax.linen.Conv` for NHWC inputs (the subset sdjax uses), which takes Winograd's path when prepared."""
+    """`flax.linen.Conv` for NHWC inputs (the subset sdjax uses), which takes Winograd's path when prepared.
+
+    `upsample2x=True`: the conv of the input upsampled 2x (nearest), computed on CPU from the sub-pixel kernel
+    (the `subpixel` leaf, or made in the call without it) for a float32 3x3 stride-1 padding-1 conv."""
 
     features: int
     kernel_size: tuple[int, int]
@@ -224,6 +304,7 @@ class Conv(nn.Module):
     use_bias: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    upsample2x: bool = False
 
     @nn.compact
     def __call__(self, x_nhwc: jax.Array) -> jax.Array:
@@ -235,15 +316,25 @@ class Conv(nn.Module):
         padding = tuple(tuple(p) for p in self.padding)
 
         def direct(x, kernel, *_):
+            if self.upsample2x:
+                x = upsample2x_nearest(x)
             return conv2d(x, kernel, stride=self.strides[0], padding=padding)
 
+        same_3x3 = self.kernel_size == (3, 3) and tuple(self.strides) == (1, 1) and padding == ((1, 1), (1, 1))
         winograd_ok = (
-            self.kernel_size == (3, 3)
-            and tuple(self.strides) == (1, 1)
-            and padding == ((1, 1), (1, 1))
+            same_3x3
+            and not self.upsample2x
+            and x.shape[1] * x.shape[2] <= WINOGRAD_MAX_PIXELS
             and self.has_variable("params", WINOGRAD_LEAF)
         )
-        if winograd_ok:
+        if self.upsample2x and same_3x3 and x.dtype == jnp.float32:
+            u = self.get_variable("params", SUBPIXEL_LEAF) if self.has_variable("params", SUBPIXEL_LEAF) else None
+
+            def subpixel(x, kernel, *leaf):
+                return conv3x3_upsampled(x, leaf[0] if leaf else subpixel_kernel(kernel))
+
+            y = lax.platform_dependent(x, kernel, *(() if u is None else (u,)), cpu=subpixel, default=direct)
+        elif winograd_ok:
             u = self.get_variable("params", WINOGRAD_LEAF)
 
             def winograd(x, kernel, u):
