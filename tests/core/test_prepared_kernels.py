@@ -133,3 +133,8 @@ def test_kept_kernels_are_laid_out_like_their_kernels_on_the_mesh():
     assert out["b"]["winograd"].sharding.is_fully_replicated
     for name, kernel in (("a", split), ("b", whole)):
         np.testing.assert_array_equal(out[name]["winograd"], ops_conv.winograd_kernel(kernel))
+    # an upsampler's sub-pixel leaf (2, 2, Cin, 4 Cout) is split over its output channels like the kernel
+    up = kernels.add({"upsamplers_0": {"conv": {"kernel": split}}})["upsamplers_0"]["conv"]
+    assert set(up) == {"kernel", "subpixel"}
+    assert tuple(up["subpixel"].sharding.spec) == (None, None, None, "model")
+    np.testing.assert_array_equal(up["subpixel"], ops_conv.subpixel_kernel(split))
