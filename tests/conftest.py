@@ -54,6 +54,10 @@ if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
     _without_flax_param_shape_check()
 
 
+# Tried for the suite's time on a 2-core Zen 4 machine (2026-11-26), neither kept: one JAX persistent compilation
+# cache shared by the workers for the run (compile-bound files that repeat programs gained 10-15 s each, others lost
+# as much; 2359 -> 2368 worker-seconds in all), and three xdist workers (1208 -> 1486 s of wall time, with two
+# short profiling runs beside it).
 # The longest files (worker-seconds in a full run) are handed out first: with `--dist loadfile
 # --no-loadscope-reorder` (scripts/test.sh) xdist gives files to the workers in collection order, so a long file
 # collected last would keep one worker busy after the other has finished.
