@@ -16,10 +16,30 @@ import sys
 _OPTIMISED = os.environ.get("SDJAX_TEST_XLA_OPT") == "1"
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "0" if _OPTIMISED else "1")  # inherited by subprocesses
 # The same as XLA flags, for subprocesses that set their own XLA_FLAGS (tests/parallel/multihost_worker.py).
-os.environ["SDJAX_TEST_COMPILE_FLAGS"] = (
-    "" if _OPTIMISED else "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# XLA:CPU's older loop emitters compile the suite's fusions faster than its MLIR fusion emitters (tests/core/
+# test_generator.py, test_img2img_inpaint_parity.py and models/test_unet.py: 248 -> 174 s of CPU time, 212 -> 159 s
+# wall, one process). A release of XLA that drops the flag would abort on it, so the first process of a run asks a
+# throw-away interpreter whether XLA still knows it (0.7 s); the workers and subprocesses inherit the answer.
+_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+    import subprocess
+
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+if "SDJAX_TEST_CODEGEN_FLAG" not in os.environ:
+    os.environ["SDJAX_TEST_CODEGEN_FLAG"] = "" if _OPTIMISED or not _xla_accepts(_CODEGEN_FLAG) else _CODEGEN_FLAG
+os.environ["SDJAX_TEST_COMPILE_FLAGS"] = " ".join(
+    ([] if _OPTIMISED else ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"])
+    + [os.environ["SDJAX_TEST_CODEGEN_FLAG"]]
+).strip()
+os.environ.setdefault(
+    "XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {os.environ['SDJAX_TEST_CODEGEN_FLAG']}".strip()
 )
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # PyTorch references on one thread: the tiny reference models run hundreds of small ops, and with two test workers
 # on two cores each intra-op thread hand-off costs more than the op (tests/controlnet_cases.py measured 8-25 s of
@@ -57,22 +77,24 @@ if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
 # Tried for the suite's time on a 2-core Zen 4 machine (2026-11-26), neither kept: one JAX persistent compilation
 # cache shared by the workers for the run (compile-bound files that repeat programs gained 10-15 s each, others lost
 # as much; 2359 -> 2368 worker-seconds in all), and three xdist workers (1208 -> 1486 s of wall time, with two
-# short profiling runs beside it).
+# short profiling runs beside it). Kept: the older CPU loop emitters (above): 2359 -> 1920 worker-seconds, 1209 ->
+# 988 s of wall time.
 # The longest files (worker-seconds in a full run) are handed out first: with `--dist loadfile
 # --no-loadscope-reorder` (scripts/test.sh) xdist gives files to the workers in collection order, so a long file
 # collected last would keep one worker busy after the other has finished.
 LONGEST_FIRST = (
-    "tests/server/test_ray_serve.py",
-    "tests/training/test_train.py",
-    "tests/server/test_soak.py",
     "tests/core/test_controlnet_parity.py",
+    "tests/training/test_train.py",
+    "tests/loading/test_single_file.py",
     "tests/core/test_generator.py",
     "tests/core/test_img2img_inpaint_parity.py",
+    "tests/server/test_ray_serve.py",
     "tests/core/test_sdxl_tasks_parity.py",
-    "tests/loading/test_single_file.py",
-    "tests/server/test_real_model.py",
-    "tests/cli/test_bench_samplers.py",
-    "tests/parallel/test_multihost.py",
+    "tests/cli/test_bench.py",
+    "tests/server/test_soak.py",
+    "tests/aot/test_aot.py",
+    "tests/models/test_unet.py",
+    "tests/pipelines/test_guide_img2img_inpaint.py",
 )
 
 

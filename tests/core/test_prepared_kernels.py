@@ -72,7 +72,8 @@ def test_kept_kernels_give_the_images_of_kernels_computed_in_the_program(sd, mon
     finally:
         gen.keep_winograd_kernels = True
     np.testing.assert_array_equal(again, kept)
-    np.testing.assert_allclose(kept, computed, atol=1e-6)
+    # Two programs (kernels as arguments / computed inside) may fuse and round differently: a few 1e-6 apart.
+    np.testing.assert_allclose(kept, computed, atol=1e-5)
 
 
 def test_the_program_reads_the_kept_kernels(sd):
@@ -110,7 +111,7 @@ def test_an_edited_kernel_gets_a_new_transform_and_old_ones_are_freed(sd, monkey
         want = pipe.generate("a dog", params=edited, **KW)
     finally:
         gen.keep_winograd_kernels = True
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(got, want, atol=1e-5)
     assert np.abs(got - pipe.generate("a dog", **KW)).max() > 1e-2
 
 

@@ -63,4 +63,4 @@ def test_hires_fix_is_the_two_passes(sd):
         task=TaskRequest(Img2Img(latents_input=True), {"image_latents": up}, start_step=start),
         output="float",
     )
-    np.testing.assert_allclose(out, second, atol=1e-6)
+    np.testing.assert_allclose(out, second, atol=1e-5)  # separate programs: float rounding may differ
