@@ -185,11 +185,17 @@ def _cases():
                 "torch-materialized": torch_variant(torch_materialized),
             }
             for impl in attn_ops.IMPLEMENTATIONS:
-                if impl == "auto":
+                if impl in ("auto", "pallas"):  # pallas is the TPU kernel
                     continue
                 fn = lambda q, k, v, impl=impl: attn_ops.attention(q, k, v, heads=heads, implementation=impl)
                 v[f"{impl}/ynn"] = jit_variant(fn, (qj, kj, vj))
                 v[f"{impl}/eigen"] = jit_variant(fn, (qj, kj, vj), NO_YNN)
+            for chunk in (128, 256, 512, 2048):  # query-block sizes of "chunked" (its default: 1024)
+                if chunk < t:
+                    fn = lambda q, k, v, c=chunk: attn_ops.attention(
+                        q, k, v, heads=heads, implementation="chunked", chunk_size=c
+                    )
+                    v[f"chunked-{chunk}/eigen"] = jit_variant(fn, (qj, kj, vj), NO_YNN)
             return v, 4 * b * heads * t * s * d
 
         return build
