@@ -36,31 +36,12 @@ def parts(n, h, c, d):
     u = ops_conv.winograd_kernel(k)
     v = jnp.asarray(rng.standard_normal((16, n * th * th, c)).astype(np.float32))
     m = jnp.asarray(rng.standard_normal((4, 4, n, th, th, d)).astype(np.float32))
-    bt, at, combine = ops_conv._BT, ops_conv._AT, ops_conv._combine
-
-    def input_transform(x):  # the first half of conv3x3_winograd, up to the products
-        xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
-        t = [[xp[:, i : i + 2 * th - 1 : 2, j : j + 2 * th - 1 : 2] for j in range(4)] for i in range(4)]
-        out = []
-        for a in range(4):
-            for b in range(4):
-                coefficients = [bt[a, i] * bt[b, j] for i in range(4) for j in range(4)]
-                out.append(combine(coefficients, [t[i][j] for i in range(4) for j in range(4)]))
-        return jnp.stack(out).reshape(16, n * th * th, c)
-
-    def output_transform(m):  # the last part of conv3x3_winograd, after the products
-        rows = [combine(at[o], [m[r] for r in range(4)]) for o in range(2)]
-        y = jnp.stack(
-            [jnp.stack([combine(at[q], [rows[o][col] for col in range(4)]) for q in range(2)]) for o in range(2)]
-        )
-        return y.transpose(2, 3, 0, 4, 1, 5).reshape(n, 2 * th, 2 * th, -1)
-
     return {
         "direct": (ops_conv.conv2d, (x, k)),
         "winograd": (ops_conv.conv3x3_winograd, (x, u)),
-        "input transform": (input_transform, (x,)),
+        "input transform": (ops_conv.winograd_input, (x,)),
         "16 products": (lambda v, u: jnp.einsum("ptc,pcd->ptd", v, u), (v, u)),
-        "output transform": (output_transform, (m,)),
+        "output transform": (ops_conv.winograd_output, (m,)),
     }, {
         "direct": 2 * n * h * h * c * d * 9,
         "16 products": 2 * 16 * n * th * th * c * d,

@@ -97,11 +97,10 @@ def _combine(coefficients, terms):
     return out
 
 
-def conv3x3_winograd(x_nhwc: jax.Array, u_pcd: jax.Array) -> jax.Array:
-    """The 3x3, stride-1, padding-1 convolution of `x_nhwc` with the kernel whose `winograd_kernel` is `u_pcd`."""
+def winograd_input(x_nhwc: jax.Array) -> jax.Array:
+    """`B^T d B` of every 4x4 input tile (stride 2, the input padded by one; odd sizes padded further) ->
+    `(16, n * th * tw, c)`, tile positions in row-major order."""
     n, h, w, c = x_nhwc.shape
-    if u_pcd.shape[:2] != (16, c):
-        raise ValueError(f"conv3x3_winograd: transformed kernel {u_pcd.shape} does not fit input {x_nhwc.shape}")
     th, tw = -(-h // 2), -(-w // 2)  # 2x2 output tiles (odd sizes padded, cropped at the end)
     xp = jnp.pad(x_nhwc, ((0, 0), (1, 2 * th + 1 - h), (1, 2 * tw + 1 - w), (0, 0)))
     # d[i][j]: pixel (i, j) of every 4x4 input tile, as a (n, th, tw, c) array of strided slices.
@@ -111,14 +110,28 @@ def conv3x3_winograd(x_nhwc: jax.Array, u_pcd: jax.Array) -> jax.Array:
         for b in range(4):
             coefficients = [_BT[a, i] * _BT[b, j] for i in range(4) for j in range(4)]
             v.append(_combine(coefficients, [d[i][j] for i in range(4) for j in range(4)]))
-    v_ptc = jnp.stack(v).reshape(16, n * th * tw, c)
-    m = jnp.einsum("ptc,pcd->ptd", v_ptc, u_pcd.astype(v_ptc.dtype)).reshape(4, 4, n, th, tw, -1)
-    rows = [_combine(_AT[o], [m[r] for r in range(4)]) for o in range(2)]  # (4, n, th, tw, D) each
+    return jnp.stack(v).reshape(16, n * th * tw, c)
+
+
+def winograd_output(m_ppntwd: jax.Array) -> jax.Array:
+    """`A^T m A` of the `(4, 4, n, th, tw, D)` tile products -> the `(n, 2 th, 2 tw, D)` output pixels."""
+    _, _, n, th, tw, _ = m_ppntwd.shape
+    rows = [_combine(_AT[o], [m_ppntwd[r] for r in range(4)]) for o in range(2)]  # (4, n, th, tw, D) each
     y = jnp.stack(
         [jnp.stack([_combine(_AT[q], [rows[o][col] for col in range(4)]) for q in range(2)]) for o in range(2)]
     )
-    y = y.transpose(2, 3, 0, 4, 1, 5).reshape(n, 2 * th, 2 * tw, -1)  # (o, q, n, th, tw, D) -> pixels
-    return y[:, :h, :w]
+    return y.transpose(2, 3, 0, 4, 1, 5).reshape(n, 2 * th, 2 * tw, -1)  # (o, q, n, th, tw, D) -> pixels
+
+
+def conv3x3_winograd(x_nhwc: jax.Array, u_pcd: jax.Array) -> jax.Array:
+    """The 3x3, stride-1, padding-1 convolution of `x_nhwc` with the kernel whose `winograd_kernel` is `u_pcd`."""
+    n, h, w, c = x_nhwc.shape
+    if u_pcd.shape[:2] != (16, c):
+        raise ValueError(f"conv3x3_winograd: transformed kernel {u_pcd.shape} does not fit input {x_nhwc.shape}")
+    th, tw = -(-h // 2), -(-w // 2)
+    v_ptc = winograd_input(x_nhwc)
+    m = jnp.einsum("ptc,pcd->ptd", v_ptc, u_pcd.astype(v_ptc.dtype)).reshape(4, 4, n, th, tw, -1)
+    return winograd_output(m)[:, :h, :w]
 
 
 def upsample2x_nearest(x_nhwc: jax.Array) -> jax.Array:
