@@ -53,9 +53,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-# Winograd F(2x2, 3x3): input transform B^T (4x4) and output transform A^T (2x4); the kernel transform G (4x3) is
-# written out as additions in `winograd_kernel`.
-_BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float32)
+# Winograd F(2x2, 3x3): output transform A^T (2x4); the input transform B^T (4x4: rows (1, 0, -1, 0), (0, 1, 1, 0),
+# (0, -1, 1, 0), (0, 1, 0, -1)) and the kernel transform G (4x3) are written out as additions in `_bt_rows` and
+# `winograd_kernel`.
 _AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.float32)
 
 # prepare()'s rule: 3x3 kernels with at least this many input channels get Winograd on CPU...
@@ -97,20 +97,27 @@ def _combine(coefficients, terms):
     return out
 
 
+def _bt_rows(d0, d1, d2, d3):
+    """Winograd's `B^T` applied along one axis of the 4-tap tiles `d0..d3` (its rows, above, as additions)."""
+    return [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
+
+
 def winograd_input(x_nhwc: jax.Array) -> jax.Array:
     """`B^T d B` of every 4x4 input tile (stride 2, the input padded by one; odd sizes padded further) ->
-    `(16, n * th * tw, c)`, tile positions in row-major order."""
+    `(16, n * th * tw, c)`, tile positions in row-major order.
+
+    Separable, on the padded input reshaped to even and odd rows and columns (`e[:, i, r, j, s] = xp[:, 2i + r,
+    2j + s]`, so tile row `a` of every tile is the contiguous slice `e[:, a // 2 : a // 2 + th, a % 2]`): `B^T` over
+    the tiles' rows, then over their columns, one stack per stage. 2-14% faster per convolution on CPU than the 16
+    sums of strided slices it replaced (docs/benchmarks.md); the same sums, grouped differently.
+    """
     n, h, w, c = x_nhwc.shape
     th, tw = -(-h // 2), -(-w // 2)  # 2x2 output tiles (odd sizes padded, cropped at the end)
     xp = jnp.pad(x_nhwc, ((0, 0), (1, 2 * th + 1 - h), (1, 2 * tw + 1 - w), (0, 0)))
-    # d[i][j]: pixel (i, j) of every 4x4 input tile, as a (n, th, tw, c) array of strided slices.
-    d = [[xp[:, i : i + 2 * th - 1 : 2, j : j + 2 * tw - 1 : 2] for j in range(4)] for i in range(4)]
-    v = []
-    for a in range(4):
-        for b in range(4):
-            coefficients = [_BT[a, i] * _BT[b, j] for i in range(4) for j in range(4)]
-            v.append(_combine(coefficients, [d[i][j] for i in range(4) for j in range(4)]))
-    return jnp.stack(v).reshape(16, n * th * tw, c)
+    e = xp.reshape(n, th + 1, 2, tw + 1, 2, c)
+    rows = jnp.stack(_bt_rows(*[e[:, a // 2 : a // 2 + th, a % 2] for a in range(4)]))  # (4, n, th, tw + 1, 2, c)
+    v = jnp.stack(_bt_rows(*[rows[:, :, :, b // 2 : b // 2 + tw, b % 2] for b in range(4)]), axis=1)
+    return v.reshape(16, n * th * tw, c)  # (4 rows, 4 columns, n, th, tw, c) -> tile positions in row-major order
 
 
 def winograd_output(m_ppntwd: jax.Array) -> jax.Array:
