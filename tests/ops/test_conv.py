@@ -40,6 +40,24 @@ def test_winograd_kernel_is_g_g_gt():
     np.testing.assert_allclose(np.asarray(ops_conv.winograd_kernel(jnp.asarray(k))), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(2, 6, 8, 3), (1, 7, 5, 2), (1, 1, 1, 4)])
+def test_winograd_input_is_bt_d_b_of_every_tile(shape):
+    """The input transform is `B^T d B` of each 4x4 tile (stride 2) of the input padded by one (odd sizes padded
+    further), computed here tile by tile with float64 matrix products."""
+    x = _rand(shape, 5)
+    n, h, w, c = shape
+    th, tw = -(-h // 2), -(-w // 2)
+    bt = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)
+    xp = np.pad(x.astype(np.float64), ((0, 0), (1, 2 * th + 1 - h), (1, 2 * tw + 1 - w), (0, 0)))
+    want = np.empty((4, 4, n, th, tw, c))
+    for i in range(th):
+        for j in range(tw):
+            tile = xp[:, 2 * i : 2 * i + 4, 2 * j : 2 * j + 4]  # (n, 4, 4, c)
+            want[:, :, :, i, j] = np.einsum("ar,nrsc,bs->abnc", bt, tile, bt)
+    got = np.asarray(jax.jit(ops_conv.winograd_input)(jnp.asarray(x)))
+    np.testing.assert_allclose(got, want.reshape(16, n * th * tw, c), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(2, 8, 8, 16), (1, 7, 5, 3), (3, 1, 1, 4), (1, 2, 9, 6)])
 def test_winograd_equals_torch_conv2d(shape):
     torch = pytest.importorskip("torch")
