@@ -23,6 +23,8 @@ LAYERS = {
     "loading": 3,
     "parallel": 3,
     "core": 4,
+    # model families: a folder each (conditioning, denoiser adapter, pipeline); they build on the core and loading
+    "families": 5,
     "pipelines": 5,
     "metadata": 6,
     "models_dir": 6,

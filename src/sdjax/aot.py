@@ -529,7 +529,7 @@ def _compile_unet_call(gen, spec, params, mesh):
         lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), params, specs
     )
     example = gen.example_inputs(spec)
-    context, added = jax.eval_shape(lambda p, i: models.conditioning.encode(p, i, cfg=spec.cfg), params, example)
+    cond = jax.eval_shape(lambda p, i: models.conditioning.encode(p, i, cfg=spec.cfg), params, example)
     rows = 2 * spec.batch if spec.cfg else spec.batch
     f = models.vae_scale_factor
     batch = sharding_lib.batch_sharding(mesh)
@@ -538,21 +538,22 @@ def _compile_unet_call(gen, spec, params, mesh):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch)
 
     x = jax.ShapeDtypeStruct(
-        (rows, int(models.unet.config.in_channels), spec.height // f, spec.width // f), models.dtype, sharding=batch
+        (rows, int(models.denoiser.in_channels), spec.height // f, spec.width // f), models.dtype, sharding=batch
     )
     t = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch)
 
     control_inputs = {k: example[k] for k in ("control_image", "control_scales") if spec.control is not None}
     channels = int(models.vae.config.latent_channels)
 
-    def call(p, x, t, c, a, ctl):
+    def call(p, x, t, c, ctl):
         extra = {}
         if spec.control is not None:  # the nets' residuals, as the program's hook adds them at step 0
-            hook = spec.control.hook(p["controlnet"], ctl, context=c, added=a, cfg=spec.cfg, latent_channels=channels)
+            hook = spec.control.hook(p["controlnet"], ctl, cond=c, cfg=spec.cfg, latent_channels=channels)
             extra = hook.model_kwargs(0, x, t)
-        return models.unet.apply({"params": p["unet"]}, x, t, c, **a, **extra)
+        inputs = {"guidance": jnp.ones((rows,), jnp.float32)}
+        return models.denoiser.bind(p, c, inputs, cfg=spec.cfg)(x, t, **extra)
 
-    abstract = jax.tree_util.tree_map(sharded, (context, added, control_inputs))
+    abstract = jax.tree_util.tree_map(sharded, (cond, control_inputs))
     from sdjax.ops import attention as ops_attention
 
     with ops_attention.lowering_for(mesh.devices.flat[0].platform, mesh):  # the slice's attention choice

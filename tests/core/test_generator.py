@@ -77,7 +77,7 @@ def test_set_attention_changes_what_the_programs_trace(monkeypatch):
     from sdjax import bench
 
     benched, _ = bench._load(bench.BenchConfig(arch="tiny", attention="xla", memory_only=True), jnp.float32)
-    assert benched.unet.attention == benched.generator.models.unet.attention == "xla"
+    assert benched.unet.attention == benched.generator.models.denoiser.unet.attention == "xla"
     assert benched.generator.models.vae.attention == "xla"
 
 

@@ -50,7 +50,9 @@ class ControlSpec:
         if not self.nets:
             raise ValueError("ControlSpec: give at least one ControlNet")
 
-    def hook(self, params: Any, inputs: dict, *, context, added: dict, cfg: bool, latent_channels: int) -> Hook:
+    def hook(self, params: Any, inputs: dict, *, cond: Any, cfg: bool, latent_channels: int) -> Hook:
+        """The loop hook; `cond` is the UNet families' conditioning `(context, added UNet arguments)`."""
+        context, added = cond
         trees = tuple(params) if isinstance(params, (list, tuple)) else (params,)
         if len(trees) != len(self.nets):
             raise ValueError(

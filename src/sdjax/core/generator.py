@@ -43,7 +43,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sdjax import rng
-from sdjax.core import autoencoder, guidance_embedding, loop
+from sdjax.core import autoencoder, loop
+from sdjax.core.protocols import Conditioning, Denoiser
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.ops import attention as ops_attention
@@ -82,10 +83,10 @@ class ProgramSpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Models:
-    """The modules of one model (constant for a generator)."""
+    """The modules of one model (constant for a generator): a family's conditioning and denoiser, and the VAE."""
 
-    conditioning: Any
-    unet: Any
+    conditioning: Conditioning
+    denoiser: Denoiser
     vae: Any
     dtype: Any = jnp.float32
 
@@ -98,7 +99,7 @@ class Models:
         return int(self.vae.config.latent_channels)
 
     def components(self) -> tuple[str, ...]:
-        return (*self.conditioning.components, "unet", "vae")
+        return (*self.conditioning.components, self.denoiser.component, "vae")
 
 
 def program(
@@ -107,7 +108,7 @@ def program(
     """The whole generation -> `(images or latents, stopped)`. `inputs` hold per-image arrays with a leading batch
     dimension; `win` holds the scalars `start`, `end` (and `run`, the id the host callback is called with)."""
     batch = inputs["keys"].shape[0]
-    context, added = models.conditioning.encode(params, inputs, cfg=spec.cfg)
+    cond = models.conditioning.encode(params, inputs, cfg=spec.cfg)
     f = models.vae_scale_factor
     shape = (batch, models.latent_channels, spec.height // f, spec.width // f)
     sampler = spec.sampler
@@ -134,24 +135,15 @@ def program(
         start=win["start"],
         end=win["end"],
         cfg=spec.cfg,
-        unet_in_channels=int(models.unet.config.in_channels),
+        model_in_channels=int(models.denoiser.in_channels),
         encode=encode,
     )
     latents, hooks = spec.task.prepare(ctx, inputs)
     if spec.control is not None:
-        control = spec.control.hook(
-            params["controlnet"], inputs, context=context, added=added, cfg=spec.cfg, latent_channels=shape[1]
-        )
+        control = spec.control.hook(params["controlnet"], inputs, cond=cond, cfg=spec.cfg, latent_channels=shape[1])
         hooks = [*hooks, control]
-
-    # Once per program, outside the loop (Winograd on CPU); leaves the generator prepared ahead are used as they are.
-    unet_params = ops_conv.prepare(params["unet"])
-    if guidance_embedding.distilled(models.unet.config):  # LCM: guidance enters as an embedding, one branch
-        dim = int(models.unet.config.time_cond_proj_dim)
-        added = {**added, "timestep_cond": guidance_embedding.guidance_embedding(inputs["guidance"], dim)}
-
-    def model(x_in, t, **kwargs):
-        return models.unet.apply({"params": unet_params}, x_in.astype(models.dtype), t, context, **added, **kwargs)
+    # Everything constant over the loop (prepared kernels, embeddings, token ids) is computed here, once.
+    model = models.denoiser.bind(params, cond, inputs, cfg=spec.cfg)
 
     interactive = spec.interactive and on_step is not None
     latents, stopped = loop.denoise(
@@ -312,8 +304,8 @@ class Generator:
     def __init__(
         self,
         *,
-        conditioning,
-        unet,
+        conditioning: Conditioning,
+        denoiser: Denoiser,
         vae,
         sampler,
         params: dict | None = None,
@@ -323,13 +315,16 @@ class Generator:
         cache_size: int = 16,
         cache_bytes: int | None = None,
     ):
-        self.models = Models(conditioning, unet, vae, dtype)
+        self.models = Models(conditioning, denoiser, vae, dtype)
         self.sampler = sampler
         self.params = params
         self.vae_tiling = None  # a `models.vae_tiling.VaeTiling` that `spec()` puts in every program, or None
         # Encode/decode a slice of the batch at a time (`models.vae_slicing`; `spec()` makes a slice one image per
         # device of the mesh's data axis).
         self.vae_slicing = False
+        # How a strength becomes the first step (`tasks.base.window`): "int" as the SD pipelines, "float" as the
+        # Flux and SD 3 pipelines; the family's pipeline sets it.
+        self.strength_rule = "int"
         self.split_decode = True  # `run` decodes with a second executable (module docstring); False: one program
         # On CPU, keep the Winograd-transformed kernels of the UNet and VAE between runs (`ops.conv.PreparedKernels`:
         # about 2 s less per SD 1.5 float32 generation, 3.8 GB held); False: each program computes them (less memory
@@ -353,7 +348,7 @@ class Generator:
             raise ValueError(f"attention={attention!r}: expected one of {ops_attention.IMPLEMENTATIONS}")
         m = self.models
         self.models = dataclasses.replace(
-            m, unet=m.unet.clone(attention=attention), vae=m.vae.clone(attention=attention)
+            m, denoiser=m.denoiser.with_attention(attention), vae=m.vae.clone(attention=attention)
         )
         self.cache.clear()
         self._pmapped.clear()
@@ -466,6 +461,7 @@ class Generator:
             denoising_start=task.denoising_start,
             denoising_end=task.denoising_end,
             start_step=task.start_step,
+            strength_rule=self.strength_rule,
         )
 
     # ------------------------------------------------------------------ programs
@@ -545,13 +541,12 @@ class Generator:
         """Zero host inputs of the shapes `spec` takes (for compiling ahead of time)."""
         n = spec.batch
         cond = self.models.conditioning
-        suffix = cond.ids_suffix
-        if spec.text_chunks:
-            suffix = (*suffix[:-1], suffix[-1] * spec.text_chunks)
-        ids = np.zeros((n, *suffix), np.int32)
+        text = cond.text_inputs([""] * n, [""] * n)
+        if spec.text_chunks:  # A1111 prompt syntax: that many 77-token chunks, with token weights
+            text = {k: np.tile(v, (1,) * (v.ndim - 1) + (spec.text_chunks,)) for k, v in text.items()}
+            text["weights"] = text["neg_weights"] = np.ones((n, text["ids"].shape[-1]), np.float32)
         out = {
-            "ids": ids,
-            "neg_ids": ids,
+            **{k: np.zeros_like(v) for k, v in text.items()},
             "keys": np.zeros((n, 2), np.uint32),
             "guidance": np.ones((n,), np.float32),
             **cond.host_inputs(negative_prompts=[""] * n, height=spec.height, width=spec.width, task=spec.task.name),
@@ -561,8 +556,6 @@ class Generator:
             out[name] = np.zeros(
                 _task_input_shape(name, n, spec.height, spec.width, f, self.models.latent_channels), np.float32
             )
-        if spec.text_chunks:
-            out["weights"] = out["neg_weights"] = np.ones((n, suffix[-1]), np.float32)
         if spec.explicit_noise:
             out["noise"] = np.zeros((n, self.models.latent_channels, spec.height // f, spec.width // f), np.float32)
         if spec.control is not None:
@@ -638,12 +631,12 @@ class Generator:
             text = text_inputs_a1111(self.models.conditioning, list(prompts) + [""] * pad, neg_texts)
             chunks = text.pop("chunks")
         else:
-            text = {
-                "ids": _pad(self.models.conditioning.tokenize(list(prompts)) if ids is None else np.asarray(ids), pad),
-                "neg_ids": (
-                    self.models.conditioning.tokenize(neg_texts) if neg_ids is None else _pad(np.asarray(neg_ids), pad)
-                ),
-            }
+            texts = list(prompts) + [""] * pad if ids is None else [""] * total
+            text = self.models.conditioning.text_inputs(texts, neg_texts)
+            if ids is not None:
+                text["ids"] = _pad(np.asarray(ids), pad)
+            if neg_ids is not None:
+                text["neg_ids"] = _pad(np.asarray(neg_ids), pad)
         host = {
             **text,
             "keys": _pad(keys, pad),
@@ -666,9 +659,7 @@ class Generator:
             width=width,
             steps=steps,
             sampler=sampler,
-            cfg=(bool((guidance > 1).any()) and not guidance_embedding.distilled(self.models.unet.config))
-            if cfg is None
-            else cfg,
+            cfg=(bool((guidance > 1).any()) and not self.models.denoiser.distilled_guidance) if cfg is None else cfg,
             guidance_rescale=guidance_rescale,
             output=output,
             interactive=interactive,

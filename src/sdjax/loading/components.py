@@ -297,8 +297,12 @@ def load_image_processor(req: LoadRequest) -> tuple[Any, None]:
     return read_json(req.folder / "preprocessor_config.json"), None
 
 
-def _model(spec: ModelSpec):
+def model_loader(spec: ModelSpec) -> Callable[[LoadRequest], tuple[Any, dict]]:
+    """The component loader of a model class (`load_model` with `spec`), e.g. for a family's `loaders` table."""
     return lambda req: load_model(spec, req)
+
+
+_model = model_loader
 
 
 # The model classes of a pipeline's `model_index.json` that a single-file checkpoint can hold (see
@@ -342,10 +346,20 @@ def _normalize_class(name: str | None) -> str | None:
     return name[4:] if name and name.startswith("Flax") else name
 
 
+Loaders = Mapping[tuple[str, str], Callable[[LoadRequest], tuple[Any, Any]]]
+
+
+def _finder(loaders: Loaders | None) -> Callable[[str, str], Callable[[LoadRequest], tuple[Any, Any]] | None]:
+    """`find_loader` that first consults a model family's own `(library, class) -> loader` table."""
+    table = dict(loaders or {})
+    return lambda library, cls: table.get((library, _normalize_class(cls))) or find_loader(library, cls)
+
+
 def _plan(
-    model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: str
+    model_index: Mapping[str, Any], overrides: Mapping[str, Any], where: str, loaders: Loaders | None = None
 ) -> tuple[dict[str, tuple[str, str]], list[str]]:
     """Which components to load from disk -> ({name: (library, class)}, warnings for skipped optional ones)."""
+    find = _finder(loaders)
     entries = files.component_entries(model_index)
     todo: dict[str, tuple[str, str]] = {}
     skipped: list[str] = []
@@ -353,7 +367,7 @@ def _plan(
     for name, (library, cls) in entries.items():
         if library is None or cls is None or name in overrides:
             continue
-        if find_loader(library, cls) is not None:
+        if find(library, cls) is not None:
             todo[name] = (library, cls)
         elif name in OPTIONAL_COMPONENTS:
             skipped.append(f"{name} [{library}, {cls}]")
@@ -366,7 +380,7 @@ def _plan(
     if unknown:
         from sdjax import samplers
 
-        known = sorted(f"[{lib!r}, {cls!r}]" for lib, cls in COMPONENT_LOADERS)
+        known = sorted(f"[{lib!r}, {cls!r}]" for lib, cls in {**COMPONENT_LOADERS, **dict(loaders or {})})
         known += [f"['diffusers', {c!r}]" for c in samplers.CLASSES]
         raise ValueError(
             f"{where}/{files.MODEL_INDEX}: sdjax cannot load component(s) {'; '.join(unknown)} "
@@ -406,6 +420,7 @@ def load_pipeline_components(
     token: str | bool | None = None,
     vae: Any = None,
     vae_loader: Any = None,
+    loaders: Loaders | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load a diffusers pipeline folder or Hub repo id -> `(components, params, model_index)`.
 
@@ -427,6 +442,9 @@ def load_pipeline_components(
     `vae` replaces the pipeline's VAE with another one (e.g. an fp16-safe SDXL VAE): a diffusers VAE folder or
     Hub repo, a single VAE file (see `single_file.load_vae`; a file without a config of its own takes the
     pipeline's `vae/config.json`), or an already loaded `(module, params)` pair.
+
+    `loaders` maps `(library, class)` to the loaders of a model family's own components (`sdjax.families`), tried
+    before the shared table.
     """
     overrides = dict(overrides or {})
     if vae is not None:
@@ -452,7 +470,7 @@ def load_pipeline_components(
             raise ValueError(
                 f"{where}: override(s) {stray} name no component of this pipeline (components: {sorted(entries)})"
             )
-        return _plan(model_index, overrides, where)[0]
+        return _plan(model_index, overrides, where, loaders)[0]
 
     folder = files.resolve_model_dir(
         path_or_repo_id,
@@ -465,7 +483,7 @@ def load_pipeline_components(
     )
     model_index = files.read_model_index(folder)
     todo = check(model_index, str(folder))
-    for s in _plan(model_index, overrides, str(folder))[1]:
+    for s in _plan(model_index, overrides, str(folder), loaders)[1]:
         logger.warning("%s: skipping optional component %s: sdjax has no implementation of it", folder, s)
     absent = [f"{name}/ ([{lib}, {cls}])" for name, (lib, cls) in todo.items() if not (folder / name).is_dir()]
     if absent:
@@ -484,7 +502,7 @@ def load_pipeline_components(
             loader=vae_loader,
         )
     for name, (library, cls) in todo.items():
-        obj, p = find_loader(library, cls)(LoadRequest(name, folder / name, variant, dtype))
+        obj, p = _finder(loaders)(library, cls)(LoadRequest(name, folder / name, variant, dtype))
         components[name] = obj
         if p is not None:
             params[name] = p

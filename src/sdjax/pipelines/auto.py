@@ -24,17 +24,16 @@ def pipeline_class_name(path_or_repo_id: str, **resolve_kwargs: Any) -> str:
 
 
 def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: Any):
-    """Load SD 1.x/2.x or SDXL by what the model says it is -> `(pipeline, params)`; `None` is the embedded model.
+    """Load a model of any family (`sdjax.families.FAMILIES`) by what it says it is -> `(pipeline, params)`;
+    `None` is the embedded model.
 
     `model` is a diffusers folder, a Hub repo id, or a single checkpoint file (`.safetensors`; see
     `from_single_file`). `dtype` may be a string ("bf16", "float32", ...) or a jnp dtype.
     """
-    from sdjax.pipelines.stable_diffusion import StableDiffusionPipeline
-    from sdjax.pipelines.stable_diffusion_xl import StableDiffusionXLPipeline
+    from sdjax.families import family_of_pipeline_class, pipeline_classes
     from sdjax.precision import resolve_dtype
 
     model = resolve_alias(model or EMBEDDED_MODEL)
-    classes = {c: cls for cls in (StableDiffusionPipeline, StableDiffusionXLPipeline) for c in cls.model_index_classes}
     if os.path.isfile(model):
         from sdjax.loading.single_file import load_single_file
 
@@ -44,6 +43,7 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
             model, dtype=resolve_dtype(dtype), vae=kwargs.pop("vae", None), overrides=kwargs, **single
         )
         name = model_index.get("_class_name", "")
+        classes = pipeline_classes()
         if name not in classes:
             raise ValueError(f"{model}: a {name!r} checkpoint; sdjax loads {sorted(classes)}")
         return classes[name]._assemble(
@@ -51,7 +51,8 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
         )
     resolve_kwargs = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
     name = pipeline_class_name(model, **resolve_kwargs)
-    name = name[4:] if name.startswith("Flax") else name
-    if name not in classes:
-        raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; sdjax loads {sorted(classes)}")
-    return classes[name].from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)
+    try:
+        family = family_of_pipeline_class(name)
+    except ValueError as e:
+        raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; {e}") from None
+    return family.pipeline_class().from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)

@@ -38,6 +38,8 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
     """Base of `StableDiffusionPipeline` and `StableDiffusionXLPipeline` (see the module docstring)."""
 
     model_index_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
+    # (library, class) -> loader of the model classes only this family uses (`loading.components`)
+    component_loaders: dict = {}
     pipeline_config_keys: tuple[str, ...] = ()  # model_index.json settings passed to __init__
     default_steps = 50
     default_guidance_scale = 7.5
@@ -51,15 +53,20 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         (-0.184, -0.271, -0.473),
     )
 
-    def __init__(self, *, unet, vae, scheduler, dtype=jnp.float32, name: str = "", params: dict | None = None):
-        self.unet = unet
+    def __init__(self, *, denoiser, vae, scheduler, dtype=jnp.float32, name: str = "", params: dict | None = None):
+        self.denoiser = denoiser  # the family's `core.protocols.Denoiser`
         self.vae = vae
         self.scheduler = scheduler
         self.dtype = dtype
         self.name = name
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
         self.generator = Generator(
-            conditioning=self._conditioning(), unet=unet, vae=vae, sampler=scheduler, params=params, dtype=dtype
+            conditioning=self._conditioning(),
+            denoiser=denoiser,
+            vae=vae,
+            sampler=scheduler,
+            params=params,
+            dtype=dtype,
         )
 
     def _conditioning(self):  # pragma: no cover - abstract
@@ -146,6 +153,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             overrides=components,
             vae=vae,
             vae_loader=load_vae,
+            loaders=cls.component_loaders,
         )
         return cls._assemble(
             loaded,
@@ -228,7 +236,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         runtime = {"split_head_dim": split_head_dim}
         if attention:
             runtime["attention"] = attention
-        for component in ("unet", "text_encoder", "text_encoder_2", "vae"):
+        for component in ("unet", "transformer", "text_encoder", "text_encoder_2", "vae"):
             module = loaded.get(component)
             if module is not None:
                 fields = {k: v for k, v in runtime.items() if hasattr(module, k)}
@@ -243,8 +251,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
     # ------------------------------------------------------------------ helpers of both APIs
     @property
     def default_size(self) -> tuple[int, int]:
-        s = self.unet.config.sample_size
-        h, w = (s, s) if isinstance(s, int) else s
+        h, w = self.denoiser.sample_size
         return h * self.vae_scale_factor, w * self.vae_scale_factor
 
     def numpy_to_pil(self, images):
@@ -253,11 +260,11 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
     make_image_grid = staticmethod(make_image_grid)
 
     def _size_multiple(self) -> int:
-        return self.vae_scale_factor * 2 ** (len(self.unet.config.block_out_channels) - 1)
+        return self.vae_scale_factor * self.denoiser.size_multiple
 
     @property
     def is_inpainting_model(self) -> bool:
-        return int(self.unet.config.in_channels) != int(self.vae.config.latent_channels)
+        return int(self.denoiser.in_channels) != int(self.vae.config.latent_channels)
 
     @property
     def default_sampler(self) -> str:
@@ -335,7 +342,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
                 raise ValueError("strength= and denoising_start= need image= (they set how much of it to keep)")
             if self.is_inpainting_model:
                 raise ValueError(
-                    f"this model's UNet takes {self.unet.config.in_channels} input channels (an "
+                    f"this model's UNet takes {self.denoiser.in_channels} input channels (an "
                     f"inpainting model): pass image= and mask_image="
                 )
             return txt2img.request(denoising_end=denoising_end)
@@ -357,7 +364,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         if mask_image is None:
             if self.is_inpainting_model:
                 raise ValueError(
-                    f"this model's UNet takes {self.unet.config.in_channels} input channels (an "
+                    f"this model's UNet takes {self.denoiser.in_channels} input channels (an "
                     f"inpainting model): it needs mask_image= as well as image="
                 )
             return img2img.request(
@@ -893,7 +900,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         common.check_size(height, width, self._size_multiple())
         self.generator.check_params(call.params, control=call.control is not None)
         if jit:
-            leaf = jax.tree_util.tree_leaves(call.params["unet"])[0]
+            leaf = jax.tree_util.tree_leaves(call.params[self.denoiser.component])[0]
             if leaf.ndim == 0 or leaf.shape[0] != jax.local_device_count():
                 raise ValueError("with jit=True params must be replicated per device: p_params = replicate(params)")
         ids = tuple(np.shape(call.prompt_ids))

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.core.families import SDConditioning
 from sdjax.core.tasks import TaskRequest
 from sdjax.core.tasks.img2img import Img2Img
 from sdjax.core.tasks.inpaint import Inpaint
 from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax.families.sd import SDConditioning, UNetDenoiser
 from sdjax.pipelines import common
 from sdjax.pipelines.base import DiffusionPipeline, GuideCall
 
@@ -53,7 +53,10 @@ class StableDiffusionPipeline(DiffusionPipeline):
         self.text_encoder = text_encoder
         self.safety_checker = safety_checker
         self.feature_extractor = feature_extractor
-        super().__init__(unet=unet, vae=vae, scheduler=scheduler, dtype=dtype, name=name, params=params)
+        self.unet = unet
+        super().__init__(
+            denoiser=UNetDenoiser(unet, dtype), vae=vae, scheduler=scheduler, dtype=dtype, name=name, params=params
+        )
 
     def _conditioning(self):
         return SDConditioning(self.tokenizer, self.text_encoder)

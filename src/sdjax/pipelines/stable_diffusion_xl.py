@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from sdjax.core.families import SDXLConditioning
 from sdjax.core.tasks import TaskRequest
 from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax.families.sd import UNetDenoiser
+from sdjax.families.sdxl import SDXLConditioning
 from sdjax.pipelines import common
 from sdjax.pipelines.base import DiffusionPipeline, GuideCall
 
@@ -57,7 +59,10 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
         self.requires_aesthetics_score = requires_aesthetics_score
         if (text_encoder is None) != (tokenizer is None):
             raise ValueError("SDXL: text_encoder and tokenizer must be given together (the refiner has neither)")
-        super().__init__(unet=unet, vae=vae, scheduler=scheduler, **kwargs)
+        self.unet = unet
+        super().__init__(
+            denoiser=UNetDenoiser(unet, kwargs.get("dtype", jnp.float32)), vae=vae, scheduler=scheduler, **kwargs
+        )
 
     def _conditioning(self):
         return SDXLConditioning(

@@ -32,8 +32,8 @@ class Context:
     start: jax.Array  # first model call (traced int32)
     end: jax.Array  # one past the last model call (traced int32)
     cfg: bool
-    unet_in_channels: int
-    encode: Callable[[jax.Array, int], jax.Array]  # (images NCHW in [-1, 1], rng stream) -> UNet latents
+    model_in_channels: int
+    encode: Callable[[jax.Array, int], jax.Array]  # (images NCHW in [-1, 1], rng stream) -> model latents
 
     def add_noise_at(self, x0: jax.Array, index: jax.Array) -> jax.Array:
         """`x0` noised to the level of model call `index` with the initial noise (diffusers' `add_noise` after
@@ -101,6 +101,8 @@ def check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- the window
+STRENGTH_RULES = ("int", "float")
+
 def sampler_timesteps(sampler, steps: int) -> np.ndarray:
     """The timesteps fed to the model at each model call (one per call)."""
     return np.asarray(sampler.timesteps_for(steps))
@@ -114,21 +116,26 @@ def window(
     denoising_start: float | None = None,
     denoising_end: float | None = None,
     start_step: int | None = None,
+    strength_rule: str = "int",
 ) -> tuple[int, int]:
     """The model calls `[start, end)` diffusers runs for these settings.
 
-    - `strength` (img2img, inpainting): `init = min(int(steps * strength), steps)`, the loop starts at step
-      `steps - init`, i.e. model call `(steps - init) * sampler.order`; when `init` is 0 (strength 0, or below
-      `1 / steps`) no model call runs and the result is the VAE round trip of the input (diffusers refuses).
+    - `strength` (img2img, inpainting): with `strength_rule="int"` (the SD pipelines) `init = min(int(steps *
+      strength), steps)` and the loop starts at step `steps - init`, i.e. model call `(steps - init) *
+      sampler.order`; when `init` is 0 (strength 0, or below `1 / steps`) no model call runs and the result is the
+      VAE round trip of the input (diffusers refuses). With `"float"` (the Flux and SD 3 pipelines) the start step
+      is `int(steps - min(steps * strength, steps))`: the fraction is dropped after the subtraction, so 4 steps at
+      strength 0.6 start at step 1, not 2.
     - `denoising_start` (the SDXL refiner hand-off; overrides `strength`): the calls whose timestep is below
       `round(T - denoising_start * T)`, one more for a second-order sampler when the count is even.
     - `start_step`: the loop starts at that step (model call `start_step * order`), whatever the strength.
     - `denoising_end` (the SDXL base hand-off): the leading calls of the window whose timestep is at least
       `round(T - denoising_end * T)`.
     """
+    if strength_rule not in STRENGTH_RULES:
+        raise ValueError(f"strength_rule={strength_rule!r} must be one of {STRENGTH_RULES}")
     calls = int(sampler.num_model_calls(steps))
     order = int(sampler.order)
-    timesteps = sampler_timesteps(sampler, steps)
     T = sampler.num_train_timesteps
     if start_step is not None:
         if start_step > steps:
@@ -136,15 +143,18 @@ def window(
         start = calls if start_step == steps else start_step * order
     elif denoising_start is not None:
         cutoff = int(round(T - denoising_start * T))
-        count = int((timesteps < cutoff).sum())
+        count = int((sampler_timesteps(sampler, steps) < cutoff).sum())
         if order == 2 and count % 2 == 0:
             count += 1
         start = max(calls - count, 0)
+    elif strength_rule == "float":
+        first = int(max(steps - min(steps * strength, steps), 0))
+        start = calls if first >= steps else first * order
     else:
         init = min(int(steps * strength), steps)
         start = calls if init == 0 else (steps - init) * order
     end = calls
     if denoising_end is not None:
         cutoff = int(round(T - denoising_end * T))
-        end = start + int((timesteps[start:] >= cutoff).sum())
+        end = start + int((sampler_timesteps(sampler, steps)[start:] >= cutoff).sum())
     return start, end

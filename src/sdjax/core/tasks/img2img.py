@@ -34,9 +34,9 @@ class Img2Img(TaskSpec):
         return ("image_latents",) if self.latents_input else ("image",)
 
     def prepare(self, ctx: Context, inputs):
-        if ctx.unet_in_channels != ctx.shape[1]:
+        if ctx.model_in_channels != ctx.shape[1]:
             raise ValueError(
-                f"this UNet takes {ctx.unet_in_channels} input channels (an inpainting model): "
+                f"this model takes {ctx.model_in_channels} input channels (an inpainting model): "
                 f"image-to-image needs a plain {ctx.shape[1]}-channel UNet; give mask_image= to inpaint"
             )
         x0 = inputs["image_latents"] if self.latents_input else ctx.encode(inputs["image"], rng.ENCODE_IMAGE)

@@ -46,11 +46,11 @@ class Inpaint(TaskSpec):
     def prepare(self, ctx: Context, inputs):
         image, mask = inputs["image"].astype(jnp.float32), inputs["mask"].astype(jnp.float32)
         channels = ctx.shape[1]
-        nine = ctx.unet_in_channels == 2 * channels + 1
-        if not nine and ctx.unet_in_channels != channels:
+        nine = ctx.model_in_channels == 2 * channels + 1
+        if not nine and ctx.model_in_channels != channels:
             raise ValueError(
                 f"inpainting needs a UNet with {channels} (latent blending) or {2 * channels + 1} "
-                f"(inpainting model) input channels, this one has {ctx.unet_in_channels}"
+                f"(inpainting model) input channels, this one has {ctx.model_in_channels}"
             )
         f = image.shape[-1] // ctx.shape[-1]
         mask_latent = mask[:, :, ::f, ::f]  # nearest, as torch.nn.functional.interpolate's default

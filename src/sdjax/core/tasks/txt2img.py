@@ -12,9 +12,9 @@ class Txt2Img(TaskSpec):
     name = "txt2img"
 
     def prepare(self, ctx: Context, inputs):
-        if ctx.unet_in_channels != ctx.shape[1]:
+        if ctx.model_in_channels != ctx.shape[1]:
             raise ValueError(
-                f"this UNet takes {ctx.unet_in_channels} input channels (an inpainting model): "
+                f"this model takes {ctx.model_in_channels} input channels (an inpainting model): "
                 f"text-to-image needs a plain {ctx.shape[1]}-channel UNet; give image= and mask_image= "
                 f"to inpaint"
             )

@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.core.families.clip_skip import clip_skip_input, select_layer
+from sdjax.families.sd.clip_skip import clip_skip_input, select_layer
 from sdjax.models.clip import final_layer_norm
 from sdjax.text import prompt_syntax
 
@@ -36,6 +36,10 @@ class SDConditioning:
     @property
     def ids_suffix(self) -> tuple[int, ...]:
         return (self.tokenizer.model_max_length,)
+
+    def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
+        """Token ids of the prompts and negative prompts (`ids`, `neg_ids`)."""
+        return {"ids": self.tokenize(prompts), "neg_ids": self.tokenize(negative_prompts)}
 
     def tokenize(self, prompts: Sequence[str]) -> np.ndarray:
         """CLIP ids `(N, 77)` int32 (truncated with a warning)."""

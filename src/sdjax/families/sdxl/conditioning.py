@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.core.families.clip_skip import clip_skip_input, select_layer
+from sdjax.families.sd.clip_skip import clip_skip_input, select_layer
 from sdjax.text import prompt_syntax
 
 Pair = tuple[int, int]
@@ -104,6 +104,10 @@ class SDXLConditioning:
     @property
     def ids_suffix(self) -> tuple[int, ...]:
         return (len(self._pairs), self.tokenizer_2.model_max_length)
+
+    def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
+        """Token ids of the prompts and negative prompts (`ids`, `neg_ids`)."""
+        return {"ids": self.tokenize(prompts), "neg_ids": self.tokenize(negative_prompts)}
 
     def tokenize(self, prompts: Sequence[str]) -> np.ndarray:
         """Ids `(N, E, 77)` int32, one row per text encoder."""
