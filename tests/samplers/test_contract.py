@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import loops
 import numpy as np
 import pytest
+from test_flow_match import FLUX_SCHNELL, SD35
 from test_samplers import SD1, SD2, SDXL, torch_scheduler
 
 from sdjax import rng, samplers
@@ -50,6 +51,11 @@ CASES = [
     ("deis", SD2, {}, 20, False),
     ("lcm", SD1, {}, 4, False),
     ("tcd", SD1, {}, 6, False),
+    # Flow models (static shift: diffusers' own `set_timesteps(n)`; the shape-dependent schedules and Heun, whose
+    # diffusers `scale_noise` keeps a stale step index, are in test_flow_match.py).
+    ("flow_euler", SD35, {}, 20, False),
+    ("flow_dpmpp_2m", SD35, {}, 20, False),
+    ("flow_unipc", FLUX_SCHNELL, {}, 20, False),
 ]
 
 
@@ -93,7 +99,10 @@ def test_order_timesteps_and_add_noise_at_match_diffusers(name, base, extra, n, 
         if hasattr(ref, "set_begin_index"):
             ref.set_begin_index(index)
         t = ref.timesteps[min(index, calls - 1) :][:1]
-        expect = ref.add_noise(torch.from_numpy(x0), torch.from_numpy(noise), t).numpy()
+        if hasattr(ref, "add_noise"):
+            expect = ref.add_noise(torch.from_numpy(x0), torch.from_numpy(noise), t).numpy()
+        else:  # flow matching: diffusers' `scale_noise(sample, timestep, noise)`
+            expect = ref.scale_noise(torch.from_numpy(x0), t, torch.from_numpy(noise)).numpy()
         ours = np.asarray(add_noise_at(sampler, state, x0, noise, jnp.int32(index)))
         scale = float(np.abs(expect).max())
         np.testing.assert_allclose(ours, expect, rtol=1e-6, atol=1e-6 * scale, err_msg=f"index {index}")

@@ -638,7 +638,10 @@ def test_get_sampler_from_config_dict_and_sampler():
     assert samplers.get_sampler(euler, use_karras_sigmas=True).use_karras_sigmas
     assert samplers.get_sampler("euler_a", euler).beta_schedule == "scaled_linear"
     assert samplers.get_sampler(samplers.get_sampler("ddim", SD1, eta=0.3), clip_sample=True).eta == 0.3
-    with pytest.raises(samplers.UnknownSamplerError, match="FlowMatchEulerDiscreteScheduler"):
+    with pytest.raises(samplers.UnknownSamplerError, match="CMStochasticIterativeScheduler"):
+        samplers.get_sampler(dict(SDXL, _class_name="CMStochasticIterativeScheduler"))
+    # a flow-matching class on a variance-preserving model's config would drop its beta schedule: refused
+    with pytest.raises(ConfigError, match="variance-preserving"):
         samplers.get_sampler(dict(SDXL, _class_name="FlowMatchEulerDiscreteScheduler"))
 
 

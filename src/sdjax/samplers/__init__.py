@@ -11,7 +11,14 @@ own semantics (its "Automatic" schedule per sampler, legacy names such as "DPM++
 
 Families: PNDM/PLMS (pndm.py), DDIM, DDPM, Euler and Euler a (euler.py), LMS, DPM-Solver++ multistep incl. the SDE
 variants (dpm_solver.py), singlestep (dpm_singlestep.py), DPM++ SDE with its Brownian tree (dpm_sde.py), Heun,
-DPM2 and DPM2 a (kdpm2.py), UniPC, DEIS, LCM and TCD (lcm.py).
+DPM2 and DPM2 a (kdpm2.py), UniPC, DEIS, LCM and TCD (lcm.py); for flow-matching models (Flux, SD 3) Euler and Heun
+(flow_match.py), and DPM-Solver++ and UniPC with flow sigmas.
+
+Two registries: `SAMPLERS` for the variance-preserving models (SD 1/2, SDXL: what `available()` lists, what A1111's
+names map to) and `FLOW_SAMPLERS` for flow models (`available(flow=True)`). A flow registry name swapped onto a flow
+model's config (`get_sampler("flow_dpmpp_2m", flux_config)`) takes the model's `shift` as `flow_shift` (diffusers'
+users pass it by hand); flow samplers refuse a variance-preserving model's config (its beta schedule or prediction
+type would be dropped, and the model sampled as a flow model).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from sdjax.samplers.dpm_sde import DPMSolverSDE, DPMSolverSDEState
 from sdjax.samplers.dpm_singlestep import DPMSolverSinglestep, DPMSolverSinglestepState
 from sdjax.samplers.dpm_solver import DPMSolverMultistep, DPMSolverState
 from sdjax.samplers.euler import Euler, EulerAncestral, SigmaState
+from sdjax.samplers.flow_match import FlowHeunState, FlowMatchEuler, FlowMatchHeun, FlowState, check_flow_config
 from sdjax.samplers.heun import Heun, HeunState
 from sdjax.samplers.kdpm2 import KDPM2, KDPM2Ancestral, KDPM2State
 from sdjax.samplers.lcm import LCM, TCD, ConsistencyState
@@ -65,6 +73,10 @@ __all__ = [
     "DPMSolverState",
     "Euler",
     "EulerAncestral",
+    "FlowHeunState",
+    "FlowMatchEuler",
+    "FlowMatchHeun",
+    "FlowState",
     "LMS",
     "LMSState",
     "PNDM",
@@ -76,6 +88,7 @@ __all__ = [
     "get_sampler",
     "name_of",
     "SAMPLERS",
+    "FLOW_SAMPLERS",
     "CLASSES",
     "ALIASES",
     "A1111_NAMES",
@@ -101,6 +114,8 @@ CLASSES: dict[str, type[Sampler]] = {
         DEIS,
         LCM,
         TCD,
+        FlowMatchEuler,
+        FlowMatchHeun,
     )
 }
 
@@ -146,6 +161,19 @@ SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
     "deis": (DEIS, {}),
     "lcm": (LCM, {}),
     "tcd": (TCD, {}),
+}
+
+_FLOW = {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}
+# Registry name -> (sampler class, fixed keys) for flow-matching models (Flux, SD 3/3.5): the velocity-predicting
+# samplers. Kept apart from `SAMPLERS`, whose names apply to the variance-preserving models.
+FLOW_SAMPLERS: dict[str, tuple[type[Sampler], dict[str, Any]]] = {
+    "flow_euler": (FlowMatchEuler, {}),
+    "flow_heun": (FlowMatchHeun, {}),
+    "flow_dpmpp_2m": (
+        DPMSolverMultistep,
+        {**_FLOW, "algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": False},
+    ),
+    "flow_unipc": (UniPC, {**_FLOW, "solver_type": "bh2"}),
 }
 
 # AUTOMATIC1111's sampler names (current and the pre-1.9 ones with a schedule suffix) -> registry name: the
@@ -196,14 +224,16 @@ class UnknownSamplerError(ConfigError, KeyError):
         return str(self.args[0])
 
 
-def available() -> list[str]:
-    """The registry names, in registry order."""
-    return list(SAMPLERS)
+def available(flow: bool = False) -> list[str]:
+    """The registry names, in registry order: of the variance-preserving models' samplers, or with `flow=True` of the
+    flow-matching models' (`FLOW_SAMPLERS`)."""
+    return list(FLOW_SAMPLERS if flow else SAMPLERS)
 
 
 def _valid_names() -> str:
     return (
-        f"registry names {list(SAMPLERS)}, AUTOMATIC1111 names {list(A1111_NAMES)} or diffusers classes {list(CLASSES)}"
+        f"registry names {list(SAMPLERS)}, flow-model registry names {list(FLOW_SAMPLERS)}, AUTOMATIC1111 names "
+        f"{list(A1111_NAMES)} or diffusers classes {list(CLASSES)}"
     )
 
 
@@ -211,6 +241,8 @@ def _resolve_named(name: str) -> tuple[str | None, type[Sampler], dict[str, Any]
     """(registry name or None for a class name, class, fixed keys) of a sampler name."""
     if name in SAMPLERS:
         return (name, *SAMPLERS[name])
+    if name in FLOW_SAMPLERS:
+        return (name, *FLOW_SAMPLERS[name])
     if name in ALIASES:
         return (ALIASES[name], *SAMPLERS[ALIASES[name]])
     if name in CLASSES:
@@ -219,6 +251,7 @@ def _resolve_named(name: str) -> tuple[str | None, type[Sampler], dict[str, Any]
         k.lower().replace("-", "_").replace(" ", "_"): v
         for k, v in [
             *((k, (k, *SAMPLERS[k])) for k in SAMPLERS),
+            *((k, (k, *FLOW_SAMPLERS[k])) for k in FLOW_SAMPLERS),
             *((k, (v, *SAMPLERS[v])) for k, v in ALIASES.items()),
             *((k, (None, c, {})) for k, c in CLASSES.items()),
         ]
@@ -304,14 +337,26 @@ def get_sampler(
         registry, cls, fixed = _resolve_named(name_or_config)
         raw = _swap_config(_base_dict(base_config))
         _warn_if_not_distilled(cls, base_config)
+        if registry in FLOW_SAMPLERS:
+            raw = _flow_swap(cls, raw, name_or_config)
     else:
         raise TypeError(
             f"get_sampler: expected a name, a config dict or a Sampler, got {type(name_or_config).__name__}"
         )
     scheduled = _schedule_keys(cls, registry, schedule) if schedule is not None else {}
-    options = {k: overrides.pop(k) for k in list(overrides) if k in cls.options}
-    options.update({k: raw.pop(k) for k in list(raw) if k in cls.options and k not in options})
+    options = {k: raw.pop(k) for k in list(raw) if k in cls.options}  # a Sampler's runtime options...
+    options.update({k: overrides.pop(k) for k in list(overrides) if k in cls.options})  # ...unless overridden
     return cls.from_config({**raw, **fixed, **scheduled, **overrides}, **options)
+
+
+def _flow_swap(cls: type[Sampler], raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """A flow registry sampler's start config: the base must be a flow model's, and a FlowMatch `shift` becomes the
+    `flow_shift` of DPM-Solver++/UniPC (what `DPMSolverMultistepScheduler.from_config(flux.config,
+    use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=flux.config.shift)` needs by hand)."""
+    check_flow_config(raw, f"sampler {name!r} on the base config")
+    if "flow_shift" in cls.config_keys() and "flow_shift" not in raw and "shift" in raw:
+        raw = {**raw, "flow_shift": raw["shift"]}
+    return raw
 
 
 def _schedule_keys(cls: type[Sampler], registry: str | None, schedule: str) -> dict[str, Any]:
@@ -346,10 +391,14 @@ def _options(sampler: Sampler) -> dict[str, Any]:
     return {k: getattr(sampler, k) for k in sampler.options}
 
 
+def _is_flow(sampler: Sampler) -> bool:
+    return isinstance(sampler, (FlowMatchEuler, FlowMatchHeun)) or bool(getattr(sampler, "use_flow_sigmas", False))
+
+
 def name_of(sampler: Sampler) -> str:
-    """The registry name that describes `sampler` (the first whose fixed keys it has), else its diffusers class
-    name."""
-    for name, (cls, fixed) in SAMPLERS.items():
+    """The registry name that describes `sampler` (the first whose fixed keys it has: in `FLOW_SAMPLERS` for a flow
+    sampler), else its diffusers class name."""
+    for name, (cls, fixed) in (FLOW_SAMPLERS if _is_flow(sampler) else SAMPLERS).items():
         if type(sampler) is cls and all(getattr(sampler, k) == v for k, v in fixed.items()):
             return name
     return sampler.diffusers_class

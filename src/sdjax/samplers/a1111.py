@@ -12,6 +12,14 @@ Differences from A1111 that come from following diffusers: "DPM++ 2S a" is diffu
 SDE noise (one model call per step; A1111's makes two per step), DPM2/DPM2 a/DPM++ 3M SDE keep the next-to-last
 sigma A1111 discards, the SDE samplers of `DPMSolverMultistepScheduler` draw independent noise per step where A1111
 uses a Brownian tree (DPM++ SDE does use one), and "UniPC" is diffusers' UniPC with A1111's defaults (bh1, order 3).
+
+Flow-matching models (Flux, SD 3): the names above are the variance-preserving samplers and would sample a flow
+model as an epsilon model. `from_a1111_flow` is the flow families' mapping (Forge's names on Flux): "Euler", "Heun",
+"DPM++ 2M" and "UniPC" (A1111's bh1, order 3) are diffusers' flow samplers (`samplers.FLOW_SAMPLERS`); the schedules
+"Automatic", "Simple", "Normal" and "Uniform" keep the family's own sigma grid (Forge's "Simple" on Flux picks the
+shifted sigmas at t = 1 - i/n: FluxPipeline's grid, `sigma_grid="flux"`, though Forge fixes the shift where diffusers
+computes mu from the resolution); "Karras", "Exponential" and "Beta" are the FlowMatch classes' `use_*_sigmas` (refused
+for DPM-Solver++/UniPC with flow sigmas, as diffusers has no such combination); every other sampler is refused.
 """
 
 from __future__ import annotations
@@ -177,6 +185,38 @@ def from_a1111(
     from sdjax.samplers import get_sampler
 
     registry, keys = config_keys(sampler_name, scheduler_name)
+    return get_sampler(registry, base_config, **{**keys, **overrides})
+
+
+# A1111 label -> (flow registry name, the A1111 row's own keys) on flow-matching models.
+FLOW_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
+    "Euler": ("flow_euler", {}),
+    "Heun": ("flow_heun", {}),
+    "DPM++ 2M": ("flow_dpmpp_2m", {}),
+    "UniPC": ("flow_unipc", {"solver_type": "bh1", "solver_order": 3}),
+}
+FLOW_GRID_SCHEDULES = ("automatic", "simple", "normal", "uniform")
+
+
+def from_a1111_flow(
+    sampler_name: str, scheduler_name: str | None = "Automatic", base_config: Any = None, **overrides
+) -> Sampler:
+    """The flow-matching sampler for an A1111/Forge (sampler, schedule) pair on a flow model (see the module
+    docstring), swapped in on `base_config` (the model's FlowMatch config or sampler). Raises
+    `UnsupportedSamplerError` for a sampler without a flow equivalent, `schedules.UnsupportedScheduleError` or
+    `ConfigError` for a schedule the sampler cannot express."""
+    from sdjax.samplers import FLOW_SAMPLERS, get_sampler
+
+    sampler, label = split_name(sampler_name, scheduler_name)
+    if sampler.name not in FLOW_NAMES:
+        raise UnsupportedSamplerError(
+            f"A1111 sampler {sampler.name!r} has no flow-matching equivalent; on flow models: {list(FLOW_NAMES)}"
+        )
+    registry, keys = FLOW_NAMES[sampler.name]
+    schedule = schedules.find_schedule(label)
+    if schedule.name not in FLOW_GRID_SCHEDULES:
+        cls = FLOW_SAMPLERS[registry][0]
+        keys = {**keys, **schedules.schedule_keys(cls, schedule.name, sampler_label=f"A1111 sampler {sampler.name!r}")}
     return get_sampler(registry, base_config, **{**keys, **overrides})
 
 

@@ -7,6 +7,12 @@ Updates are written in lambda = log(alpha_t / sigma_t) with h = lambda_next - la
 x0; the history of x0 predictions and the number of lower-order warm-up steps taken (`lower_order_nums`) live
 in the state. The last step drops to first order when `final_sigmas_type="zero"` (its lambda is infinite),
 with `euler_at_final`, or with `lower_order_final` below 15 steps -- exactly diffusers' rules.
+
+Flow models (Flux, SD 3): `use_flow_sigmas=True` with `prediction_type="flow_prediction"` and `flow_shift` (diffusers'
+keys) run the same solver on the rectified-flow path x = (1 - sigma) x0 + sigma eps: alpha_t = 1 - sigma,
+sigma_t = sigma, x0 = x - sigma v. The sigmas are diffusers' flow grid, shift(1 - linspace(1, 1/T, n + 1)) reversed
+without its final 0, and the model is fed int(sigma T). With `use_dynamic_shifting` the shift is e^mu, mu from the
+latent shape as the Flux pipeline computes it (`sdjax.samplers.flow_match.dynamic_mu`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 from sdjax.samplers.common import (
     ANY,
     F32,
+    PREDICTION_TYPES,
     Sampler,
     alpha_sigma_x0,
     convert_sigmas,
@@ -34,6 +41,7 @@ from sdjax.samplers.common import (
     train_sigmas,
 )
 from sdjax.samplers.euler import _zero_snr_alphas_cumprod
+from sdjax.samplers.flow_match import check_flow_options, checked_steps, shaped_tables
 
 
 @state_class
@@ -71,6 +79,19 @@ class VPSigmaSampler(Sampler):
     def init_noise_sigma(self, state) -> jax.Array:
         return jnp.float32(1.0)
 
+    def alpha_sigma(self, sigma):
+        """(alpha_t, sigma_t) of a schedule sigma: 1 - sigma and sigma with flow sigmas (`use_flow_sigmas`), else
+        the VP coefficients of a k-diffusion sigma."""
+        if getattr(self, "use_flow_sigmas", False):
+            return 1 - sigma, sigma
+        return _alpha_sigma(sigma)
+
+    def x0_from(self, model_output, sample, sigma):
+        """The data prediction of a model output at schedule sigma (a flow prediction: x - sigma v)."""
+        if self.prediction_type == "flow_prediction":
+            return sample - sigma * model_output
+        return alpha_sigma_x0(self.prediction_type, model_output, sample, *self.alpha_sigma(sigma))
+
     def scale_model_input(self, state, sample: jax.Array, step_index) -> jax.Array:
         return sample
 
@@ -78,7 +99,7 @@ class VPSigmaSampler(Sampler):
         """alpha_t x0 + sigma_t eps at the sigma of model call `index` (diffusers' `add_noise` after
         `set_begin_index`). `index == num_model_calls` is the final sigma (0: `original` itself)."""
         state = self._checked(state, self._state_class, "add_noise_at", ready=self._ready_field)
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
+        alpha_t, sigma_t = self.alpha_sigma(state.sigmas[jnp.asarray(index, jnp.int32)])
         x0 = original.astype(jnp.float32)
         return (alpha_t * x0 + sigma_t * noise.astype(jnp.float32)).astype(original.dtype)
 
@@ -87,7 +108,7 @@ class VPSigmaSampler(Sampler):
         match if a value repeats, the last step if none matches)."""
         state = self._checked(state, self._state_class, "add_noise")
         index, _ = match_step_index(state.timesteps, timesteps, missing=state.timesteps.shape[0] - 1)
-        alpha_t, sigma_t = _alpha_sigma(state.sigmas[index])
+        alpha_t, sigma_t = self.alpha_sigma(state.sigmas[index])
         x0 = original.astype(jnp.float32)
         out = per_sample(alpha_t, x0.ndim) * x0 + per_sample(sigma_t, x0.ndim) * noise.astype(jnp.float32)
         return out.astype(original.dtype)
@@ -109,6 +130,9 @@ class DPMSolverMultistep(VPSigmaSampler):
     final_sigmas_type: str = "zero"
     lambda_min_clipped: float = -float("inf")
     rescale_betas_zero_snr: bool = False
+    use_flow_sigmas: bool = False
+    flow_shift: float = 1.0
+    use_dynamic_shifting: bool = False
 
     diffusers_class = "DPMSolverMultistepScheduler"
     _state_class = DPMSolverState
@@ -122,13 +146,11 @@ class DPMSolverMultistep(VPSigmaSampler):
         "dynamic_thresholding_ratio": ANY,
         "sample_max_value": ANY,
         "use_lu_lambdas": (False, None),
-        "use_flow_sigmas": (False, None),
-        "flow_shift": ANY,
         "variance_type": (None,),
-        "use_dynamic_shifting": (False,),
-        "time_shift_type": ANY,
+        "time_shift_type": ANY,  # "exponential" is required with dynamic flow shifting (check_flow_options)
     }
     choices = {
+        "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
         "solver_order": (1, 2, 3),
         "algorithm_type": ("dpmsolver++", "sde-dpmsolver++"),
         "solver_type": ("midpoint", "heun"),
@@ -138,9 +160,25 @@ class DPMSolverMultistep(VPSigmaSampler):
         "use_beta_sigmas": (False, True, None),
     }
 
+    def __post_init__(self):
+        super().__post_init__()
+        check_flow_options(self)
+
     @property
     def stochastic(self) -> bool:
         return self.algorithm_type == "sde-dpmsolver++"
+
+    def _tables(self, num_inference_steps: int, shape=None) -> dict[str, np.ndarray]:
+        return shaped_tables(self, num_inference_steps, shape)
+
+    def num_model_calls(self, num_inference_steps: int) -> int:
+        if self.use_flow_sigmas:  # n calls whatever the shift (which may need the latent shape)
+            return checked_steps(self, num_inference_steps)
+        return super().num_model_calls(num_inference_steps)
+
+    def timesteps_for(self, num_inference_steps: int, shape=None) -> np.ndarray:
+        """diffusers' `scheduler.timesteps` (float32); `shape` (the latent's) is needed with dynamic flow shifting."""
+        return np.array(self._tables(num_inference_steps, shape)["timesteps"], dtype=F32)
 
     def _sigma_alphas_cumprod(self) -> np.ndarray:
         ac = self.alphas_cumprod
@@ -154,7 +192,7 @@ class DPMSolverMultistep(VPSigmaSampler):
             timesteps=jnp.asarray(np.linspace(0, T - 1, T, dtype=F32)[::-1].copy()),
         )
 
-    def _make_tables(self, n: int) -> dict[str, np.ndarray]:
+    def _make_tables(self, n: int, mu: float | None = None) -> dict[str, np.ndarray]:
         T = self.num_train_timesteps
         ac = self._sigma_alphas_cumprod()
         last = lambda_clipped_end(ac, self.lambda_min_clipped)
@@ -174,6 +212,11 @@ class DPMSolverMultistep(VPSigmaSampler):
             if self.use_karras_sigmas and self.beta_schedule != "squaredcos_cap_v2":
                 t = t.round()
             timesteps = t.astype(np.int64)  # truncation, as diffusers' cast to int64
+        elif self.use_flow_sigmas:  # with a dynamic shift, diffusers sets flow_shift = e^mu
+            shift = self.flow_shift if mu is None else np.exp(mu)
+            sigmas = 1.0 - np.linspace(1, 1 / T, n + 1)
+            sigmas = np.flip(shift * sigmas / (1 + (shift - 1) * sigmas))[:-1].copy()
+            timesteps = (sigmas * T).astype(np.int64)
         else:
             sigmas = np.interp(timesteps, np.arange(len(sigmas)), sigmas)
         last_sigma = np.sqrt((F32(1) - ac[0]) / ac[0]) if self.final_sigmas_type == "sigma_min" else 0.0
@@ -181,7 +224,7 @@ class DPMSolverMultistep(VPSigmaSampler):
 
     def set_timesteps(self, state: DPMSolverState, num_inference_steps: int, shape) -> DPMSolverState:
         self._checked(state, DPMSolverState, "set_timesteps")
-        tables = self._tables(num_inference_steps)
+        tables = self._tables(num_inference_steps, shape)
         return DPMSolverState(
             alphas_cumprod=jnp.asarray(self._sigma_alphas_cumprod()),
             sigmas=jnp.asarray(tables["sigmas"]),
@@ -212,16 +255,16 @@ class DPMSolverMultistep(VPSigmaSampler):
         order = self._order(step_index, num_steps, state.lower_order_nums)
 
         sig = state.sigmas
-        alpha_s0, sigma_s0 = _alpha_sigma(sig[step_index])
-        x0 = alpha_sigma_x0(self.prediction_type, model_output.astype(jnp.float32), x, alpha_s0, sigma_s0)
+        alpha_s0, sigma_s0 = self.alpha_sigma(sig[step_index])
+        x0 = self.x0_from(model_output.astype(jnp.float32), x, sig[step_index])
         outputs = push(state.model_outputs, x0)
 
-        alpha_t, sigma_t = _alpha_sigma(sig[step_index + 1])
+        alpha_t, sigma_t = self.alpha_sigma(sig[step_index + 1])
         lambda_t, lambda_s0 = _lambda(alpha_t, sigma_t), _lambda(alpha_s0, sigma_s0)
         h = lambda_t - lambda_s0
 
         def lambda_back(k):  # lambda of the sigma k steps back
-            return _lambda(*_alpha_sigma(sig[jnp.maximum(step_index - k, 0)]))
+            return _lambda(*self.alpha_sigma(sig[jnp.maximum(step_index - k, 0)]))
 
         def first_order():
             if sde:

@@ -12,6 +12,12 @@ Two deliberate differences, both on a last step to sigma = 0 where diffusers ret
 `solver_type="bh1"` it multiplies an infinite B(h) by a zero residual, and with `predict_x0=False` it multiplies
 sigma_t = 0 by an infinite e^h - 1. sdjax drops the zero term and takes the limit of the update (the x0
 prediction), which is finite.
+
+Flow models (Flux, SD 3): `use_flow_sigmas=True` with `prediction_type="flow_prediction"` (diffusers' keys; data
+prediction only) run on the rectified-flow path: alpha_t = 1 - sigma, sigma_t = sigma, x0 = x - sigma v; the sigmas
+are linspace(1, 1/T, n + 1) without its last point, shifted by `flow_shift` or, with `use_dynamic_shifting`, by
+diffusers' `time_shift` with mu from the latent shape (`sdjax.samplers.flow_match.dynamic_mu`), stretched to
+`shift_terminal`, the first moved 1e-6 below 1 (diffusers': its log would be infinite); the model is fed int(sigma T).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax.config import ConfigError
 from sdjax.samplers.common import (
     ANY,
     F32,
-    alpha_sigma_x0,
+    PREDICTION_TYPES,
     convert_sigmas,
     push,
     select,
@@ -35,8 +42,18 @@ from sdjax.samplers.common import (
     state_class,
     train_sigmas,
 )
-from sdjax.samplers.dpm_solver import VPSigmaSampler, _alpha_sigma, _lambda
+from sdjax.samplers.dpm_solver import VPSigmaSampler, _lambda
 from sdjax.samplers.euler import _zero_snr_alphas_cumprod
+from sdjax.samplers.flow_match import (
+    TIME_SHIFT_TYPES,
+    check_flow_options,
+    check_terminal_steps,
+    checked_steps,
+    shaped_tables,
+    static_shift,
+    stretch_to_terminal,
+    time_shift,
+)
 
 
 @state_class
@@ -77,7 +94,7 @@ def _b_coefficients(hh, b_h, order: int) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class UniPC(VPSigmaSampler):
-    """diffusers `UniPCMultistepScheduler` (no `solver_p`, no thresholding, no flow sigmas)."""
+    """diffusers `UniPCMultistepScheduler` (no `solver_p`, no thresholding; flow sigmas without Karras)."""
 
     timestep_spacing: str = "linspace"
     solver_order: int = 2
@@ -92,6 +109,11 @@ class UniPC(VPSigmaSampler):
     rescale_betas_zero_snr: bool = False
     sigma_min: float | None = None
     sigma_max: float | None = None
+    use_flow_sigmas: bool = False
+    flow_shift: float = 1.0
+    use_dynamic_shifting: bool = False
+    time_shift_type: str = "exponential"
+    shift_terminal: float | None = None
 
     diffusers_class = "UniPCMultistepScheduler"
     value_aliases = {"solver_type": {"midpoint": "bh2", "heun": "bh2", "logrho": "bh2"}}
@@ -100,13 +122,10 @@ class UniPC(VPSigmaSampler):
         "dynamic_thresholding_ratio": ANY,
         "sample_max_value": ANY,
         "solver_p": (None,),
-        "use_flow_sigmas": (False, None),
-        "flow_shift": ANY,
-        "use_dynamic_shifting": (False,),
-        "time_shift_type": ANY,
-        "shift_terminal": (None,),
     }
     choices = {
+        "prediction_type": (*PREDICTION_TYPES, "flow_prediction"),
+        "time_shift_type": TIME_SHIFT_TYPES,
         "solver_order": (1, 2, 3),
         "solver_type": ("bh1", "bh2"),
         "final_sigmas_type": ("zero", "sigma_min"),
@@ -121,6 +140,27 @@ class UniPC(VPSigmaSampler):
         super().__post_init__()
         if not isinstance(self.disable_corrector, tuple):
             object.__setattr__(self, "disable_corrector", tuple(int(i) for i in self.disable_corrector))
+        check_flow_options(self)
+        if self.shift_terminal is not None and not self.use_flow_sigmas:
+            raise ConfigError("UniPC: shift_terminal is only supported with use_flow_sigmas=True")
+        if self.prediction_type == "flow_prediction" and not self.predict_x0:
+            raise ConfigError("UniPC: prediction_type='flow_prediction' needs predict_x0=True (data prediction)")
+
+    def check_steps(self, num_inference_steps: int) -> None:
+        if self.use_flow_sigmas:
+            check_terminal_steps(self, num_inference_steps)
+
+    def _tables(self, num_inference_steps: int, shape=None) -> dict[str, np.ndarray]:
+        return shaped_tables(self, num_inference_steps, shape)
+
+    def num_model_calls(self, num_inference_steps: int) -> int:
+        if self.use_flow_sigmas:  # n calls whatever the shift (which may need the latent shape)
+            return checked_steps(self, num_inference_steps)
+        return super().num_model_calls(num_inference_steps)
+
+    def timesteps_for(self, num_inference_steps: int, shape=None) -> np.ndarray:
+        """diffusers' `scheduler.timesteps` (float32); `shape` (the latent's) is needed with dynamic flow shifting."""
+        return np.array(self._tables(num_inference_steps, shape)["timesteps"], dtype=F32)
 
     def _sigma_alphas_cumprod(self) -> np.ndarray:
         ac = self.alphas_cumprod
@@ -135,13 +175,31 @@ class UniPC(VPSigmaSampler):
             timesteps=jnp.asarray(np.linspace(0, T - 1, T, dtype=F32)[::-1].copy()),
         )
 
-    def _make_tables(self, n: int) -> dict[str, np.ndarray]:
+    def _flow_sigmas(self, n: int, mu: float | None) -> np.ndarray:
+        """The `n` flow sigmas of the model calls, float64 (diffusers' `use_flow_sigmas` branch)."""
+        sigmas = np.linspace(1, 1 / self.num_train_timesteps, n + 1)[:-1]
+        if self.use_dynamic_shifting:
+            sigmas = time_shift(self.time_shift_type, mu, sigmas)
+        else:
+            sigmas = static_shift(self.flow_shift, sigmas)
+        if self.shift_terminal:
+            sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
+        sigmas = np.array(sigmas, dtype=np.float64)
+        if np.fabs(sigmas[0] - 1) < 1e-6:
+            sigmas[0] -= 1e-6
+        return sigmas
+
+    def _make_tables(self, n: int, mu: float | None = None) -> dict[str, np.ndarray]:
         ac = self._sigma_alphas_cumprod()
         timesteps = multistep_spaced(self.timestep_spacing, n, self.num_train_timesteps, self.steps_offset)
         sigmas = train_sigmas(ac)
         log_sigmas = np.log(sigmas)
         converted = convert_sigmas(self, sigmas[::-1], n)
-        if converted is not None:
+        if self.use_flow_sigmas:
+            flow = self._flow_sigmas(n, mu)
+            timesteps = (flow * self.num_train_timesteps).astype(np.int64)  # truncation, as diffusers' cast
+            sigmas = np.concatenate([flow, [flow[-1] if self.final_sigmas_type == "sigma_min" else 0.0]])
+        elif converted is not None:
             t = sigma_to_t(converted, log_sigmas)
             timesteps = (t.round() if self.use_karras_sigmas else t).astype(np.int64)
             last = converted[-1] if self.final_sigmas_type == "sigma_min" else 0.0
@@ -160,7 +218,7 @@ class UniPC(VPSigmaSampler):
 
     def set_timesteps(self, state: UniPCState, num_inference_steps: int, shape) -> UniPCState:
         self._checked(state, UniPCState, "set_timesteps")
-        tables = {k: jnp.asarray(v) for k, v in self._tables(num_inference_steps).items()}
+        tables = {k: jnp.asarray(v) for k, v in self._tables(num_inference_steps, shape).items()}
         shape = shape_tuple(shape)
         zero = jnp.zeros((), jnp.float32)
         return UniPCState(
@@ -175,8 +233,8 @@ class UniPC(VPSigmaSampler):
 
     # ------------------------------------------------------------------------------------------- update
     def _convert(self, model_output, sample, sigma):
-        alpha_t, sigma_t = _alpha_sigma(sigma)
-        x0 = alpha_sigma_x0(self.prediction_type, model_output, sample, alpha_t, sigma_t)
+        alpha_t, sigma_t = self.alpha_sigma(sigma)
+        x0 = self.x0_from(model_output, sample, sigma)
         if self.predict_x0:
             return x0
         if self.prediction_type == "epsilon":
@@ -186,8 +244,8 @@ class UniPC(VPSigmaSampler):
     def _bh(self, sig, to_index, from_index):
         """(alpha_t, sigma_t, alpha_s0, sigma_s0, h, hh, expm1(hh), B(h)) of the update from sigma[from] to
         sigma[to]."""
-        alpha_t, sigma_t = _alpha_sigma(sig[to_index])
-        alpha_s0, sigma_s0 = _alpha_sigma(sig[from_index])
+        alpha_t, sigma_t = self.alpha_sigma(sig[to_index])
+        alpha_s0, sigma_s0 = self.alpha_sigma(sig[from_index])
         h = _lambda(alpha_t, sigma_t) - _lambda(alpha_s0, sigma_s0)
         hh = -h if self.predict_x0 else h
         h_phi_1 = jnp.expm1(hh)
@@ -207,9 +265,9 @@ class UniPC(VPSigmaSampler):
     def _rks(self, sig, anchor, order, h, outputs, m0):
         """rk = (lambda_{anchor - i - offset} - lambda_anchor) / h and D1_i = (m_i - m0) / rk, i = 1..order-1."""
         rks, d1s = [], []
-        lambda_anchor = _lambda(*_alpha_sigma(sig[anchor]))
+        lambda_anchor = _lambda(*self.alpha_sigma(sig[anchor]))
         for i in range(1, order):
-            a, s = _alpha_sigma(sig[jnp.maximum(anchor - i, 0)])
+            a, s = self.alpha_sigma(sig[jnp.maximum(anchor - i, 0)])
             rk = (_lambda(a, s) - lambda_anchor) / h
             rks.append(rk)
             d1s.append((outputs[-(i + 1)] - m0) / rk)
