@@ -74,6 +74,15 @@ FAMILIES: dict[str, Family] = {
         denoiser_component="unet",
         lora_prefixes=("lora_unet_", "lora_te1_", "lora_te2_", "unet.", "text_encoder.", "text_encoder_2."),
     ),
+    "flux": Family(
+        name="flux",
+        title="Flux.1",
+        pipeline="sdjax.families.flux.pipeline:FluxPipeline",
+        model_index_classes=("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline"),
+        defaults=Defaults(size=(1024, 1024), steps=28, guidance_scale=3.5),
+        denoiser_component="transformer",
+        lora_prefixes=("lora_unet_double_blocks_", "lora_unet_single_blocks_", "transformer."),
+    ),
 }
 
 

@@ -1,0 +1,213 @@
+"""Flux.1 (dev, schnell and their fine-tunes) as an sdjax pipeline: diffusers' `FluxPipeline`,
+`FluxImg2ImgPipeline` and `FluxInpaintPipeline` in one class.
+
+`FluxPipeline.from_pretrained(folder) -> (pipeline, params)` loads the black-forest-labs layout (CLIP-L,
+T5 v1.1 XXL, the transformer, the 16-channel VAE, `FlowMatchEulerDiscreteScheduler`), sharded safetensors
+included. `generate` takes diffusers' arguments:
+
+- `guidance_scale` (3.5): dev's distilled guidance, embedded by the transformer (schnell ignores it);
+- `true_cfg_scale` (1.0) with `negative_prompt`: real classifier-free guidance (two transformer calls per step),
+  as diffusers does only when both are given;
+- `prompt_2` / `negative_prompt_2`: the T5 texts (default: the prompts); `max_sequence_length` (512; 256 for
+  schnell, as its model card and diffusers' examples use);
+- `image` + `strength` (0.6): image-to-image; `image` + `mask_image` (+ `strength`): inpainting by latent blending;
+- `noise`: the initial noise `(N, 16, H/8, W/8)` unpacked (diffusers' `latents=` is the same packed 2x2).
+
+The sampler is flow-matching Euler with the model's shift (dev: dynamic, from the image's token count) on the
+sigma grid FluxPipeline passes (`np.linspace(1, 1/n, n)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+from sdjax import samplers
+from sdjax.families import FAMILIES
+from sdjax.families.flux.conditioning import FluxConditioning, check_max_sequence_length
+from sdjax.families.flux.denoiser import FluxDenoiser
+from sdjax.loading.components import ModelSpec, model_loader
+from sdjax.pipelines.base import DiffusionPipeline
+
+FAMILY = FAMILIES["flux"]
+
+T5_ENCODER = ModelSpec("sdjax.models.t5", "T5Config", "T5EncoderModel", "convert_t5_encoder", "t5")
+FLUX_TRANSFORMER = ModelSpec(
+    "sdjax.models.flux", "FluxTransformerConfig", "FluxTransformer2DModel", "convert_flux_transformer", "flux"
+)
+
+
+def _load_t5_tokenizer(req):
+    from sdjax.text.t5_tokenizer import T5Tokenizer
+
+    return T5Tokenizer.from_folder(req.folder), None
+
+
+class FluxPipeline(DiffusionPipeline):
+    """Flux.1 text-to-image, image-to-image and inpainting (see the module docstring)."""
+
+    model_index_classes = FAMILY.model_index_classes
+    default_steps = FAMILY.defaults.steps
+    default_guidance_scale = FAMILY.defaults.guidance_scale
+    # The model classes only this family uses: (library, class) -> loader, consulted before the shared table.
+    component_loaders = {
+        ("transformers", "T5EncoderModel"): model_loader(T5_ENCODER),
+        ("transformers", "T5TokenizerFast"): _load_t5_tokenizer,
+        ("transformers", "T5Tokenizer"): _load_t5_tokenizer,
+        ("diffusers", "FluxTransformer2DModel"): model_loader(FLUX_TRANSFORMER),
+    }
+    latent_rgb_factors = None  # no linear preview map yet: previews show the first three latent channels
+
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        text_encoder,
+        tokenizer_2,
+        text_encoder_2,
+        transformer,
+        vae,
+        scheduler,
+        dtype=jnp.float32,
+        name: str = "",
+        params: dict | None = None,
+        max_sequence_length: int | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.tokenizer_2 = tokenizer_2
+        self.text_encoder_2 = text_encoder_2
+        self.transformer = transformer
+        schnell = not transformer.config.guidance_embeds
+        if max_sequence_length is None:
+            max_sequence_length = 256 if schnell else 512
+        self._max_sequence_length = check_max_sequence_length(max_sequence_length)
+        if schnell:  # timestep-distilled: 4 steps, no guidance
+            self.default_steps = 4
+            self.default_guidance_scale = 0.0
+        super().__init__(
+            denoiser=FluxDenoiser(transformer, dtype),
+            vae=vae,
+            scheduler=flux_sampler(scheduler),
+            dtype=dtype,
+            name=name,
+            params=params,
+        )
+        self.generator.strength_rule = "float"  # FluxImg2ImgPipeline.get_timesteps
+
+    def _conditioning(self):
+        return FluxConditioning(
+            self.tokenizer, self.text_encoder, self.tokenizer_2, self.text_encoder_2, self._max_sequence_length
+        )
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5 tokens per prompt. Setting it changes the programs' input shapes: compiled programs are dropped."""
+        return self._max_sequence_length
+
+    @max_sequence_length.setter
+    def max_sequence_length(self, n: int) -> None:
+        n = check_max_sequence_length(n)
+        if n != self._max_sequence_length:
+            self._max_sequence_length = n
+            gen = self.generator
+            gen.models = dataclasses.replace(gen.models, conditioning=self._conditioning())
+            gen.cache.clear()
+            gen._pmapped.clear()
+
+    @property
+    def is_inpainting_model(self) -> bool:
+        return False  # Flux inpaints by latent blending (FluxInpaintPipeline); Fill models are not loaded yet
+
+    @property
+    def sampler_names(self) -> list[str]:
+        return samplers.available(flow=True)
+
+    def _sampler(self, name) -> Any:
+        """A flow sampler: a registry name of `samplers.FLOW_SAMPLERS`, an A1111/Forge name ("Euler", "DPM++ 2M",
+        optionally with a schedule: "Euler Karras"), a sampler object, or None (the model's own)."""
+        if isinstance(name, str) and name not in samplers.FLOW_SAMPLERS and not name.endswith("Scheduler"):
+            try:
+                return flux_sampler(samplers.a1111.from_a1111_flow(name, "Automatic", self.scheduler))
+            except (samplers.a1111.UnsupportedSamplerError, ValueError) as e:
+                raise ValueError(
+                    f"sampler={name!r}: not a flow-matching sampler for a Flux model ({e}); "
+                    f"use one of {samplers.available(flow=True)} or an A1111 name such as 'Euler'"
+                ) from None
+        return flux_sampler(super()._sampler(name))
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        negative_prompt: str | Sequence[str] | None = None,
+        num_images: int = 1,
+        seed: int = 0,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        sampler=None,
+        *,
+        true_cfg_scale: float = 1.0,
+        prompt_2: str | Sequence[str] | None = None,
+        negative_prompt_2: str | Sequence[str] | None = None,
+        max_sequence_length: int | None = None,
+        image=None,
+        strength: float | None = None,
+        **kwargs,
+    ):
+        """See the module docstring and `DiffusionPipeline.generate` (the task, size, noise and output
+        arguments)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
+        if not jnp.isfinite(guidance) or not jnp.isfinite(true_cfg_scale):
+            raise ValueError(f"guidance_scale={guidance} and true_cfg_scale={true_cfg_scale} must be finite")
+        true_cfg = negative_prompt is not None or negative_prompt_2 is not None
+        if max_sequence_length is not None:
+            self.max_sequence_length = max_sequence_length
+        if image is not None and strength is None:
+            strength = 0.6  # FluxImg2ImgPipeline's and FluxInpaintPipeline's default
+        conditioning = {"guidance": guidance}
+        for key, texts in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)):
+            if texts is not None:
+                conditioning[key] = _per_image(texts, len(prompts), num_images, key)
+        if true_cfg and negative_prompt_2 is not None and negative_prompt is None:
+            negative_prompt = ""
+        if true_cfg and prompt_2 is not None and "negative_prompt_2" not in conditioning:
+            conditioning["negative_prompt_2"] = _per_image(
+                negative_prompt if negative_prompt is not None else "", len(prompts), num_images, "negative_prompt"
+            )
+        return super().generate(
+            prompts,
+            negative_prompt=negative_prompt,
+            num_images=num_images,
+            seed=seed,
+            steps=steps,
+            guidance_scale=float(true_cfg_scale) if true_cfg else 1.0,
+            height=height,
+            width=width,
+            sampler=sampler,
+            image=image,
+            strength=strength,
+            **kwargs,
+            **conditioning,
+        )
+
+
+def flux_sampler(sampler: Any) -> Any:
+    """A flow-matching sampler on FluxPipeline's sigma grid (`linspace(1, 1/n, n)`, then the model's shift)."""
+    if hasattr(sampler, "sigma_grid") and sampler.sigma_grid != "flux":
+        return dataclasses.replace(sampler, sigma_grid="flux")
+    return sampler
+
+
+def _per_image(texts: str | Sequence[str], prompts: int, num_images: int, name: str) -> list[str]:
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if len(texts) == 1:
+        texts = texts * prompts
+    if len(texts) != prompts:
+        raise ValueError(f"{name}: got {len(texts)} texts for {prompts} prompts; pass one, or one per prompt")
+    return [t for t in texts for _ in range(num_images)]

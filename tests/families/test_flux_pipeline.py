@@ -1,0 +1,208 @@
+"""Flux.1 end to end against PyTorch diffusers 0.42.1: `FluxPipeline` (dev-like: guidance embedding, dynamic
+shift; schnell-like), true CFG with a negative prompt, `FluxImg2ImgPipeline` and `FluxInpaintPipeline`, on tiny
+random models saved as real diffusers folders and loaded by sdjax's own loader (tests/flux_reference.py).
+
+diffusers gets sdjax's noise (tests/inject.py: the initial noise unpacked `(N, 16, h, w)`, which FluxPipeline packs
+2x2, and the VAE posterior samples). Images in [0, 1] agree to 1e-3 absolute in float32; a wrong sigma, shift,
+packing or position id moves them by 1e-2 or more.
+"""
+
+import flux_reference
+import inject
+import numpy as np
+import pytest
+import t5_reference
+import torch
+
+from sdjax import rng
+
+ATOL = 1e-3
+PROMPTS = ["a photo of an astronaut riding a horse", "a red circle on a blue background"]
+NEGATIVE = ["blurry, low quality", "green"]
+STEPS = 4
+SIZE = 32  # pixels: 16x16 latents (VAE factor 2), 8x8 = 64 image tokens
+MAX_SEQ = 24
+
+
+@pytest.fixture(scope="module")
+def flux_models(tmp_path_factory):
+    """kind -> (torch pipeline, sdjax pipeline) for "dev" and "schnell"."""
+    from sdjax.families.flux.pipeline import FluxPipeline
+
+    tok = t5_reference.write_t5_tokenizer(tmp_path_factory.mktemp("t5-tokenizer"))
+    out = {}
+    for kind in ("dev", "schnell"):
+        torch_pipe = flux_reference.flux_pipeline(kind, seed=0, tokenizer_dir=tok)
+        folder = tmp_path_factory.mktemp(f"tiny-flux-{kind}")
+        torch_pipe.save_pretrained(folder, safe_serialization=True)
+        pipe, _ = FluxPipeline.from_pretrained(str(folder))
+        out[kind] = (torch_pipe, pipe)
+    return out
+
+
+def _latent_shape():
+    return (16, SIZE // 2, SIZE // 2)
+
+
+def _torch(pipe, keys, *, encode_streams=(), **kwargs):
+    with (
+        inject.prescribed(
+            pipe,
+            latents_noise=inject.stream(keys, rng.LATENTS, _latent_shape()),
+            encode_eps=[inject.stream(keys, s, _latent_shape()) for s in encode_streams],
+        ),
+        torch.no_grad(),
+    ):
+        return pipe(
+            height=SIZE, width=SIZE, num_inference_steps=STEPS, max_sequence_length=MAX_SEQ, output_type="np", **kwargs
+        ).images
+
+
+def _images(seed: int) -> list:
+    from PIL import Image
+
+    r = np.random.default_rng(seed)
+    base = np.zeros((SIZE, SIZE, 3), np.uint8)
+    base[..., 0] = np.linspace(0, 255, SIZE, dtype=np.uint8)[None]
+    base[8:24, 8:24] = (30, 200, 90)
+    noisy = np.clip(base.astype(int) + r.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
+    return [Image.fromarray(noisy), Image.fromarray(255 - noisy)]
+
+
+def _masks() -> list:
+    from PIL import Image
+
+    a = np.zeros((SIZE, SIZE), np.uint8)
+    a[4:20, 12:28] = 255
+    b = np.zeros((SIZE, SIZE), np.uint8)
+    b[16:, :] = 255
+    return [Image.fromarray(a), Image.fromarray(b)]
+
+
+@pytest.mark.parametrize("kind", ["dev", "schnell"])
+def test_txt2img_matches_diffusers(kind, flux_models):
+    torch_pipe, pipe = flux_models[kind]
+    keys = inject.image_keys(7, 2)
+    ref = _torch(torch_pipe, keys, prompt=PROMPTS, guidance_scale=3.5)
+    out = pipe.generate(
+        PROMPTS,
+        steps=STEPS,
+        guidance_scale=3.5,
+        height=SIZE,
+        width=SIZE,
+        seed=7,
+        max_sequence_length=MAX_SEQ,
+        output_type="np",
+    )
+    assert out.shape == ref.shape == (2, SIZE, SIZE, 3)
+    err = float(np.abs(out - ref).max())
+    assert err < ATOL, f"{kind}: max abs image error {err}"
+
+
+def test_true_cfg_with_a_negative_prompt_matches_diffusers(flux_models):
+    torch_pipe, pipe = flux_models["dev"]
+    keys = inject.image_keys(2, 2)
+    ref = _torch(torch_pipe, keys, prompt=PROMPTS, negative_prompt=NEGATIVE, true_cfg_scale=4.0, guidance_scale=2.0)
+    out = pipe.generate(
+        PROMPTS,
+        negative_prompt=NEGATIVE,
+        true_cfg_scale=4.0,
+        steps=STEPS,
+        guidance_scale=2.0,
+        height=SIZE,
+        width=SIZE,
+        seed=2,
+        max_sequence_length=MAX_SEQ,
+        output_type="np",
+    )
+    plain = pipe.generate(PROMPTS, steps=STEPS, guidance_scale=2.0, height=SIZE, width=SIZE, seed=2, output_type="np")
+    assert float(np.abs(out - ref).max()) < ATOL
+    assert float(np.abs(out - plain).max()) > 1e-2  # the negative branch did something
+
+
+def test_img2img_matches_diffusers(flux_models):
+    import diffusers
+
+    torch_pipe, pipe = flux_models["dev"]
+    torch_i2i = diffusers.FluxImg2ImgPipeline(**torch_pipe.components)
+    keys = inject.image_keys(4, 2)
+    images = _images(0)
+    for strength in (0.6, 1.0):
+        ref = _torch(
+            torch_i2i,
+            keys,
+            encode_streams=[rng.ENCODE_IMAGE],
+            prompt=PROMPTS,
+            image=images,
+            strength=strength,
+            guidance_scale=3.5,
+        )
+        out = pipe.generate(
+            PROMPTS,
+            image=images,
+            strength=strength,
+            steps=STEPS,
+            guidance_scale=3.5,
+            seed=4,
+            max_sequence_length=MAX_SEQ,
+            output_type="np",
+        )
+        assert float(np.abs(out - ref).max()) < ATOL, strength
+
+
+def test_inpaint_matches_diffusers(flux_models):
+    import diffusers
+
+    torch_pipe, pipe = flux_models["dev"]
+    torch_inp = diffusers.FluxInpaintPipeline(**torch_pipe.components)
+    keys = inject.image_keys(3, 2)
+    images, masks = _images(1), _masks()
+    ref = _torch(
+        torch_inp,
+        keys,
+        encode_streams=[rng.ENCODE_IMAGE, rng.ENCODE_MASKED_IMAGE],  # diffusers encodes the masked image too, unused
+        prompt=PROMPTS,
+        image=images,
+        mask_image=masks,
+        strength=0.7,
+        guidance_scale=3.5,
+    )
+    out = pipe.generate(
+        PROMPTS,
+        image=images,
+        mask_image=masks,
+        strength=0.7,
+        steps=STEPS,
+        guidance_scale=3.5,
+        seed=3,
+        max_sequence_length=MAX_SEQ,
+        output_type="np",
+    )
+    assert float(np.abs(out - ref).max()) < ATOL
+
+
+def test_sampler_names_on_a_flux_model(flux_models):
+    """A1111/Forge names map to the flow samplers ("Euler" is flow Euler on FluxPipeline's grid, the default);
+    a sampler with no flow form is refused naming it, before anything compiles."""
+    _, pipe = flux_models["dev"]
+    assert pipe._sampler("Euler") == pipe._sampler(None)
+    assert type(pipe._sampler("DPM++ 2M")).__name__ == "DPMSolverMultistep"
+    assert pipe._sampler("DPM++ 2M").use_flow_sigmas
+    kwargs = dict(steps=3, height=SIZE, width=SIZE, seed=1, max_sequence_length=MAX_SEQ, output_type="np")
+    euler = pipe.generate(PROMPTS[:1], sampler="Euler", **kwargs)
+    dpm = pipe.generate(PROMPTS[:1], sampler="DPM++ 2M", **kwargs)
+    assert np.isfinite(dpm).all() and float(np.abs(euler - dpm).max()) > 1e-3
+    compiles = pipe.generator.cache.stats.compiles
+    with pytest.raises(ValueError, match="DDIM"):
+        pipe.generate(PROMPTS[:1], sampler="DDIM", **kwargs)
+    assert pipe.generator.cache.stats.compiles == compiles
+
+
+def test_bad_input_is_refused_by_name(flux_models):
+    _, pipe = flux_models["dev"]
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        pipe.generate("a cat", max_sequence_length=513, height=SIZE, width=SIZE)
+    with pytest.raises(ValueError, match="prompt_2"):
+        pipe.generate(["a", "b"], prompt_2=["x", "y", "z"], height=SIZE, width=SIZE)
+    with pytest.raises(ValueError, match="height=36"):
+        pipe.generate("a cat", height=36, width=SIZE)
