@@ -192,7 +192,7 @@ def check_clip_skip(pipe, clip_skip: int) -> None:
     layers = [
         enc.config.num_hidden_layers
         for enc in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None))
-        if enc is not None
+        if enc is not None and hasattr(enc.config, "num_hidden_layers")  # CLIP towers (not Flux's T5)
     ]
     if layers and not 1 <= clip_skip <= min(layers):
         raise typer.BadParameter(
