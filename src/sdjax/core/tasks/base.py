@@ -103,6 +103,7 @@ def check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
 # ----------------------------------------------------------------------------------------------- the window
 STRENGTH_RULES = ("int", "float")
 
+
 def sampler_timesteps(sampler, steps: int) -> np.ndarray:
     """The timesteps fed to the model at each model call (one per call)."""
     return np.asarray(sampler.timesteps_for(steps))
