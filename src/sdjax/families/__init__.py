@@ -83,6 +83,18 @@ FAMILIES: dict[str, Family] = {
         denoiser_component="transformer",
         lora_prefixes=("lora_unet_double_blocks_", "lora_unet_single_blocks_", "transformer."),
     ),
+    "sd3": Family(
+        name="sd3",
+        title="Stable Diffusion 3 / 3.5",
+        pipeline="sdjax.families.sd3.pipeline:StableDiffusion3Pipeline",
+        model_index_classes=(
+            "StableDiffusion3Pipeline",
+            "StableDiffusion3Img2ImgPipeline",
+            "StableDiffusion3InpaintPipeline",
+        ),
+        defaults=Defaults(size=(1024, 1024), steps=28, guidance_scale=7.0),
+        denoiser_component="transformer",
+    ),
 }
 
 

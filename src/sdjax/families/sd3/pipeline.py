@@ -1,0 +1,278 @@
+"""Stable Diffusion 3 / 3.5 (SD 3 medium, SD 3.5 medium, large, large turbo and their fine-tunes) as an sdjax
+pipeline: diffusers' `StableDiffusion3Pipeline`, `StableDiffusion3Img2ImgPipeline` and
+`StableDiffusion3InpaintPipeline` in one class.
+
+`StableDiffusion3Pipeline.from_pretrained(folder) -> (pipeline, params)` loads the stabilityai layout (CLIP-L and
+CLIP-G with projection, T5 v1.1 XXL, the MMDiT transformer, the 16-channel VAE, `FlowMatchEulerDiscreteScheduler`),
+sharded safetensors included; `text_encoder_3` may be null in `model_index.json` or left out with
+`text_encoder_3=None` (T5's part of the text is then zeros, as in diffusers). `generate` takes diffusers' arguments:
+
+- `guidance_scale` (7.0; SD 3.5 large turbo: 0, one branch) with `negative_prompt`: classifier-free guidance;
+- `prompt_2` / `prompt_3` (CLIP-G / T5 texts; default: the prompt), `negative_prompt_2` / `negative_prompt_3`
+  (default: the negative prompt); `max_sequence_length` (T5 tokens, 256);
+- `skip_guidance_layers` (e.g. `[7, 8, 9]` for SD 3.5 medium), `skip_layer_guidance_scale` (2.8),
+  `skip_layer_guidance_start` (0.01) / `_stop` (0.2): skip-layer guidance on the steps i with
+  `steps * start < i < steps * stop`, text-to-image only (as diffusers: its img2img and inpaint pipelines have none);
+- `image` + `strength` (0.6): image-to-image; `image` + `mask_image` (+ `strength`, 0.6): inpainting by latent
+  blending (StableDiffusion3InpaintPipeline with a 16-channel transformer);
+- `noise`: the initial noise `(N, 16, H/8, W/8)` (diffusers' `latents=`).
+
+The sampler is flow-matching Euler with the model's shift (3.0) on diffusers' own sigma grid (`sigma_grid=
+"scheduler"`, what the SD 3 pipelines use); img2img's first step follows the "float" strength rule. diffusers'
+img2img and inpaint pipelines default to 50 steps; `generate` uses the family's 28 for every task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax.families import FAMILIES
+from sdjax.families.flux.pipeline import T5_ENCODER, _load_t5_tokenizer
+from sdjax.families.sd3.conditioning import DEFAULT_SEQUENCE_LENGTH, SD3Conditioning, check_max_sequence_length
+from sdjax.families.sd3.denoiser import SD3Denoiser
+from sdjax.loading.components import ModelSpec, model_loader
+from sdjax.models.sd3 import check_skip_layers
+from sdjax.pipelines.base import DiffusionPipeline
+
+FAMILY = FAMILIES["sd3"]
+
+SD3_TRANSFORMER = ModelSpec(
+    "sdjax.models.sd3", "SD3TransformerConfig", "SD3Transformer2DModel", "convert_sd3_transformer", "sd3"
+)
+STRENGTH = 0.6  # StableDiffusion3Img2ImgPipeline's and StableDiffusion3InpaintPipeline's default
+
+
+class StableDiffusion3Pipeline(DiffusionPipeline):
+    """SD 3 / 3.5 text-to-image, image-to-image and inpainting (see the module docstring)."""
+
+    model_index_classes = FAMILY.model_index_classes
+    default_steps = FAMILY.defaults.steps
+    default_guidance_scale = FAMILY.defaults.guidance_scale
+    # The model classes only this family (and Flux, for T5) uses: (library, class) -> loader.
+    component_loaders = {
+        ("transformers", "T5EncoderModel"): model_loader(T5_ENCODER),
+        ("transformers", "T5TokenizerFast"): _load_t5_tokenizer,
+        ("transformers", "T5Tokenizer"): _load_t5_tokenizer,
+        ("diffusers", "SD3Transformer2DModel"): model_loader(SD3_TRANSFORMER),
+    }
+    latent_rgb_factors = None  # no linear preview map yet: previews show the first three latent channels
+
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        text_encoder,
+        tokenizer_2,
+        text_encoder_2,
+        transformer,
+        vae,
+        scheduler,
+        tokenizer_3=None,
+        text_encoder_3=None,
+        dtype=jnp.float32,
+        name: str = "",
+        params: dict | None = None,
+        max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH,
+    ):
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.tokenizer_2 = tokenizer_2
+        self.text_encoder_2 = text_encoder_2
+        if text_encoder_3 is not None and tokenizer_3 is None:
+            raise ValueError("text_encoder_3 (T5) needs tokenizer_3")
+        self.tokenizer_3 = tokenizer_3 if text_encoder_3 is not None else None
+        self.text_encoder_3 = text_encoder_3
+        self.transformer = transformer
+        self._max_sequence_length = check_max_sequence_length(max_sequence_length)
+        pooled = sum(int(e.config.projection_dim) for e in (text_encoder, text_encoder_2))
+        if pooled != transformer.config.pooled_projection_dim:
+            raise ValueError(
+                f"SD 3: the two CLIP projections are {pooled} wide together, the transformer's "
+                f"pooled_projection_dim is {transformer.config.pooled_projection_dim}"
+            )
+        super().__init__(
+            denoiser=SD3Denoiser(transformer, dtype),
+            vae=vae,
+            scheduler=sd3_sampler(scheduler),
+            dtype=dtype,
+            name=name,
+            params=params,
+        )
+        self.generator.strength_rule = "float"  # StableDiffusion3Img2ImgPipeline.get_timesteps
+
+    def _conditioning(self):
+        return SD3Conditioning(
+            self.tokenizer,
+            self.text_encoder,
+            self.tokenizer_2,
+            self.text_encoder_2,
+            self.tokenizer_3,
+            self.text_encoder_3,
+            int(self.transformer.config.joint_attention_dim),
+            self._max_sequence_length,
+        )
+
+    def _replace_models(self, **models) -> None:
+        """Swap the generator's conditioning or denoiser: the programs' shapes or contents change, so compiled
+        programs are dropped."""
+        gen = self.generator
+        gen.models = dataclasses.replace(gen.models, **models)
+        gen.cache.clear()
+        gen._pmapped.clear()
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5 tokens per prompt (zeros without T5). Setting it drops the compiled programs."""
+        return self._max_sequence_length
+
+    @max_sequence_length.setter
+    def max_sequence_length(self, n: int) -> None:
+        n = check_max_sequence_length(n)
+        if n != self._max_sequence_length:
+            self._max_sequence_length = n
+            self._replace_models(conditioning=self._conditioning())
+
+    @property
+    def skip_guidance_layers(self) -> tuple[int, ...]:
+        """The transformer blocks that skip-layer guidance leaves out, compiled into the programs (empty: none).
+        `generate(skip_guidance_layers=...)` sets it; a call without it keeps them compiled but off (scale 0)."""
+        return self.generator.models.denoiser.skip_layers
+
+    @skip_guidance_layers.setter
+    def skip_guidance_layers(self, layers: Sequence[int]) -> None:
+        layers = tuple(sorted(check_skip_layers(layers, self.transformer.config.num_layers)))
+        if layers != self.skip_guidance_layers:
+            self.denoiser = self.generator.models.denoiser.with_skip_layers(layers)
+            self._replace_models(denoiser=self.denoiser)
+
+    @property
+    def is_inpainting_model(self) -> bool:
+        return False  # a 16-channel transformer inpaints by latent blending (StableDiffusion3InpaintPipeline)
+
+    def _sampler(self, name) -> Any:
+        return sd3_sampler(super()._sampler(name))
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        negative_prompt: str | Sequence[str] | None = None,
+        num_images: int = 1,
+        seed: int = 0,
+        steps: int | None = None,
+        guidance_scale: float | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        sampler=None,
+        *,
+        prompt_2: str | Sequence[str] | None = None,
+        prompt_3: str | Sequence[str] | None = None,
+        negative_prompt_2: str | Sequence[str] | None = None,
+        negative_prompt_3: str | Sequence[str] | None = None,
+        max_sequence_length: int | None = None,
+        skip_guidance_layers: Sequence[int] | None = None,
+        skip_layer_guidance_scale: float = 2.8,
+        skip_layer_guidance_start: float = 0.01,
+        skip_layer_guidance_stop: float = 0.2,
+        image=None,
+        strength: float | None = None,
+        **kwargs,
+    ):
+        """See the module docstring and `DiffusionPipeline.generate` (the task, size, noise and output arguments).
+        `max_sequence_length` None keeps the pipeline's (256 unless set)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if max_sequence_length is not None:
+            self.max_sequence_length = max_sequence_length
+        if image is not None and strength is None:
+            strength = STRENGTH
+        # CLIP-L reads (negative_)prompt; CLIP-G and T5 read it too unless given texts of their own (diffusers:
+        # `prompt_2 or prompt`, `negative_prompt_2 or negative_prompt`: an empty text means "the prompt's").
+        conditioning: dict[str, Any] = {}
+        for key, texts in (
+            ("prompt_2", prompt_2),
+            ("prompt_3", prompt_3),
+            ("negative_prompt_2", negative_prompt_2),
+            ("negative_prompt_3", negative_prompt_3),
+        ):
+            if texts:
+                conditioning[key] = _per_image(texts, len(prompts), num_images, key)
+        if skip_guidance_layers is not None:
+            if image is not None:
+                raise ValueError(
+                    "skip_guidance_layers: skip-layer guidance is text-to-image only (diffusers' SD 3 img2img and "
+                    "inpaint pipelines have none)"
+                )
+            if kwargs.get("guidance_rescale"):
+                raise ValueError("skip_guidance_layers and guidance_rescale cannot be combined")
+            check_skip_layers(skip_guidance_layers, self.transformer.config.num_layers)
+            conditioning.update(
+                self._skip_layer_guidance(
+                    steps=self.default_steps if steps is None else steps,
+                    sampler=sampler,
+                    height=height,
+                    width=width,
+                    scale=skip_layer_guidance_scale,
+                    start=skip_layer_guidance_start,
+                    stop=skip_layer_guidance_stop,
+                )
+            )
+            self.skip_guidance_layers = skip_guidance_layers  # after the checks: a bad call changes nothing
+        return super().generate(
+            prompts,
+            negative_prompt=negative_prompt,
+            num_images=num_images,
+            seed=seed,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            height=height,
+            width=width,
+            sampler=sampler,
+            image=image,
+            strength=strength,
+            **kwargs,
+            **conditioning,
+        )
+
+    def _skip_layer_guidance(self, *, steps, sampler, height, width, scale, start, stop) -> dict[str, Any]:
+        """The conditioning options of skip-layer guidance: its scale and the model timesteps of the first and last
+        step i with `steps * start < i < steps * stop` (StableDiffusion3Pipeline's rule; i counts model calls)."""
+        for name, value in (("skip_layer_guidance_start", start), ("skip_layer_guidance_stop", stop)):
+            if not 0 <= float(value) <= 1:
+                raise ValueError(f"{name}={value!r} must lie in [0, 1]")
+        if not np.isfinite(scale):
+            raise ValueError(f"skip_layer_guidance_scale={scale!r} must be a finite number")
+        dh, dw = self.default_size
+        f = self.vae_scale_factor
+        shape = (1, int(self.vae.config.latent_channels), (height or dh) // f, (width or dw) // f)
+        timesteps = _timesteps(self._sampler(sampler), int(steps), shape)
+        covered = [i for i in range(len(timesteps)) if steps * start < i < steps * stop]
+        span = (float(timesteps[covered[0]]), float(timesteps[covered[-1]])) if covered else None
+        return {"skip_layer_guidance_scale": float(scale), "skip_layer_guidance_timesteps": span}
+
+
+def sd3_sampler(sampler: Any) -> Any:
+    """A flow-matching sampler on diffusers' own sigma grid (what the SD 3 pipelines use)."""
+    if hasattr(sampler, "sigma_grid") and sampler.sigma_grid != "scheduler":
+        return dataclasses.replace(sampler, sigma_grid="scheduler")
+    return sampler
+
+
+def _timesteps(sampler: Any, steps: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The sampler's model timesteps for `steps` (the latent shape for the samplers whose schedule depends on it)."""
+    if "shape" in inspect.signature(sampler.timesteps_for).parameters:
+        return np.asarray(sampler.timesteps_for(steps, shape), np.float32)
+    return np.asarray(sampler.timesteps_for(steps), np.float32)
+
+
+def _per_image(texts: str | Sequence[str], prompts: int, num_images: int, name: str) -> list[str]:
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    if len(texts) == 1:
+        texts = texts * prompts
+    if len(texts) != prompts:
+        raise ValueError(f"{name}: got {len(texts)} texts for {prompts} prompts; pass one, or one per prompt")
+    return [t for t in texts for _ in range(num_images)]
