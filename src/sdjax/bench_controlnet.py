@@ -142,7 +142,7 @@ def run(cfg: ControlNetBenchConfig, log: Callable[[str], None] = lambda s: None)
             if k:
                 hook = ControlSpec((net,) * k).hook(
                     nets_p, {"control_image": images, "control_scales": scales},
-                    context=context, added=added, cfg=True, latent_channels=x.shape[1],
+                    cond=(context, added), cfg=True, latent_channels=x.shape[1],
                 )  # fmt: skip
                 kwargs = hook.model_kwargs(0, x, t)
             return unet.apply({"params": unet_p}, x, t, context, **added, **kwargs)

@@ -398,10 +398,17 @@ BAD_INPUT = {
         r"'UNet3DConditionModel'\]",
     ),
     "unknown scheduler": (
+        lambda f: edit_json(f / "model_index.json", scheduler=["diffusers", "CMStochasticIterativeScheduler"]),
+        {},
+        ValueError,
+        r"scheduler: \['diffusers', 'CMStochasticIterativeScheduler'\].*PNDMScheduler",
+    ),
+    # a flow-matching scheduler on an SD model's (variance-preserving) config: its betas would be dropped
+    "flow scheduler on an SD model": (
         lambda f: edit_json(f / "model_index.json", scheduler=["diffusers", "FlowMatchEulerDiscreteScheduler"]),
         {},
         ValueError,
-        r"scheduler: \['diffusers', 'FlowMatchEulerDiscreteScheduler'\].*PNDMScheduler",
+        r"scheduler_config.json: FlowMatchEulerDiscreteScheduler config: .*variance-preserving",
     ),
     "bad config key": (
         lambda f: edit_json(f / "vae" / "config.json", new_arch_knob=3),
