@@ -95,6 +95,9 @@ LONGEST_FIRST = (
     "tests/aot/test_aot.py",
     "tests/models/test_unet.py",
     "tests/pipelines/test_guide_img2img_inpaint.py",
+    "tests/families/test_flux_pipeline.py",
+    "tests/server/test_schemathesis.py",
+    "tests/families/test_sd3_pipeline.py",
 )
 
 

@@ -349,8 +349,21 @@ def generate(
     ] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="Sampling steps. Default: the pipeline's (50).")] = None,
     guidance_scale: Annotated[
-        float, typer.Option("--guidance-scale", "-g", min=0.0, help="Classifier-free guidance (CFG) scale.")
-    ] = 7.5,
+        float | None,
+        typer.Option(
+            "--guidance-scale",
+            "-g",
+            min=0.0,
+            help="Classifier-free guidance (CFG) scale. Default: 7.5; 1 (off) for Flux, whose distilled guidance is "
+            "--distilled-guidance.",
+        ),
+    ] = None,
+    distilled_guidance: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, help="Flux dev's distilled guidance (Forge's 'Distilled CFG Scale'). Default: the model's (3.5)."
+        ),
+    ] = None,
     width: Annotated[
         int | None, typer.Option("--width", "-W", min=8, help="Width in pixels, a multiple of 8. Default: the model's.")
     ] = None,
@@ -541,6 +554,13 @@ def generate(
             for path in weights.embeddings:
                 pipe.load_textual_inversion(path, token=path.stem, allow_pickle=allow_pickle)  # A1111: file name
             model_hash = cli_models.model_hash(weights)
+            if distilled_guidance is not None:
+                if not hasattr(pipe, "distilled_guidance_scale"):
+                    raise typer.BadParameter(
+                        "this model has no distilled guidance (Flux dev has); use --guidance-scale",
+                        param_hint="--distilled-guidance",
+                    )
+                pipe.distilled_guidance_scale = distilled_guidance
         except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
             if bars:
                 bars.stop()
@@ -876,6 +896,8 @@ def _request(
     import random
 
     dh, dw = pipe.default_size
+    if guidance_scale is None:  # the face's default CFG scale: A1111's 7.5; Forge's 1 for guidance-distilled Flux
+        guidance_scale = getattr(pipe, "cfg_scale_default", 7.5)
     request = metadata.GenerationRequest(
         prompt=prompt,
         negative_prompt=negative_prompt,
@@ -1702,7 +1724,12 @@ def pnginfo(
     """Print the generation parameters stored in PNG files (sdjax, AUTOMATIC1111 and compatible tools)."""
     status = 0
     for path in files:
-        text = metadata.read_parameters(path)
+        try:
+            text = metadata.read_parameters(path)
+        except Exception as e:  # a file that is not an image, or a truncated or corrupt one: one line, go on
+            typer.echo(f"{path}: {_unreadable(e)}", err=True)
+            status = 1
+            continue
         if text is None:
             typer.echo(f"{path}: no parameters chunk", err=True)
             status = 1
@@ -1712,6 +1739,19 @@ def pnginfo(
         else:
             typer.echo(f"{path}:\n{text}\n" if len(files) > 1 else text)
     raise typer.Exit(status)
+
+
+def _unreadable(error: Exception) -> str:
+    """Why `metadata.read_parameters` could not read a file, in words (for `pnginfo`)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(error, UnidentifiedImageError):
+        return "not an image (pnginfo reads PNG files)"
+    if isinstance(error, OSError) and error.errno is not None:
+        return f"cannot read it: {error.strerror or error}"
+    if isinstance(error, (OSError, SyntaxError, ValueError, EOFError)):
+        return f"truncated or corrupt image ({error})"
+    raise error
 
 
 def main() -> None:

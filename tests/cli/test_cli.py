@@ -146,6 +146,24 @@ def test_pnginfo(fake, tmp_path):
     assert r.exit_code == 1 and "no parameters" in r.stderr
 
 
+def test_pnginfo_on_files_it_cannot_read(fake, tmp_path):
+    """A truncated PNG or a file that is no image: one line naming the file and why, exit 1, and the other files
+    are still read (no traceback)."""
+    run("generate", "kept", "-o", str(tmp_path), "-q")
+    (good,) = tmp_path.glob("*.png")
+    truncated, text = tmp_path / "truncated.png", tmp_path / "notes.png"
+    data = good.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    text.write_text("not a picture\n")
+    r = run("pnginfo", str(truncated), str(text), str(good))
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.exception
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"{truncated}: truncated or corrupt image")
+    assert lines[1] == f"{text}: not an image (pnginfo reads PNG files)"
+    assert "kept" in r.stdout  # the readable file is still printed
+
+
 @pytest.mark.parametrize(
     "args,hint",
     [

@@ -185,9 +185,12 @@ class FakePipeline:
                     time.sleep(self.delay_s / steps)
                 record["steps_run"] = i + 1
                 if progress and self.report_latents:
-                    latents = np.full((len(prompts), 4, height // 8, width // 8), i / steps, np.float32)
-                    latents[:, 0] = np.linspace(0, 1, width // 8)[None, None, :]
-                    progress("denoise", i + 1, steps, latents=latents)
+                    progress(
+                        "denoise",
+                        i + 1,
+                        steps,
+                        latents=self.reported_latents(len(prompts), height, width, i + 1, steps),
+                    )
                 elif progress:
                     progress("denoise", i + 1, steps)
             if progress:
@@ -202,6 +205,19 @@ class FakePipeline:
             record["ended"] = time.monotonic()
             with self._lock:
                 self._active -= 1
+
+    def decode_latents(self, latents, params=None) -> np.ndarray:
+        """The fake's VAE: uint8 `(N, 8h, 8w, 3)` of the first three latent channels clipped to [0, 1], each latent
+        pixel an 8x8 block (what `server.partial` decodes an interrupted batch's latents with)."""
+        x = np.clip(np.asarray(latents, np.float32)[:, :3], 0, 1).repeat(8, axis=2).repeat(8, axis=3)
+        return np.round(x.transpose(0, 2, 3, 1) * 255).astype(np.uint8)
+
+    @staticmethod
+    def reported_latents(n: int, height: int, width: int, step: int, steps: int) -> np.ndarray:
+        """The latents the fake reports after step `step` (1-based) of `steps` (with `report_latents`)."""
+        latents = np.full((n, 4, height // 8, width // 8), (step - 1) / steps, np.float32)
+        latents[:, 0] = np.linspace(0, 1, width // 8)[None, None, :]
+        return latents
 
     def warmup(self, batch_size, height, width, steps, sampler=None) -> None:
         self.warmups.append((batch_size, height, width, steps, sampler))

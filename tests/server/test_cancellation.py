@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from fake_pipeline import FakePipeline, FakePipelineWithoutStop
 from server_helpers import SpawnedServer, check_image, client, decode_png, live_server
@@ -127,6 +128,31 @@ def test_interrupt_ends_the_request_with_the_images_made_so_far():
         check_image(body["images"][0], seed=40, prompt="long")
         calls = calls_with(pipe, "long")
         assert len(calls) == 2 and calls[1]["stopped"] and calls[1]["steps_run"] < 10  # no third batch
+
+
+def test_interrupt_answers_with_the_running_batch_decoded_from_its_latents():
+    """AUTOMATIC1111's interrupt ends the request with the partly denoised images of the running batch: the
+    pipeline's VAE decode of the latents of the last step before the interrupt (here the fake's)."""
+    pipe = FakePipeline(delay_s=1.0, report_latents=True)  # 10 steps of 0.1 s per batch
+    with live_server(pipe, warm=False, max_batch=2, batch_window_s=0.0) as s, client(s.url) as c:
+        out = {}
+        body = {"prompt": "partly", "batch_size": 2, "n_iter": 2, "seed": 50, "steps": 10, "width": 64, "height": 32}
+        t = _a1111_in_thread(s.url, body, out)
+        wait_until(lambda: calls_with(pipe, "partly") and calls_with(pipe, "partly")[0]["steps_run"] >= 3,
+                   what="step 3 of the first batch")  # fmt: skip
+        assert c.post("/sdapi/v1/interrupt").json()["interrupted"]
+        t.join(10)
+        body = out["r"].json()
+        info = json.loads(body["info"])
+        assert out["r"].status_code == 200 and info["stopped"] == "interrupt"
+        assert info["all_seeds"] == [50, 51] and len(body["images"]) == 2  # the second batch never ran
+        (call,) = calls_with(pipe, "partly")
+        assert call["stopped"] and 3 <= call["steps_run"] < 10
+        want = pipe.decode_latents(FakePipeline.reported_latents(2, 32, 64, call["steps_run"], 10))
+        for k, image in enumerate(body["images"]):
+            pixels, text = decode_png(image)
+            np.testing.assert_array_equal(pixels, want[k])
+            assert metadata.parameters_from_text(text).seed == 50 + k
 
 
 def test_skip_drops_the_running_batch_and_goes_on():

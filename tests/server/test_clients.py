@@ -1,18 +1,23 @@
 """The real clients, unmodified, against a live server on 127.0.0.1: the `openai` package (images.generate with
 b64_json and url, errors as its exceptions, the API key) and `webuiapi` (txt2img, interrupt, skip, progress,
-schedulers, png-info, options and model switching, basic auth). img2img comes with the generation core."""
+schedulers, png-info, options and model switching, basic auth, ControlNet detect, the informational GETs), and
+the `openai` client's image streaming. img2img comes with the generation core."""
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from fake_pipeline import FakePipeline
+from PIL import Image
 from server_helpers import check_image, live_server
 
-from sdjax import metadata
+from sdjax import metadata, preprocess
 from sdjax.samplers import a1111
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
@@ -28,8 +33,8 @@ def host_port(url: str) -> tuple[str, int]:
 
 @pytest.fixture(scope="module")
 def server():
-    with live_server(FakePipeline(delay_s=0.5), api_key=KEY, api_auth=(("user", "pass"),), max_batch=2,
-                     warm=False) as s:  # fmt: skip
+    pipe = FakePipeline(delay_s=0.5, report_latents=True)
+    with live_server(pipe, api_key=KEY, api_auth=(("user", "pass"),), max_batch=2, warm=False) as s:
         yield s
 
 
@@ -97,8 +102,9 @@ def test_webuiapi_interrupt_and_skip(server, action):
     getattr(api, action)()
     t.join(20)
     result = out["r"]
-    if action == "interrupt":  # the request ends with the images made so far: none
-        assert result.images == [] and result.info["stopped"] == "interrupt"
+    if action == "interrupt":  # the request ends with the running batch's images, decoded from its latents
+        assert result.info["all_seeds"] == [30, 31] and result.info["stopped"] == "interrupt"
+        assert len(result.images) == 2 and result.image.size == (64, 64)  # A1111's partly denoised images
     else:  # the running batch (seeds 30, 31) is dropped; the last image is made
         assert result.info["all_seeds"] == [32] and result.info["stopped"] == "skip"
         check_image(webuiapi.raw_b64_img(result.images[0]), seed=32)
@@ -110,3 +116,53 @@ def test_webuiapi_without_credentials_fails_cleanly(server):
     with pytest.raises(RuntimeError) as e:
         api.txt2img(prompt="x", width=64, height=64)
     assert e.value.args[0] == 401 and "Incorrect username or password" in e.value.args[1]
+
+
+def test_webuiapi_controlnet_detect_and_version(server):
+    """`controlnet_detect()` sends its images as `controlnet_images`; `controlnet_version()` reads
+    `/controlnet/version`'s `version` (sd-webui-controlnet's API version)."""
+    api = webui(server)
+    assert api.controlnet_version() == 2
+    pixels = np.random.default_rng(3).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+    r = api.controlnet_detect([Image.fromarray(pixels)], module="invert")
+    assert r.info == "Success" and len(r.images) == 1
+    np.testing.assert_array_equal(np.asarray(r.image.convert("RGB")), preprocess.invert(pixels))
+
+
+def test_webuiapi_informational_calls(server):
+    api = webui(server)
+    assert api.get_cmd_flags()["api"] is True
+    assert [u["name"] for u in api.get_upscalers()] == ["Lanczos", "Nearest"]
+    assert "Latent" in [m["name"] for m in api.get_latent_upscale_modes()]
+    assert api.get_scripts() == {"txt2img": [], "img2img": []}
+    assert set(api.get_memory()) == {"ram", "cuda"} and api.get_prompt_styles() == []
+    with pytest.raises(RuntimeError) as e:
+        api.txt2img(prompt="x", width=64, height=64, script_name="x/y/z plot")
+    assert e.value.args[0] == 422 and "script_name" in e.value.args[1]
+
+
+def test_openai_image_streaming():
+    """`images.generate(stream=True, partial_images=2)`: two partial images (the fake's decode of the latents at
+    1/3 and 2/3 of the steps or later), then one completed image per image, as the client's stream yields them."""
+    pytest.importorskip("openai.types.image_gen_stream_event", reason="an openai client with image streaming")
+    pipe = FakePipeline(delay_s=2.0, report_latents=True)
+    with live_server(pipe, warm=False, max_batch=2) as s:
+        api = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        stream = api.images.generate(
+            prompt="a harbour", n=2, size="64x32", stream=True, partial_images=2, extra_body={"seed": 5, "steps": 10}
+        )
+        events = list(stream)
+        assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"] * 2
+        assert [e.partial_image_index for e in events[:2]] == [0, 1]
+        assert all(e.size == "64x32" and e.output_format == "png" for e in events)
+        for k, e in enumerate(events[2:]):
+            check_image(e.b64_json, prompt="a harbour", seed=5 + k, width=64, height=32)
+        decoded = {k: pipe.decode_latents(FakePipeline.reported_latents(1, 32, 64, k, 10))[0] for k in range(1, 11)}
+        steps = []
+        for e in events[:2]:
+            pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(e.b64_json))))
+            steps.append(next(step for step, want in decoded.items() if np.array_equal(pixels, want)))
+        assert 4 <= steps[0] < steps[1] and steps[1] >= 7  # at 1/3 and 2/3 of the 10 steps or later
+        with pytest.raises(openai.UnprocessableEntityError) as e:
+            list(api.images.generate(prompt="x", stream=True, response_format="url"))
+        assert e.value.body["param"] == "response_format"

@@ -80,7 +80,11 @@ def test_unit_gives_the_api_image(setup):
             "alwayson_scripts.controlnet.args[0].control_mode",
             "balanced",
         ),
-        ({"resize_mode": "Resize and Fill"}, "alwayson_scripts.controlnet.args[0].resize_mode", "just resize"),
+        ({"resize_mode": "Resize Somehow"}, "alwayson_scripts.controlnet.args[0].resize_mode", "resize and fill"),
+        ({"resize_mode": 7}, "alwayson_scripts.controlnet.args[0].resize_mode", "just resize"),
+        ({"hr_option": "Mid res only"}, "alwayson_scripts.controlnet.args[0].hr_option", "low res only"),
+        ({"resize_mode": [1]}, "alwayson_scripts.controlnet.args[0].resize_mode", "just resize"),  # no 500
+        ({"control_mode": {}}, "alwayson_scripts.controlnet.args[0].control_mode", "balanced"),
         ({"weight": "heavy"}, "alwayson_scripts.controlnet.args[0].weight", "number"),
         ({"image": "not base64!"}, "alwayson_scripts.controlnet.args[0].image", "base64"),
         ({"frobnicate": 1}, "alwayson_scripts.controlnet.args[0]", "unknown key"),
@@ -95,3 +99,36 @@ def test_other_scripts_are_refused(setup):
     *_, b64, c = setup
     body = {"prompt": "x", "alwayson_scripts": {"ADetailer": {"args": []}}}
     assert_error(c.post(A1111, json=body), 422, "alwayson_scripts", "not supported")
+
+
+def test_webuiapi_controlnet_unit(setup):
+    """webuiapi's own `ControlNetUnit` as it sends it: `hr_option` ("Both") and its default resize mode "Resize and
+    Fill" (the extension's outer fit: a 64x32 map on a 64x64 image is centred on its median border colour)."""
+    webuiapi = pytest.importorskip("webuiapi", reason="the test extra installs webuiapi")
+    pipe, root, pixels, _, c = setup
+    wide = pixels[16:48]  # 64 wide, 32 high
+    host, port = str(c.base_url).removeprefix("http://").rstrip("/").split(":")
+    api = webuiapi.WebUIApi(host=host, port=int(port))
+    unit = webuiapi.ControlNetUnit(image=Image.fromarray(wide), module="invert", model="tiny_canny", weight=0.7)
+    assert unit.to_dict()["resize_mode"] == "Resize and Fill" and unit.to_dict()["hr_option"] == "Both"
+    result = api.txt2img(
+        prompt="a house", seed=5, steps=2, width=64, height=64, cfg_scale=7.5, sampler_name="DDIM",
+        controlnet_units=[unit], alwayson_scripts={},  # (webuiapi adds the units to its default dict otherwise)
+    )  # fmt: skip
+    inverted = preprocess.invert(wide)
+    border = np.concatenate([inverted[0], inverted[-1], inverted[:, 0], inverted[:, -1]])
+    filled = np.tile(np.median(border, axis=0).astype(np.uint8), (64, 64, 1))
+    filled[16:48] = inverted  # the extension's outer fit: scale 1, 16 rows of border colour above and below
+    ref = pipe.generate(
+        "a house", seed=5, steps=2, height=64, width=64, guidance_scale=7.5, sampler="DDIM",
+        controlnet=str(root / "tiny_canny"), control_image=filled, controlnet_conditioning_scale=0.7,
+        progress=lambda stage, step, total, latents=None: None,
+    )[0]  # fmt: skip
+    ours = np.asarray(result.image.convert("RGB"), np.int16)
+    assert np.abs(ours - np.asarray(ref, np.int16)).max() <= 1
+    stretched = pipe.generate(
+        "a house", seed=5, steps=2, height=64, width=64, guidance_scale=7.5, sampler="DDIM",
+        controlnet=str(root / "tiny_canny"), control_image=inverted, controlnet_conditioning_scale=0.7,
+        progress=lambda stage, step, total, latents=None: None,
+    )[0]  # fmt: skip
+    assert np.abs(ours - np.asarray(stretched, np.int16)).max() > 5  # not the map stretched to the image

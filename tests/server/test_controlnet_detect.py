@@ -97,7 +97,9 @@ def test_detect_processor_res_and_other_modules(c, image):
         ({"controlnet_input_images": ["not base64!"]}, "controlnet_input_images[0]", "base64"),
         ({"controlnet_input_images": "abc"}, "controlnet_input_images", "list"),
         ({"controlnet_processor_res": 0}, "controlnet_processor_res", "-1"),
-        ({"controlnet_processor_res": 64.5}, "controlnet_processor_res", "whole number"),
+        ({"controlnet_processor_res": 64.5}, "controlnet_processor_res", "integer"),
+        ({"controlnet_input_images": [], "controlnet_images": ["x"] * 4}, "controlnet_images", "at most 3"),
+        ({"controlnet_images": ["x"]}, "controlnet_images", "not both"),
         ({"controlnet_threshold_a": "low"}, "controlnet_threshold_a", "number"),
         ({"controlnet_threshold_b": "inf"}, "controlnet_threshold_b", "finite"),
         ({"controlnet_threshold_b": [1]}, "controlnet_threshold_b", "number"),
@@ -114,14 +116,14 @@ def test_a_unit_reads_the_options_as_detect_does(image):
     """A txt2img unit's map: the same function with the unit's keys (and errors named inside the unit)."""
     nets = {"net": "/nets/net"}
     raw = {"image": _png_b64(image), "model": "net", "module": "canny", "threshold_a": 20, "threshold_b": 60}
-    unit = controlnet_api._unit(raw, 0, nets, Limits())
+    unit = controlnet_api._unit(raw, 0, nets, Limits(), (64, 64))
     assert unit.module == "canny"
     np.testing.assert_array_equal(unit.image, preprocess.canny(image, 20, 60))
-    unit = controlnet_api._unit({**raw, "module": "canny", "processor_res": 24}, 0, nets, Limits())
+    unit = controlnet_api._unit({**raw, "module": "canny", "processor_res": 24}, 0, nets, Limits(), (64, 64))
     small = cv2.resize(image, (40, 24), interpolation=cv2.INTER_AREA)  # shrinking: area averaging
     np.testing.assert_array_equal(unit.image, preprocess.canny(small, 20, 60))
     with pytest.raises(FieldError) as e:
-        controlnet_api._unit({**raw, "threshold_b": "x"}, 1, nets, Limits())
+        controlnet_api._unit({**raw, "threshold_b": "x"}, 1, nets, Limits(), (64, 64))
     assert e.value.field == "alwayson_scripts.controlnet.args[1].threshold_b"
 
 

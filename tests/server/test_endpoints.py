@@ -21,7 +21,7 @@ from test_server_errors import assert_error
 
 from sdjax import metadata
 from sdjax.samplers import a1111
-from sdjax.server import Limits
+from sdjax.server import Limits, schemas
 from sdjax.server.schemas import FieldError, decode_image
 
 OPENAI = "/v1/images/generations"
@@ -251,3 +251,45 @@ def test_a1111_requests_read_a1111_prompt_syntax(server, http):
         "negative_prompt",
         "not a number",
     )
+
+
+def test_a1111_informational_endpoints(http):
+    """The GET endpoints A1111 clients call at start-up, in A1111's shapes, listing only what sdjax has."""
+    flags = http.get("/sdapi/v1/cmd-flags").json()
+    assert flags["api"] is True and flags["nowebui"] is False and flags["api_auth"] is None
+    assert flags["no_half"] is True  # the fake serves float32
+    assert not any("dir" in k for k in flags)  # the server's layout is not disclosed
+    assert http.get("/sdapi/v1/upscalers").json() == [
+        {"name": n, "model_name": None, "model_path": None, "model_url": None, "scale": None}
+        for n in ("Lanczos", "Nearest")
+    ]
+    modes = [m["name"] for m in http.get("/sdapi/v1/latent-upscale-modes").json()]
+    assert modes == ["Latent", "Latent (nearest)", "Latent (nearest-exact)"]
+    pipe = FakePipeline()
+    for name in [*modes, "Lanczos", "Nearest"]:  # each is an hr_upscaler the server takes
+        body = schemas.A1111Txt2ImgRequest(prompt="x", enable_hr=True, hr_upscaler=name)
+        schemas.resolve_a1111(body, pipe, Limits(), schemas.Defaults.of(pipe), "fake")
+    assert http.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": []}  # no --controlnet-dir here
+    memory = http.get("/sdapi/v1/memory").json()
+    assert memory["ram"]["used"] > 0 and memory["ram"]["total"] > memory["ram"]["used"]
+    assert memory["ram"]["free"] == memory["ram"]["total"] - memory["ram"]["used"]
+    assert memory["cuda"] == {"error": "unavailable"}  # the CPU reports no device memory
+    assert http.get("/sdapi/v1/prompt-styles").json() == []
+
+
+def test_scripts_list_controlnet_where_it_is_served(tmp_path):
+    with live_server(warm=False, controlnet_dir=str(tmp_path), api_auth=(("u", "p"),)) as s, client(s.url) as c:
+        c.auth = ("u", "p")
+        assert c.get("/sdapi/v1/scripts").json() == {"txt2img": ["controlnet"], "img2img": ["controlnet"]}
+        assert c.get("/sdapi/v1/cmd-flags").json()["api_auth"] == "***"  # never the credentials
+
+
+def test_script_name_is_refused_unless_empty(http):
+    body = {"prompt": "x", "seed": 3, "init_images": [png_b64((64, 64))]}
+    for path in (A1111, "/sdapi/v1/img2img"):
+        assert_error(http.post(path, json={**body, "script_name": "x/y/z plot"}), 422, "script_name", "no selectable")
+    pipe = FakePipeline()  # (the fake has no img2img: the empty names are resolved, not run)
+    for empty in (None, "", " "):
+        assert http.post(A1111, json={**body, "script_name": empty, "script_args": []}).status_code == 200
+        request = schemas.A1111Img2ImgRequest(**body, script_name=empty)
+        schemas.resolve_a1111_img2img(request, pipe, Limits(), schemas.Defaults.of(pipe), "fake")

@@ -12,6 +12,8 @@ import asyncio
 import base64
 import io
 import json
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -161,6 +163,76 @@ def test_warm_start_compiles_what_requests_run(pipe):
             assert len(compiles) == warm_compiles, f"{len(compiles) - warm_compiles} compilations while serving"
     finally:
         jax.monitoring.clear_event_listeners()
+
+
+class SlowPipeline:
+    """The real pipeline at 0.3 s per denoising step, so that a request can be interrupted mid-way; keeps the
+    latents each step reports."""
+
+    def __init__(self, pipe):
+        self.pipe, self.reported = pipe, []
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+
+    def generate_arrays(self, *args, progress=None, should_stop=None, **kwargs):
+        def slowly(stage, step, total, latents=None):
+            if latents is not None:
+                self.reported.append(np.asarray(latents))
+                time.sleep(0.3)
+            progress(stage, step, total, **({} if latents is None else {"latents": latents}))
+
+        return self.pipe.generate_arrays(*args, progress=slowly, should_stop=should_stop, **kwargs)
+
+
+def test_an_interrupted_request_answers_with_its_partly_denoised_image(pipe):
+    """AUTOMATIC1111's interrupt answers with the partly denoised image (webuiapi's `result.image`): here the VAE
+    decode of the latents of the last step before the interrupt, which is the pipeline's own decode."""
+    from sdjax.server import partial
+
+    h, w = pipe.default_size
+    slow = SlowPipeline(pipe)
+    with live_server(slow, max_batch=1, model_name="tiny", warm=False) as s, client(s.url, timeout=600) as c:
+        body = {"prompt": "a dog", "seed": 9, "steps": 8}
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=c.post("/sdapi/v1/txt2img", json=body)))
+        t.start()
+        deadline = time.monotonic() + 300  # the first request compiles
+        while not slow.reported:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with client(s.url) as other:
+            assert other.post("/sdapi/v1/interrupt").json()["interrupted"]
+        t.join(60)
+        r = out["r"]
+        assert r.status_code == 200 and json.loads(r.json()["info"])["stopped"] == "interrupt", r.text
+        (image,) = r.json()["images"]
+        assert 1 <= len(slow.reported) < 8
+        np.testing.assert_array_equal(
+            pixels(base64.b64decode(image)), partial.decode_latents(pipe, slow.reported[-1])[0]
+        )
+        assert np.abs(pixels(base64.b64decode(image)).astype(int) - direct(pipe, "a dog", 9)).max() > 20
+    # ... and that decode is the pipeline's: the final latents decode to its image
+    args, kw = (["a cat"], [""], [3], [0], [7.5]), dict(steps=STEPS, height=h, width=w, sampler="pndm")
+    latents = pipe.generate_arrays(*args, output="latents", **kw)
+    np.testing.assert_allclose(partial.decode_latents(pipe, latents), pipe.generate_arrays(*args, **kw), atol=1)
+
+
+def test_openai_streaming_decodes_partial_images_while_the_batch_runs(pipe):
+    """`stream: true` with `partial_images`: the partial image is the VAE decode of the latents of a step (run
+    beside the running program), the completed one the pipeline's image."""
+    from sdjax.server import partial
+
+    slow = SlowPipeline(pipe)
+    with live_server(slow, max_batch=1, model_name="tiny", warm=False) as s, client(s.url, timeout=600) as c:
+        body = {"prompt": "a cat", "seed": 3, "steps": STEPS, "sampler": "pndm", "stream": True, "partial_images": 1}
+        r = c.post("/v1/images/generations", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [json.loads(line[len("data: ") :]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["image_generation.partial_image", "image_generation.completed"]
+    partly = pixels(base64.b64decode(events[0]["b64_json"]))
+    assert any(np.array_equal(partly, partial.decode_latents(pipe, x[:1])[0]) for x in slow.reported)
+    np.testing.assert_allclose(pixels(base64.b64decode(events[1]["b64_json"])), direct(pipe, "a cat", 3), atol=2)
 
 
 @pytest.fixture(scope="module")

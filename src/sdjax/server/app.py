@@ -6,16 +6,17 @@ Endpoints:
   progress for `stuck_after_s`); `GET /metrics` Prometheus text; `GET /v1/config` what the page needs;
   `GET /docs` the API explorer from the locally installed `swagger-ui-bundle` (absent: /docs answers 404 and
   the start-up log says so; `/openapi.json` is always there);
-- OpenAI: `POST /v1/images/generations` (`response_format` `b64_json` or `url`), `GET /v1/files/{id}` (the images
-  behind those urls, for `file_ttl_s`), `GET /v1/models`;
+- OpenAI: `POST /v1/images/generations` (`response_format` `b64_json` or `url`; `stream`: server-sent events,
+  `server.openai_stream`), `GET /v1/files/{id}` (the images behind those urls, for `file_ttl_s`), `GET /v1/models`;
 - AUTOMATIC1111: `POST /sdapi/v1/txt2img`, `POST /sdapi/v1/interrupt`, `POST /sdapi/v1/skip`,
   `GET /sdapi/v1/progress` (with a latent preview as `current_image` when the pipeline reports latents; null
   otherwise), `GET /sdapi/v1/samplers`, `GET /sdapi/v1/schedulers`, `GET /sdapi/v1/sd-models`, `/loras`,
   `/embeddings`, `/sd-vae`, `POST /sdapi/v1/refresh-checkpoints`, `/refresh-loras`, `/refresh-vae` (the models
   directory: `server.models_api`), `GET|POST /sdapi/v1/options` (POST switches `sd_model_checkpoint` when the
   server has a models directory, and sets the default `CLIP_stop_at_last_layers` and `sd_vae`; any setting it
-  cannot honour answers 422), `POST /sdapi/v1/png-info`. `<lora:...>` prompt tags and `override_settings.sd_vae`
-  are applied per batch as params (`server.networks`).
+  cannot honour answers 422), `POST /sdapi/v1/png-info`, and `GET /sdapi/v1/cmd-flags`, `/upscalers`,
+  `/latent-upscale-modes`, `/scripts`, `/memory`, `/prompt-styles` (`server.a1111_info`). `<lora:...>` prompt
+  tags and `override_settings.sd_vae` are applied per batch as params (`server.networks`).
 
 Errors have one shape per API (`sdjax.server.errors`): invalid input 422 naming the field, a body too large 413,
 truncated 400, too slow 408, bad credentials 401, queue full 429 with `Retry-After`, no result within the request
@@ -38,13 +39,14 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sdjax.metadata import (
@@ -59,8 +61,8 @@ from sdjax.metadata import (
     ti_hashes,
 )
 from sdjax.samplers import a1111
+from sdjax.server import a1111_info, models_api, openai_stream, published
 from sdjax.server import controlnet as controlnet_api
-from sdjax.server import models_api
 from sdjax.server.batching import Batcher, Outcome, QueueFull, ShuttingDown
 from sdjax.server.errors import APIError, error_body, internal_error
 from sdjax.server.files import FileStore
@@ -134,6 +136,8 @@ ENDPOINTS = (
     "/controlnet/model_list",
     "/controlnet/module_list",
     "/controlnet/detect",
+    "/controlnet/version",
+    *a1111_info.PATHS,
 )
 
 
@@ -274,6 +278,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    raw_openapi = app.openapi  # FastAPI's schema (generated once), with this server's limits (`server.published`)
+    app.openapi = lambda: published.publish_limits(raw_openapi(), served().limits, served().defaults)
     app.state.batcher = batcher
     app.state.metrics = metrics
     app.state.config = config
@@ -397,10 +403,13 @@ def create_app(
         return Response(status_code=499)  # nobody reads it; counted in the metrics
 
     @app.post("/v1/images/generations", response_model=OpenAIImageResponse, response_model_exclude_none=True,
-              summary="Create images (OpenAI images API)")  # fmt: skip
-    async def openai_generations(request: Request, body: OpenAIImageRequest) -> dict:
+              summary="Create images (OpenAI images API); with stream, server-sent events",
+              responses={200: {"content": {"text/event-stream": {}}}})  # fmt: skip
+    async def openai_generations(request: Request, body: OpenAIImageRequest) -> Any:
         now = await wait_for_model()
         gen = resolve_openai(body, now.pipeline, now.limits, now.defaults, now.model_name)
+        if body.stream:
+            return stream_images(request, gen, now, body.partial_images or 0)
         _, pngs = await run(request, gen)
         if body.response_format == "url":
             base = str(request.base_url).rstrip("/")
@@ -408,6 +417,21 @@ def create_app(
         else:
             data = [{"b64_json": _b64(p)} for p in pngs]
         return {"created": int(time.time()), "data": data}
+
+    def stream_images(request: Request, gen: GenerationRequest, now: Served, partial_images: int) -> Response:
+        """OpenAI's server-sent image events (`server.openai_stream`); queue limits answer before the first event."""
+        job = batcher.submit(gen.images())
+
+        async def finish(outcome: Outcome) -> list[bytes]:
+            metrics.images.inc(len(outcome.images))
+            return await asyncio.to_thread(_encode, outcome.arrays, outcome.images)
+
+        events = openai_stream.events(
+            batcher=batcher, job=job, pipeline=now.pipeline, partial_images=partial_images, width=gen.width,
+            height=gen.height, timeout_s=config.request_timeout_s, finish=finish,
+            request_id=request_id_of(request.scope),
+        )  # fmt: skip
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/v1/files/{file_id}", summary="An image from response_format=url (expires)", response_class=Response)
     async def get_file(file_id: str):
@@ -541,7 +565,7 @@ def create_app(
         ] = None,
         n: Annotated[int, Form(ge=1)] = 1,
         size: Annotated[str | None, Form()] = None,
-        response_format: Annotated[str, Form()] = "b64_json",
+        response_format: Annotated[Literal["b64_json", "url"], Form()] = "b64_json",
         negative_prompt: Annotated[str, Form()] = "",
         steps: Annotated[int | None, Form(ge=1)] = None,
         guidance_scale: Annotated[float | None, Form(ge=0)] = None,
@@ -550,7 +574,7 @@ def create_app(
         strength: Annotated[float, Form(ge=0, le=1)] = 1.0,
     ) -> dict:
         now = await wait_for_model()
-        form = OpenAIEditForm(
+        form = _edit_form(
             prompt=prompt,
             n=n,
             size=size,
@@ -576,12 +600,12 @@ def create_app(
         image: Annotated[UploadFile, File(description="The image to vary (PNG/JPEG/WebP)")],
         n: Annotated[int, Form(ge=1)] = 1,
         size: Annotated[str | None, Form()] = None,
-        response_format: Annotated[str, Form()] = "b64_json",
+        response_format: Annotated[Literal["b64_json", "url"], Form()] = "b64_json",
         seed: Annotated[int | None, Form(ge=-1, le=SEED_MAX)] = None,
         strength: Annotated[float, Form(ge=0, le=1)] = VARIATION_STRENGTH,
     ) -> dict:
         now = await wait_for_model()
-        form = OpenAIEditForm(prompt="", n=n, size=size, response_format=response_format, seed=seed, strength=strength)
+        form = _edit_form(prompt="", n=n, size=size, response_format=response_format, seed=seed, strength=strength)
         gen = await asyncio.to_thread(
             resolve_openai_edit,
             form,
@@ -749,6 +773,8 @@ def create_app(
     async def models():
         return {"object": "list", "data": [{"id": served().model_name, "object": "model", "owned_by": "sdjax"}]}
 
+    app.include_router(a1111_info.router(config, lambda: served().pipeline))  # cmd-flags, upscalers, memory, ...
+
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():
         return a1111.a1111_samplers()
@@ -760,6 +786,10 @@ def create_app(
     @app.get("/controlnet/module_list", summary="Control-map preprocessors (sd-webui-controlnet API)")
     async def controlnet_modules():
         return {"module_list": controlnet_api.module_list()}
+
+    @app.get("/controlnet/version", summary="The sd-webui-controlnet API version these endpoints follow")
+    async def controlnet_version():
+        return {"version": controlnet_api.API_VERSION}
 
     @app.post("/controlnet/detect", summary="Run a control-map preprocessor on images (sd-webui-controlnet API)")
     async def controlnet_detect(body: controlnet_api.DetectRequest):
@@ -834,6 +864,15 @@ async def _disconnected(receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _edit_form(**fields: Any) -> OpenAIEditForm:
+    """The form fields of /v1/images/edits and /variations, checked as a JSON body is: an invalid one ("size=null")
+    is a 422 naming it, not an error inside the endpoint."""
+    try:
+        return OpenAIEditForm(**fields)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
 
 
 def _field_of(loc) -> str | None:

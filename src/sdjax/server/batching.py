@@ -15,11 +15,13 @@ positions and batch-mates within batch 8 give identical bytes). A server compile
 (`batch_sizes=(N,)`) therefore returns the same bytes for the same request whatever the load.
 
 Cancellation: a job is cancelled by its request's timeout (504), its client's disconnect, `/sdapi/v1/interrupt`
-(the request ends with the images made so far) or shutdown; `/sdapi/v1/skip` drops the running batch's images
-and lets the jobs go on. The pipeline call gets `should_stop()`, polled once per denoising step, which turns True
-when every job of the running batch is cancelled (or the batch is skipped); batch-mates of a cancelled request
-keep running and only its results are dropped. A pipeline whose `generate_arrays` takes no `should_stop` runs
-each batch to its end (cancelled images are then only dropped); queued images of a cancelled job never run.
+(the request ends with the images made so far, and those of the running batch decoded from its latents at the
+interrupt when the pipeline reports latents: `server.partial`) or shutdown; `/sdapi/v1/skip` drops the running
+batch's images and lets the jobs go on. The pipeline call gets `should_stop()`, polled once per denoising step,
+which turns True when every job of the running batch is cancelled (or the batch is skipped); batch-mates of a
+cancelled request keep running and only its results are dropped. A pipeline whose `generate_arrays` takes no
+`should_stop` runs each batch to its end (cancelled images are then only dropped); queued images of a cancelled job
+never run.
 
 Bounds: the queue holds at most `max_queue_images` images and, if set, `max_queue_cost` pixel-steps (a request
 that does not fit now raises `QueueFull` with a retry estimate, one that can never fit an `APIError` 422).
@@ -43,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from sdjax.metadata import ImageParameters, generate_images
+from sdjax.server import partial
 from sdjax.server.errors import APIError
 from sdjax.server.metrics import Metrics
 from sdjax.server.schemas import image_cost
@@ -540,7 +543,10 @@ class Batcher:
         if error is not None and stop_requested:  # sdjax.core.Cancelled, or whatever a stopped pipeline raised
             log.info("batch of %d images stopped after %.2f s (%s)", len(images), dt, _why(status))
             self.metrics.stopped_batches.inc()
-            for job, _ in slots:
+            decoded = await self._partial_images(status, images)
+            for k, (job, i) in enumerate(slots):
+                if job.cancelled == "interrupt" and decoded[k] is not None:
+                    job.arrays[i] = decoded[k]
                 job.settled += 1
                 job.skipped += int(status.skip and job.cancelled is None)
         elif error is not None:  # the pipeline failed: fail these requests, keep serving
@@ -560,6 +566,26 @@ class Batcher:
                 job.settled += 1
         for job in jobs:
             self._maybe_finish(job)
+
+    async def _partial_images(self, status: BatchStatus, images: list[ImageParameters]) -> list[np.ndarray | None]:
+        """An interrupted batch's images decoded from its last reported latents (`server.partial`), for the
+        interrupted requests (A1111's interrupt answers with the partly denoised image); None where there is none:
+        a skipped batch, no latents reported, an image whose finished size differs, or a failed decode."""
+        none: list[np.ndarray | None] = [None] * len(images)
+        latents = status.latents
+        if status.skip or latents is None or not any(job.cancelled == "interrupt" for job in status.jobs):
+            return none
+        try:
+            arrays = await self._worker.run(self._decode, self.pipeline, np.asarray(latents)[: len(images)], images)
+        except Exception:  # the request still ends, without the partial images
+            log.exception("decoding the interrupted batch's latents failed")
+            return none
+        return [a if a.shape[:2] == partial.output_size(im) else None for a, im in zip(arrays, images)]
+
+    def _decode(self, pipeline: Any, latents: np.ndarray, images: list[ImageParameters]) -> np.ndarray:
+        """Runs on the worker thread: the batch's latents through its VAE (the batch's params: a request's VAE)."""
+        params = self.params_for(pipeline, images[0]) if self.params_for is not None else None
+        return partial.decode_latents(pipeline, latents, params)
 
     def _should_stop(self, status: BatchStatus, beat: bool = True) -> bool:
         if beat:

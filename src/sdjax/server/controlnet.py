@@ -5,9 +5,13 @@ txt2img/img2img requests, `GET /controlnet/model_list`, `GET /controlnet/module_
 ControlNets are served from `--controlnet-dir` (one diffusers ControlNet folder per name; a request names a net by
 its folder name, optionally followed by the extension's " [hash]" suffix, so no name reaches outside the folder).
 Each unit: `image` (base64; `input_image` is the older key), `module` (the preprocessor, "none" by default),
-`model`, `weight`, `guidance_start`, `guidance_end`, `enabled`; `control_mode` only "Balanced" (0) and
-`resize_mode` only "Just Resize" (0) or "Crop and Resize" (1, the extension's default; the map is resized to the
-output size as diffusers does), anything else, and any other script, is refused with 422.
+`model`, `weight`, `guidance_start`, `guidance_end`, `enabled`; `control_mode` only "Balanced" (0); `resize_mode`
+"Just Resize" (0) or "Crop and Resize" (1, the extension's default; both stretch the map to the output size, as
+diffusers does), or "Resize and Fill" (2, webuiapi's default: the extension's outer fit, the map scaled to fit inside
+the output size, keeping its aspect ratio, and centred on the median colour of its border pixels); anything else,
+and any other script, is refused with 422. `hr_option` ("Both", "Low res only", "High res only", or 0-2: which
+passes of the hires fix the unit conditions) is accepted and checked; sdjax refuses ControlNet with the hires fix,
+and without it the extension runs a unit whatever its `hr_option`, so every value means the one pass there is.
 
 Preprocessor options as the extension names them: `threshold_a` / `threshold_b` are the module's sliders (canny:
 low and high thresholds; threshold and scribble_xdog: the level; -1 or absent: the module's default; a module
@@ -15,6 +19,8 @@ without sliders ignores them, as the extension does). `processor_res` > 0 resize
 is that many pixels before the preprocessor (the extension's rule: bicubic up, area down; sdjax does not pad to a
 multiple of 64); -1 or absent runs the preprocessor at the image's own size (the extension's default would be 512).
 A unit and `/controlnet/detect` read these the same way, so the preview is the map the generation uses.
+`/controlnet/detect` takes its images as `controlnet_input_images` or as `controlnet_images` (what webuiapi's
+`controlnet_detect()` sends); `GET /controlnet/version` answers `{"version": API_VERSION}` as the extension does.
 """
 
 from __future__ import annotations
@@ -28,14 +34,26 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from sdjax.metadata import ControlUnit, GenerationRequest
-from sdjax.server.schemas import FieldError, Limits, decode_image
+from sdjax.server.schemas import FieldError, ImageB64, Limits, decode_image
+
+API_VERSION = 2  # sd-webui-controlnet's `external_code.get_api_version()`: GET /controlnet/version
 
 _CONTROL_MODES = {0, "0", "Balanced"}
-_RESIZE_MODES = {0, 1, "0", "1", "Just Resize", "Crop and Resize"}
+# The extension's `ResizeMode` by name, older name and index (`resize_mode_from_value`; 3, "Just Resize (Latent
+# upscale)", reads as 0) -> whether the map is fitted inside the output ("Resize and Fill", outer fit) rather than
+# stretched to it.
+_RESIZE_MODES = {
+    0: False, "0": False, 3: False, "3": False, "Just Resize": False,
+    1: False, "1": False, "Crop and Resize": False, "Inner Fit (Scale to Fit)": False,
+    "Scale to Fit (Inner Fit)": False,
+    2: True, "2": True, "Resize and Fill": True, "Outer Fit (Shrink to Fit)": True, "Envelope (Outer Fit)": True,
+}  # fmt: skip
+# The extension's `HiResFixOption` by value and by index.
+_HR_OPTIONS = {"Both", "Low res only", "High res only", 0, 1, 2, "0", "1", "2"}
 _UNIT_KEYS = {
     "enabled", "image", "input_image", "module", "model", "weight", "guidance_start", "guidance_end",
     "control_mode", "resize_mode", "pixel_perfect", "processor_res", "threshold_a", "threshold_b", "low_vram",
-    "mask", "guessmode", "lowvram",
+    "mask", "guessmode", "lowvram", "hr_option",
 }  # fmt: skip
 
 
@@ -137,7 +155,30 @@ def run_module(
         raise FieldError(field("threshold_a" if options and isinstance(e, ValueError) else "module"), str(e)) from None
 
 
-def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUnit | None:
+def _one_of(value: Any, allowed) -> bool:
+    """Whether a JSON value is one of `allowed` (a list or an object is none; true is not 1)."""
+    return isinstance(value, (str, int)) and not isinstance(value, bool) and value in allowed
+
+
+def fill_to_size(control_map: np.ndarray, width: int, height: int) -> np.ndarray:
+    """sd-webui-controlnet's "Resize and Fill" (`ResizeMode.OUTER_FIT` in its `detectmap_proc`): the uint8 HWC
+    map scaled (Lanczos) by `min(width / w, height / h)` to fit inside `width` x `height`, centred on a canvas of
+    the median colour of its border pixels. The result has the output size, so the pipeline's resize keeps it."""
+    from PIL import Image
+
+    m = np.asarray(control_map, np.uint8)
+    h, w = m.shape[:2]
+    k = min(width / w, height / h)
+    new_w, new_h = max(1, min(width, round(w * k))), max(1, min(height, round(h * k)))
+    borders = np.concatenate([m[0], m[-1], m[:, 0], m[:, -1]], axis=0)
+    canvas = np.tile(np.median(borders, axis=0).astype(np.uint8), (height, width, 1))
+    resized = np.asarray(Image.fromarray(m).resize((new_w, new_h), Image.Resampling.LANCZOS))
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    canvas[top : top + new_h, left : left + new_w] = resized.reshape(new_h, new_w, -1)
+    return canvas
+
+
+def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits, size: tuple[int, int]) -> ControlUnit | None:
     where = f"alwayson_scripts.controlnet.args[{i}]"
     if not isinstance(raw, dict):
         raise FieldError(where, "expected an object")
@@ -149,10 +190,15 @@ def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUni
     name = str(raw.get("model") or "").split(" [")[0]
     if name not in nets:
         raise FieldError(f"{where}.model", f"unknown ControlNet {raw.get('model')!r}; served: {sorted(nets)}")
-    if raw.get("control_mode", 0) not in _CONTROL_MODES:
+    if not _one_of(raw.get("control_mode", 0), _CONTROL_MODES):
         raise FieldError(f"{where}.control_mode", "only 'Balanced' is supported")
-    if raw.get("resize_mode", 1) not in _RESIZE_MODES:
-        raise FieldError(f"{where}.resize_mode", "only 'Just Resize' and 'Crop and Resize' are supported")
+    resize_mode = raw.get("resize_mode", 1)
+    if not _one_of(resize_mode, _RESIZE_MODES):
+        raise FieldError(
+            f"{where}.resize_mode", "only 'Just Resize', 'Crop and Resize' and 'Resize and Fill' (0-2) are supported"
+        )
+    if not _one_of(raw.get("hr_option", "Both"), _HR_OPTIONS):
+        raise FieldError(f"{where}.hr_option", "expected 'Both', 'Low res only' or 'High res only' (or 0-2)")
     module = raw.get("module") or "none"
     from sdjax import preprocess
 
@@ -168,6 +214,8 @@ def _unit(raw: Any, i: int, nets: dict[str, Path], limits: Limits) -> ControlUni
         module, image, processor_res=raw.get("processor_res", -1), threshold_a=raw.get("threshold_a", -1),
         threshold_b=raw.get("threshold_b", -1), field=lambda key: f"{where}.{key}",
     )  # fmt: skip
+    if _RESIZE_MODES[resize_mode]:
+        control_map = fill_to_size(control_map, *size)
     values = {}
     for key, default in (("weight", 1.0), ("guidance_start", 0.0), ("guidance_end", 1.0)):
         try:
@@ -199,7 +247,8 @@ def apply(
     if not isinstance(args, list):
         raise FieldError("alwayson_scripts.controlnet.args", "expected a list of units")
     nets = list_controlnets(controlnet_dir)
-    units = tuple(u for u in (_unit(raw, i, nets, limits) for i, raw in enumerate(args)) if u is not None)
+    size = (request.width, request.height)
+    units = tuple(u for u in (_unit(raw, i, nets, limits, size) for i, raw in enumerate(args)) if u is not None)
     if units and (request.hires is not None or request.refiner_switch is not None):
         raise FieldError("alwayson_scripts.controlnet", "ControlNet does not run with the hires fix")
     if not units:
@@ -216,13 +265,32 @@ def apply(
 class DetectRequest(BaseModel):
     """`POST /controlnet/detect` (sd-webui-controlnet's API): run a preprocessor on images."""
 
-    model_config = ConfigDict(extra="ignore")
-    controlnet_module: str = Field("none", description="Preprocessor (GET /controlnet/module_list)")
-    controlnet_input_images: list[str] = Field(default_factory=list, description="base64 images (or data: URLs)")
-    controlnet_processor_res: Any = Field(-1, description="Short side before preprocessing; -1: the image's size")
-    controlnet_threshold_a: Any = Field(-1, description="The module's first slider (canny: low); -1: default")
-    controlnet_threshold_b: Any = Field(-1, description="The module's second slider (canny: high); -1: default")
-    controlnet_masks: list[str] = Field(default_factory=list, description="Masks: no sdjax preprocessor reads them")
+    # The images come in one of the two lists (published as such: exactly one of them, not empty).
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"oneOf": [{"required": ["controlnet_input_images"]}, {"required": ["controlnet_images"]}]},
+    )
+    controlnet_module: str = Field(
+        "none", description="Preprocessor (GET /controlnet/module_list)", json_schema_extra={"enum": module_list()}
+    )
+    controlnet_input_images: list[ImageB64] = Field(
+        default_factory=list, description="base64 images (or data: URLs); these or controlnet_images"
+    )
+    controlnet_images: list[ImageB64] = Field(
+        default_factory=list, description="The same as controlnet_input_images (what webuiapi sends)"
+    )
+    controlnet_processor_res: int | None = Field(
+        -1, ge=-1, le=4096, description="Short side before preprocessing; -1 (or null): the image's size"
+    )
+    controlnet_threshold_a: float | None = Field(
+        -1, allow_inf_nan=False, description="The module's first slider (canny: low); -1 (or null): default"
+    )
+    controlnet_threshold_b: float | None = Field(
+        -1, allow_inf_nan=False, description="The module's second slider (canny: high); -1 (or null): default"
+    )
+    controlnet_masks: list[ImageB64] = Field(
+        default_factory=list, description="Masks: no sdjax preprocessor reads them"
+    )
     low_vram: bool = False
 
 
@@ -233,13 +301,18 @@ def detect(body: DetectRequest, limits: Limits) -> dict[str, Any]:
 
     from PIL import Image
 
-    if not body.controlnet_input_images:
+    key, images = "controlnet_input_images", body.controlnet_input_images
+    if body.controlnet_images:
+        if images:
+            raise FieldError("controlnet_images", "give controlnet_input_images or controlnet_images, not both")
+        key, images = "controlnet_images", body.controlnet_images
+    if not images:
         raise FieldError("controlnet_input_images", "no image: give a list of base64 images")
-    if len(body.controlnet_input_images) > limits.max_images:
-        raise FieldError("controlnet_input_images", f"at most {limits.max_images} images per request")
+    if len(images) > limits.max_images:
+        raise FieldError(key, f"at most {limits.max_images} images per request")
     out = []
-    for i, data in enumerate(body.controlnet_input_images):
-        image = decode_image(data, field=f"controlnet_input_images[{i}]", limits=limits)
+    for i, data in enumerate(images):
+        image = decode_image(data, field=f"{key}[{i}]", limits=limits)
         _, control_map = run_module(
             body.controlnet_module, image, processor_res=body.controlnet_processor_res,
             threshold_a=body.controlnet_threshold_a, threshold_b=body.controlnet_threshold_b,

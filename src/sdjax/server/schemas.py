@@ -2,8 +2,9 @@
 every request passes on its own before it may join a batch.
 
 - OpenAI images API (`POST /v1/images/generations`): `prompt`, `n`, `size` ("WIDTHxHEIGHT"), `response_format`
-  (`b64_json`, the default here, or `url`: an expiring `/v1/files/...` link), `model`/`quality`/`style`/`user`
-  accepted and ignored; sdjax extensions `negative_prompt`, `steps`, `guidance_scale`, `seed`, `sampler`.
+  (`b64_json`, the default here, or `url`: an expiring `/v1/files/...` link), `stream` + `partial_images`
+  (server-sent events: `server.openai_stream`), `model`/`quality`/`style`/`user` accepted and ignored; sdjax
+  extensions `negative_prompt`, `steps`, `guidance_scale`, `seed`, `sampler`.
 - AUTOMATIC1111 web UI API (`POST /sdapi/v1/txt2img`, `/sdapi/v1/img2img`): `prompt`, `negative_prompt`, `steps`,
   `cfg_scale`, `width`, `height`, `seed` (-1: random), `batch_size`, `n_iter`, `sampler_name` (+ `scheduler`,
   e.g. "Karras"), `force_task_id`, `override_settings` (honoured where the value is what sdjax does, else 422 naming
@@ -11,7 +12,8 @@ every request passes on its own before it may join a batch.
   `denoising_strength`, `hr_sampler_name`), and for img2img `init_images`, `mask`, `denoising_strength`,
   `mask_blur`, `inpainting_fill`, `inpaint_full_res(_padding)`, `inpainting_mask_invert`, `resize_mode`. Other
   fields of that API are accepted and ignored, except those that would change the image in ways sdjax does not
-  implement (`restore_faces`, `tiling`, `subseed_strength`, `initial_noise_multiplier`), which are refused.
+  implement (`restore_faces`, `tiling`, `subseed_strength`, `initial_noise_multiplier`, a `script_name`), which
+  are refused.
 
 Isolation: a request is validated and tokenized alone (`check_common`), so text the tokenizer or the PNG writer
 cannot take (a lone surrogate such as "\\ud800", valid in JSON) fails that request with 422 naming the field,
@@ -30,7 +32,7 @@ import io
 import random
 import re
 import warnings
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -39,6 +41,12 @@ from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_display_name, sa
 from sdjax.server.errors import APIError
 
 _SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
+
+# A base64 image (PNG, JPEG or WebP; or a `data:image/...;base64,` URL), as the published schema describes it:
+# OpenAPI's `byte` format with the media type, so that schema-driven clients and fuzzers (tests/server/
+# test_schemathesis.py) know a field holds an image, not any string.
+IMAGE_SCHEMA = {"format": "byte", "contentEncoding": "base64", "contentMediaType": "image/png"}
+ImageB64 = Annotated[str, Field(json_schema_extra=IMAGE_SCHEMA)]
 
 
 class FieldError(APIError):
@@ -130,6 +138,10 @@ class OpenAIImageRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False, description="sdjax: CFG scale")
     seed: int | None = Field(None, ge=-1, le=SEED_MAX, description="sdjax: seed of the first image; -1/none: random")
     sampler: str | None = Field(None, description="sdjax: sampler name (GET /sdapi/v1/samplers)")
+    stream: bool | None = Field(False, description="Answer with server-sent events (partial images, then each image)")
+    partial_images: int | None = Field(
+        None, ge=0, le=3, description="With stream: partial images sent while denoising (none: 0)"
+    )
 
     @field_validator("size")
     @classmethod
@@ -208,7 +220,7 @@ class A1111Txt2ImgRequest(BaseModel):
     )
     override_settings_restore_afterwards: bool = True
     # hires fix (txt2img only)
-    hr_scale: float = Field(2.0, gt=0, description="Hires fix: upscale factor of the second pass")
+    hr_scale: float = Field(2.0, gt=0, allow_inf_nan=False, description="Hires fix: upscale factor of the second pass")
     hr_upscaler: str | None = Field(None, description='Hires fix: "Latent", "Latent (nearest)", "Lanczos", "Nearest"')
     hr_second_pass_steps: int = Field(0, ge=0, description="Hires fix: second-pass steps (0: the first pass's)")
     hr_resize_x: int = Field(0, ge=0, description="Hires fix: target width (0: by hr_scale)")
@@ -221,16 +233,19 @@ class A1111Txt2ImgRequest(BaseModel):
     alwayson_scripts: dict[str, Any] | None = Field(
         None, description='Scripts: {"controlnet": {"args": [units]}} (sd-webui-controlnet\'s API); others 422'
     )
+    script_name: str | None = Field(None, description="A selectable script: sdjax has none; anything but null or "
+                                    '"" is refused (GET /sdapi/v1/scripts)')  # fmt: skip
+    script_args: list[Any] = Field(default_factory=list, description="The selectable script's arguments")
 
 
 class A1111Img2ImgRequest(A1111Txt2ImgRequest):
     """`POST /sdapi/v1/img2img` (AUTOMATIC1111 `StableDiffusionImg2ImgProcessingAPI`), the fields sdjax uses."""
 
-    init_images: list[str] = Field(min_length=1, description="Base64 images (the first is used for every image)")
-    mask: str | None = Field(None, description="Base64 mask: white is repainted (inpainting)")
-    mask_blur: int | None = Field(None, ge=0, description="Mask blur in pixels (sets x and y)")
-    mask_blur_x: int = Field(4, ge=0)
-    mask_blur_y: int = Field(4, ge=0)
+    init_images: list[ImageB64] = Field(min_length=1, description="Base64 images (the first is used for every image)")
+    mask: ImageB64 | None = Field(None, description="Base64 mask: white is repainted (inpainting)")
+    mask_blur: int | None = Field(None, ge=0, le=1024, description="Mask blur in pixels (sets x and y)")
+    mask_blur_x: int = Field(4, ge=0, le=1024)
+    mask_blur_y: int = Field(4, ge=0, le=1024)
     inpainting_fill: int = Field(0, ge=0, le=3, description="0 fill, 1 original, 2 latent noise, 3 latent nothing")
     inpaint_full_res: bool = Field(True, description="Repaint only the masked region at full resolution")
     inpaint_full_res_padding: int = Field(0, ge=0)
@@ -249,7 +264,7 @@ class A1111Txt2ImgResponse(BaseModel):
 class A1111PngInfoRequest(BaseModel):
     """`POST /sdapi/v1/png-info`."""
 
-    image: str = Field(description="A base64 PNG (or a data: URL)")
+    image: ImageB64 = Field(description="A base64 PNG (or a data: URL)")
 
 
 class A1111PngInfoResponse(BaseModel):
@@ -369,6 +384,8 @@ def check_common(
 def resolve_openai(
     body: OpenAIImageRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
 ) -> GenerationRequest:
+    if body.stream and body.response_format == "url":
+        raise FieldError("response_format", 'streamed images are base64: use "b64_json" with stream')
     if body.size is None:
         width, height = defaults.width, defaults.height
     else:
@@ -466,6 +483,13 @@ def resolve_a1111(
             raise FieldError(field, f"{field}={value!r} is not supported by sdjax; leave it out")
     if body.initial_noise_multiplier not in (None, 1, 1.0):
         raise FieldError("initial_noise_multiplier", "only 1 is supported")
+    if body.script_name is not None and body.script_name.strip():
+        raise FieldError(
+            "script_name",
+            f"{body.script_name!r}: sdjax runs no selectable scripts (GET /sdapi/v1/scripts); leave it out "
+            "(ControlNet is an always-on script: alwayson_scripts)",
+            code="unsupported",
+        )
     check_text("prompt", body.prompt)  # before the tokenizer reads them (a lone surrogate is valid JSON)
     check_text("negative_prompt", body.negative_prompt or "")
     request = GenerationRequest(
@@ -502,7 +526,10 @@ def resolve_a1111(
 
 
 def _check_hires(r: GenerationRequest, pipeline: Any, limits: Limits) -> None:
-    th, tw = r.hires.target(r.height, r.width)
+    try:
+        th, tw = r.hires.target(r.height, r.width)
+    except (OverflowError, ValueError):  # a finite hr_scale whose product is not (1e308 x 64)
+        raise FieldError("hr_scale", f"{r.hires.scale!r} gives no image size") from None
     for name, v in (("hr_resize_x", tw), ("hr_resize_y", th)):
         if not limits.min_size <= v <= limits.max_size:
             raise FieldError(name, f"the hires target {tw}x{th} is outside {limits.min_size}..{limits.max_size}")
@@ -510,6 +537,15 @@ def _check_hires(r: GenerationRequest, pipeline: Any, limits: Limits) -> None:
         pipeline.validate(height=th, width=tw)
     except (ValueError, KeyError) as e:
         raise FieldError("hr_scale", f"the hires target {tw}x{th}: {e.args[0] if e.args else e}") from None
+    # pinned sizes and samplers bind the second pass too (else it would compile what start-up did not)
+    if limits.sizes is not None and (tw, th) not in limits.sizes:
+        served = ", ".join(f"{w}x{h}" for w, h in limits.sizes)
+        raise FieldError("hr_scale", f"the hires target {tw}x{th} is not served here; choose one of {served}",
+                         code="not_pinned")  # fmt: skip
+    if r.hires.sampler and limits.samplers is not None and sampler_id(r.hires.sampler) not in limits.samplers:
+        served = ", ".join(sampler_display_name(s) for s in limits.samplers)
+        raise FieldError("hr_sampler_name", f"{r.hires.sampler!r} is not served here (compiled ahead: {served})",
+                         code="not_pinned")  # fmt: skip
     cost = image_cost(r.images()[0]) * r.num_images
     if limits.max_cost is not None and cost > limits.max_cost:
         raise APIError(
