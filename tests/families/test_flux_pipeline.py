@@ -36,6 +36,7 @@ def flux_models(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"tiny-flux-{kind}")
         torch_pipe.save_pretrained(folder, safe_serialization=True)
         pipe, _ = FluxPipeline.from_pretrained(str(folder))
+        pipe.folder = folder
         out[kind] = (torch_pipe, pipe)
     return out
 
@@ -204,5 +205,28 @@ def test_bad_input_is_refused_by_name(flux_models):
         pipe.generate("a cat", max_sequence_length=513, height=SIZE, width=SIZE)
     with pytest.raises(ValueError, match="prompt_2"):
         pipe.generate(["a", "b"], prompt_2=["x", "y", "z"], height=SIZE, width=SIZE)
+    with pytest.raises(ValueError, match="prompt_syntax='a1111'"):
+        pipe.generate("a (cat:1.2)", prompt_syntax="a1111", height=SIZE, width=SIZE)
     with pytest.raises(ValueError, match="height=36"):
         pipe.generate("a cat", height=36, width=SIZE)
+
+
+def test_cli_generates_with_forge_guidance_semantics(flux_models, tmp_path):
+    """`sdjax generate --model FLUX_DIR`: the CFG scale defaults to 1 (one branch, as Forge for Flux) and
+    `--distilled-guidance` is dev's embedded guidance; the PNG equals `pipe.generate` with the same settings."""
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from sdjax import cli
+
+    _, pipe = flux_models["dev"]
+    args = ["generate", PROMPTS[0], "--model", str(pipe.folder), "--steps", "3", "--width", str(SIZE)]
+    args += ["--height", str(SIZE), "--seed", "11", "--distilled-guidance", "2.5", "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 0, result.output
+    (png,) = sorted(tmp_path.glob("*.png"))
+    got = np.asarray(Image.open(png).convert("RGB"), np.int16)
+    want = pipe.generate(PROMPTS[0], steps=3, guidance_scale=2.5, height=SIZE, width=SIZE, seed=11)[0]
+    other = pipe.generate(PROMPTS[0], steps=3, guidance_scale=3.5, height=SIZE, width=SIZE, seed=11)[0]
+    assert np.abs(got - np.asarray(want, np.int16)).max() <= 1
+    assert np.abs(got - np.asarray(other, np.int16)).max() > 1  # the distilled guidance reached the model

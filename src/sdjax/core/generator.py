@@ -626,6 +626,11 @@ class Generator:
             raise ValueError(f"prompt_syntax={prompt_syntax!r} must be 'plain' or 'a1111'")
         chunks = 0
         if prompt_syntax == "a1111":
+            if not hasattr(self.models.conditioning, "tokenizers"):
+                raise ValueError(
+                    "prompt_syntax='a1111' (weights, BREAK, 75-token chunks) is read for CLIP-only conditioning "
+                    "(SD 1.x/2.x, SDXL); this model's conditioning does not take it: use prompt_syntax='plain'"
+                )
             if ids is not None or neg_ids is not None:
                 raise ValueError("prompt_syntax='a1111' reads prompt text; pass prompts instead of ids")
             text = text_inputs_a1111(self.models.conditioning, list(prompts) + [""] * pad, neg_texts)

@@ -60,6 +60,10 @@ class FluxPipeline(DiffusionPipeline):
         ("diffusers", "FluxTransformer2DModel"): model_loader(FLUX_TRANSFORMER),
     }
     latent_rgb_factors = None  # no linear preview map yet: previews show the first three latent channels
+    # What the faces (CLI, server) use: the guidance scales they pass per image are Forge's "CFG scale" (true CFG,
+    # off at 1); dev's embedded guidance is Forge's "Distilled CFG Scale".
+    cfg_scale_default = 1.0
+    distilled_guidance_scale = 3.5
 
     def __init__(
         self,
@@ -122,6 +126,12 @@ class FluxPipeline(DiffusionPipeline):
     def is_inpainting_model(self) -> bool:
         return False  # Flux inpaints by latent blending (FluxInpaintPipeline); Fill models are not loaded yet
 
+    def generate_arrays(self, *args, **kwargs):
+        """`DiffusionPipeline.generate_arrays` (the faces' entry): `guidance_scales` are the true-CFG scales (Forge's
+        "CFG scale"); `guidance=` (dev's distilled guidance) defaults to `distilled_guidance_scale`."""
+        kwargs.setdefault("guidance", self.distilled_guidance_scale)
+        return super().generate_arrays(*args, **kwargs)
+
     @property
     def sampler_names(self) -> list[str]:
         return samplers.available(flow=True)
@@ -162,7 +172,8 @@ class FluxPipeline(DiffusionPipeline):
         """See the module docstring and `DiffusionPipeline.generate` (the task, size, noise and output
         arguments)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        guidance = self.default_guidance_scale if guidance_scale is None else float(guidance_scale)
+        default = self.distilled_guidance_scale if self.transformer.config.guidance_embeds else 0.0
+        guidance = default if guidance_scale is None else float(guidance_scale)
         if not jnp.isfinite(guidance) or not jnp.isfinite(true_cfg_scale):
             raise ValueError(f"guidance_scale={guidance} and true_cfg_scale={true_cfg_scale} must be finite")
         true_cfg = negative_prompt is not None or negative_prompt_2 is not None
