@@ -230,3 +230,39 @@ def test_cli_generates_with_forge_guidance_semantics(flux_models, tmp_path):
     other = pipe.generate(PROMPTS[0], steps=3, guidance_scale=3.5, height=SIZE, width=SIZE, seed=11)[0]
     assert np.abs(got - np.asarray(want, np.int16)).max() <= 1
     assert np.abs(got - np.asarray(other, np.int16)).max() > 1  # the distilled guidance reached the model
+
+
+def test_load_lora_on_the_pipeline_matches_diffusers(flux_models, tmp_path):
+    """`pipe.load_lora(file, scale)` on a Flux pipeline (diffusers/PEFT layout) gives diffusers'
+    `load_lora_weights` + `fuse_lora(lora_scale=)` image; `unload_loras` gives the base image back."""
+    from safetensors.numpy import save_file
+
+    torch_pipe, pipe = flux_models["dev"]
+    r = np.random.default_rng(0)
+    inner = 32  # heads x head dim of the tiny transformer
+    tensors = {}
+    for module in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.add_v_proj",
+                   "single_transformer_blocks.0.attn.to_k"):  # fmt: skip
+        tensors[f"transformer.{module}.lora_A.weight"] = (0.5 * r.standard_normal((4, inner))).astype(np.float32)
+        tensors[f"transformer.{module}.lora_B.weight"] = (0.5 * r.standard_normal((inner, 4))).astype(np.float32)
+    path = tmp_path / "tiny_flux_lora.safetensors"
+    save_file(tensors, str(path))
+    keys = inject.image_keys(9, 1)
+    kwargs = dict(steps=STEPS, guidance_scale=3.5, height=SIZE, width=SIZE, seed=9, max_sequence_length=MAX_SEQ)
+    base = pipe.generate(PROMPTS[:1], output_type="np", **kwargs)
+    torch_pipe.load_lora_weights(str(path), adapter_name="tiny")
+    try:
+        torch_pipe.fuse_lora(lora_scale=0.7)
+        ref = _torch(torch_pipe, keys, prompt=PROMPTS[:1], guidance_scale=3.5)
+    finally:
+        torch_pipe.unfuse_lora()
+        torch_pipe.unload_lora_weights()
+    pipe.load_lora(path, scale=0.7)
+    try:
+        out = pipe.generate(PROMPTS[:1], output_type="np", **kwargs)
+    finally:
+        pipe.unload_loras()
+    again = pipe.generate(PROMPTS[:1], output_type="np", **kwargs)
+    assert float(np.abs(out - ref).max()) < ATOL
+    assert float(np.abs(out - base).max()) > 5e-3  # the LoRA changed the image
+    assert float(np.abs(again - base).max()) == 0.0

@@ -679,3 +679,23 @@ def test_cli_lora_options_and_prompt_tags(sd1_dir, sd1_loras, tmp_path, monkeypa
         assert np.abs(got - ref).max() <= 1, i
     r = CliRunner().invoke(cli.app, [*common, "x <lora:nope:1>", "--prompt-syntax", "a1111", "-o", str(tmp_path)])
     assert r.exit_code == 2 and "nope" in r.output and "PROMPT" in r.output  # before the model loads
+
+
+def test_params_passed_to_generate_get_the_active_loras(sd1, sd1_loras):
+    """Regression (issue 35): `pipe, params = from_pretrained(...)`, `pipe.load_lora(...)`, then
+    `pipe.generate(prompt, params=params)` ran the base model. The active LoRAs now apply to params a user passes."""
+    sd1.unload_loras() if sd1.loaded_loras else None
+    sd1.unfuse_loras() if getattr(sd1, "_lora_state", None) else None
+    base = sd1.params
+    plain = sd1.generate("a photo of a cat", params=base, **GENERATE)
+    sd1.load_lora(sd1_loras[0]["a"], scale=0.9)
+    try:
+        fused = sd1.generate("a photo of a cat", **GENERATE)
+        passed = sd1.generate("a photo of a cat", params=base, **GENERATE)
+        copy = jax.tree_util.tree_map(lambda x: x, base)  # another tree of the same weights: the deltas are added
+        copied = sd1.generate("a photo of a cat", params=copy, **GENERATE)
+    finally:
+        sd1.unload_loras()
+    assert float(np.abs(fused - plain).max()) > 1e-3
+    np.testing.assert_array_equal(passed, fused)
+    np.testing.assert_allclose(copied, fused, atol=1e-6)

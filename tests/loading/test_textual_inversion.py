@@ -183,3 +183,14 @@ def test_bad_embeddings_name_the_file(sd1_ti, embeddings, tmp_path):
         pipe.load_textual_inversion(wide, token=" x")
     with pytest.raises(ti.TextualInversionError, match=r"not found"):
         pipe.load_textual_inversion(tmp_path / "missing.safetensors")
+
+
+def test_params_from_before_an_embedding_are_refused(sd1_dir, embeddings):
+    """Params taken before `load_textual_inversion` lack the new tokens' rows: generate(params=...) refuses them by
+    name instead of reading past the table."""
+    from sdjax import StableDiffusionPipeline
+
+    pipe, params = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    pipe.load_textual_inversion(embeddings["single"])
+    with pytest.raises(ValueError, match=r"params\['text_encoder'\] has a token table of 49408 rows"):
+        pipe.generate("a <cat-toy>", params=params, steps=2, height=64, width=64)

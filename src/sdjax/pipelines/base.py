@@ -458,6 +458,8 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             sampler=sampler,
         )
         keys = seed_keys(seeds, image_indices)
+        params = self.with_active_loras(params)  # never drop a loaded LoRA silently (pipelines.lora)
+        self._check_text_tables(params)
         out = self.generator.run(
             prompts=list(prompts),
             negative_prompts=[p or None for p in negative_prompts],
@@ -486,6 +488,24 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             return out if finish is None else finish(to_uint8(out)).astype(np.float32) / 255.0
         images = to_uint8(out)
         return images if finish is None else finish(images)
+
+    def _check_text_tables(self, params: dict | None) -> None:
+        """Refuse params whose token tables are smaller than the text encoders now need (params taken before
+        `load_textual_inversion` added tokens: the new tokens' ids would read past the table)."""
+        if params is None:
+            return
+        for component in ("text_encoder", "text_encoder_2"):
+            module, tree = getattr(self, component, None), params.get(component) if isinstance(params, dict) else None
+            vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+            try:
+                table = tree["text_model"]["embeddings"]["token_embedding"]["embedding"]
+            except (KeyError, TypeError):
+                continue
+            if vocab is not None and int(table.shape[0]) != int(vocab):
+                raise ValueError(
+                    f"params[{component!r}] has a token table of {table.shape[0]} rows but the {component} now has "
+                    f"{vocab} tokens (embeddings were loaded after these params were taken): pass pipe.params"
+                )
 
     def generate(
         self,

@@ -8,8 +8,10 @@ never recompiles it. The base leaves are kept, not recovered by subtraction, so 
 
 Unlike diffusers, where PEFT layers add the LoRA branch at run time and `fuse_lora` is an optimisation, sdjax always
 runs fused weights; `unfuse_loras()` runs the base model until `fuse_loras()` or `set_loras()` applies the active
-set again. Explicit `params=` passed to `generate` / `__call__` are used as given: take `pipe.params` after
-loading LoRAs (or `loading.lora.apply_loras(params, ...)`) for the guide API.
+set again. Explicit `params=` passed to `generate` / `generate_arrays` get the active LoRAs too (`with_active_loras`:
+the base params returned by `from_pretrained` become `pipe.params`, any other tree gets the deltas added), so a
+LoRA is never dropped silently; the old Flax guide API (`__call__`, `_generate`, replicated params) uses its params
+as given: take `pipe.params` after loading LoRAs (or `loading.lora.apply_loras(params, ...)`) there.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class LoraMixin:
     def _lora_targets(self) -> tuple[str, ...]:
         return tuple(c for c in self.generator.models.components() if c != "vae")
 
+    def _read_lora(self, path: Path, targets: dict, name: str) -> lora_lib.Lora:
+        """A LoRA file matched against this family's params (`targets`: component -> params). SD 1.x/2.x and
+        SDXL: kohya/A1111 and diffusers/PEFT layouts (`loading.lora`); other families override it."""
+        return lora_lib.load_lora(path, targets, name=name, unet_config=self.unet.config)
+
     def _lora(self) -> _LoraState:
         params = self.params
         if params is None:
@@ -68,7 +75,7 @@ class LoraMixin:
         name = adapter_name or path.stem
         with state.lock:
             targets = {c: state.base[c] for c in self._lora_targets()}
-            lora = lora_lib.load_lora(path, targets, name=name, unet_config=self.unet.config)
+            lora = self._read_lora(path, targets, name)
             state.loaded[name] = lora
             active = {k: v for k, v in state.active.items() if k != name}
             active[name] = _check_scale(name, scale)
@@ -119,6 +126,19 @@ class LoraMixin:
         if state is None or not state.fused or self.params is not state.current:
             return {}
         return dict(state.active)
+
+    def with_active_loras(self, params: dict | None) -> dict | None:
+        """`params` with the active LoRAs applied (see the module docstring); None stays None (the pipeline's)."""
+        state: _LoraState | None = getattr(self, "_lora_state", None)
+        if params is None or state is None or not state.fused or not state.active:
+            return params
+        if params is state.current or params is self.params:
+            return params
+        if params is state.base:
+            return state.current
+        with state.lock:
+            weighted = [(state.loaded[k], v) for k, v in state.active.items()]
+            return lora_lib.apply_loras(params, weighted)
 
     @property
     def loaded_loras(self) -> dict[str, Any]:
