@@ -266,3 +266,26 @@ def test_load_lora_on_the_pipeline_matches_diffusers(flux_models, tmp_path):
     assert float(np.abs(out - ref).max()) < ATOL
     assert float(np.abs(out - base).max()) > 5e-3  # the LoRA changed the image
     assert float(np.abs(again - base).max()) == 0.0
+
+
+def test_single_files_with_a_config_folder_give_the_folders_image(flux_models, tmp_path):
+    """`FluxPipeline.from_single_file(transformer file, config=folder, t5=, clip_l=)`: the separate files people
+    keep (here each component's weights as one safetensors file) load to the same image as the folder."""
+    from safetensors.numpy import save_file
+
+    from sdjax.families.flux.pipeline import FluxPipeline
+
+    torch_pipe, pipe = flux_models["dev"]
+    files = {}
+    for name, module in (("transformer", torch_pipe.transformer), ("t5", torch_pipe.text_encoder_2),
+                         ("clip_l", torch_pipe.text_encoder)):  # fmt: skip
+        files[name] = tmp_path / f"{name}.safetensors"
+        save_file({k: v.detach().numpy().copy() for k, v in module.state_dict().items()}, str(files[name]))
+    single, params = FluxPipeline.from_single_file(
+        str(files["transformer"]), config=str(pipe.folder), t5=str(files["t5"]), clip_l=str(files["clip_l"])
+    )
+    assert set(params) >= {"transformer", "text_encoder", "text_encoder_2", "vae", "scheduler"}
+    kwargs = dict(steps=3, guidance_scale=3.5, height=SIZE, width=SIZE, seed=5, max_sequence_length=MAX_SEQ)
+    want = pipe.generate(PROMPTS[:1], output_type="np", **kwargs)
+    got = single.generate(PROMPTS[:1], output_type="np", **kwargs)
+    np.testing.assert_array_equal(got, want)

@@ -102,6 +102,56 @@ class FluxPipeline(DiffusionPipeline):
         )
         self.generator.strength_rule = "float"  # FluxImg2ImgPipeline.get_timesteps
 
+    @classmethod
+    def from_single_file(
+        cls,
+        path: str,
+        *,
+        config: str,
+        dtype=jnp.float32,
+        keep_fp8: bool = False,
+        t5: str | None = None,
+        clip_l: str | None = None,
+        **kwargs,
+    ):
+        """A Flux transformer file as people have them (`flux1-dev.safetensors` in BFL layout, ComfyUI/Forge files
+        with fp8 e4m3fn weights, city96's `.gguf`; `families.flux.weights`) with the other components from `config`,
+        a diffusers Flux folder or Hub repo (its tokenizers, VAE, scheduler, and text encoders unless `t5=` /
+        `clip_l=` name the separate files: `t5xxl_fp16.safetensors`, `t5xxl_fp8_e4m3fn.safetensors`,
+        `clip_l.safetensors`) -> `(pipeline, params)`. `keep_fp8=True` keeps float8 weights float8 in memory (one
+        byte per weight; each layer casts them to the compute dtype). The transformer's architecture is read from
+        the file's tensors."""
+        from pathlib import Path
+
+        from sdjax.config import read_json
+        from sdjax.families.flux import weights
+
+        def folder_config(component):  # a local config folder's configs (else the released models' defaults)
+            local = Path(str(config)) / component / "config.json"
+            return read_json(local) if local.is_file() else None
+
+        # The transformer's config fills what tensors cannot say (the rotary axes); it must agree with them.
+        overrides, params = {}, {}
+        overrides["transformer"], params["transformer"] = weights.load_flux_transformer_file(
+            path, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("transformer")
+        )
+        if t5 is not None:
+            overrides["text_encoder_2"], params["text_encoder_2"] = weights.load_t5_file(
+                t5, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("text_encoder_2")
+            )
+        if clip_l is not None:
+            overrides["text_encoder"], params["text_encoder"] = weights.load_clip_l_file(
+                clip_l, dtype=dtype, config=folder_config("text_encoder")
+            )
+        for name in overrides:
+            if name in kwargs:
+                raise ValueError(f"{name} is given both by a file argument and as {name}=")
+        pipe, loaded = cls.from_pretrained(config, dtype=dtype, **overrides, **kwargs)
+        params = {**loaded, **params}
+        pipe.params = params
+        pipe.name = str(path)
+        return pipe, params
+
     def _conditioning(self):
         return FluxConditioning(
             self.tokenizer, self.text_encoder, self.tokenizer_2, self.text_encoder_2, self._max_sequence_length
