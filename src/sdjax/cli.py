@@ -121,12 +121,13 @@ def _jnp_dtype(name: str | DType):
     return getattr(jnp, name)
 
 
-def load_pipeline(model: str | None, dtype: str | DType) -> Any:
-    """The pipeline (SD or SDXL, from its `model_index.json`) for a folder or Hub id; None: the embedded model.
-    Its `.params` holds the weights."""
+def load_pipeline(model: str | None, dtype: str | DType, **kwargs: Any) -> Any:
+    """The pipeline (its family from `model_index.json` or the file's tensors) for a folder, file or Hub id; None:
+    the embedded model. `kwargs` go to `sdjax.load_pipeline` (`config=`, Flux's `t5=`, `clip_l=`). Its `.params`
+    holds the weights."""
     from sdjax.pipelines import load_pipeline as load
 
-    pipe, _ = load(model, dtype=_jnp_dtype(dtype))
+    pipe, _ = load(model, dtype=_jnp_dtype(dtype), **kwargs)
     return pipe
 
 
@@ -281,6 +282,22 @@ def generate(
             help="A diffusers folder, a .safetensors checkpoint, a Hugging Face Hub id, or a name in --models-dir's "
             "Stable-diffusion/. Default: the embedded tiny model.",
         ),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            help="For a single-file --model: a diffusers folder (or Hub id) giving its configs and, for a Flux.1 "
+            "transformer file, its text encoders, tokenizers and VAE.",
+            rich_help_panel="Weights",
+        ),
+    ] = None,
+    t5: Annotated[
+        Path | None,
+        typer.Option(help="Flux: a separate T5 encoder file (t5xxl_fp16 / fp8).", rich_help_panel="Weights"),
+    ] = None,
+    clip_l: Annotated[
+        Path | None,
+        typer.Option("--clip-l", help="Flux: a separate CLIP-L file (clip_l.safetensors).", rich_help_panel="Weights"),
     ] = None,
     sampler: Annotated[
         str | None,
@@ -550,7 +567,13 @@ def generate(
         task = bars.add_task(f"Loading {model or 'the embedded model'}", total=None) if bars else None
         t0 = time.perf_counter()
         try:
-            pipe = load_pipeline(model, dtype) if weights.vae is None else _load_with_vae(model, dtype, weights.vae)
+            files = {k: v for k, v in (("config", config), ("t5", t5), ("clip_l", clip_l)) if v is not None}
+            if files:
+                if weights.vae is not None:
+                    raise typer.BadParameter("--vae with --config/--t5/--clip-l is not supported", param_hint="--vae")
+                pipe = load_pipeline(model, dtype, **{k: str(v) for k, v in files.items()})
+            else:
+                pipe = load_pipeline(model, dtype) if weights.vae is None else _load_with_vae(model, dtype, weights.vae)
             for path in weights.embeddings:
                 pipe.load_textual_inversion(path, token=path.stem, allow_pickle=allow_pickle)  # A1111: file name
             model_hash = cli_models.model_hash(weights)

@@ -289,3 +289,22 @@ def test_single_files_with_a_config_folder_give_the_folders_image(flux_models, t
     want = pipe.generate(PROMPTS[:1], output_type="np", **kwargs)
     got = single.generate(PROMPTS[:1], output_type="np", **kwargs)
     np.testing.assert_array_equal(got, want)
+
+
+def test_cli_takes_a_flux_transformer_file_with_its_config_folder(flux_models, tmp_path):
+    """`sdjax generate --model flux-transformer.safetensors`: refused naming what is missing (a Flux file holds the
+    transformer only); with `--config FOLDER` it generates."""
+    from safetensors.numpy import save_file
+    from typer.testing import CliRunner
+
+    from sdjax import cli
+
+    torch_pipe, pipe = flux_models["dev"]
+    path = tmp_path / "flux-transformer.safetensors"
+    save_file({k: v.detach().numpy().copy() for k, v in torch_pipe.transformer.state_dict().items()}, str(path))
+    args = ["generate", "a cat", "--model", str(path), "--steps", "2", "--width", str(SIZE), "--height", str(SIZE)]
+    refused = CliRunner().invoke(cli.app, [*args, "--out", str(tmp_path / "a")])
+    assert refused.exit_code != 0 and "Flux.1 transformer file" in refused.output
+    ok = CliRunner().invoke(cli.app, [*args, "--config", str(pipe.folder), "--out", str(tmp_path / "b")])
+    assert ok.exit_code == 0, ok.output
+    assert len(list((tmp_path / "b").glob("*.png"))) == 1

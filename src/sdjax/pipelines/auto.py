@@ -34,6 +34,17 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
     from sdjax.precision import resolve_dtype
 
     model = resolve_alias(model or EMBEDDED_MODEL)
+    if os.path.isfile(model) and _flux_file(model):
+        from sdjax.families.flux.pipeline import FluxPipeline
+
+        config = kwargs.pop("config", None)
+        if config is None:
+            raise ValueError(
+                f"{model}: a Flux.1 transformer file; such files hold the transformer only: give config= a diffusers "
+                "Flux folder for the text encoders, tokenizers and VAE (FluxPipeline.from_single_file also takes "
+                "t5= and clip_l= files)"
+            )
+        return FluxPipeline.from_single_file(model, config=config, dtype=resolve_dtype(dtype), **kwargs)
     if os.path.isfile(model):
         from sdjax.loading.single_file import load_single_file
 
@@ -56,3 +67,20 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
     except ValueError as e:
         raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; {e}") from None
     return family.pipeline_class().from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)
+
+
+def _flux_file(path: str) -> bool:
+    """Whether a checkpoint file holds a Flux.1 transformer (a `.gguf`, or safetensors keys that say so)."""
+    from sdjax.families.flux.weights import detect_flux
+
+    if path.endswith(".gguf"):
+        return True
+    if not path.endswith(".safetensors"):
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "np") as f:
+            return detect_flux(f.keys()) is not None
+    except Exception:  # not readable as safetensors: the single-file loader reports it
+        return False
