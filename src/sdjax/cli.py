@@ -577,13 +577,11 @@ def generate(
             for path in weights.embeddings:
                 pipe.load_textual_inversion(path, token=path.stem, allow_pickle=allow_pickle)  # A1111: file name
             model_hash = cli_models.model_hash(weights)
-            if distilled_guidance is not None:
-                if not hasattr(pipe, "distilled_guidance_scale"):
-                    raise typer.BadParameter(
-                        "this model has no distilled guidance (Flux dev has); use --guidance-scale",
-                        param_hint="--distilled-guidance",
-                    )
-                pipe.distilled_guidance_scale = distilled_guidance
+            if distilled_guidance is not None and not hasattr(pipe, "distilled_guidance_scale"):
+                raise typer.BadParameter(
+                    "this model has no distilled guidance (Flux dev has); use --guidance-scale",
+                    param_hint="--distilled-guidance",
+                )
         except Exception as e:  # loading reports the file, key or id at fault: show it, not a traceback
             if bars:
                 bars.stop()
@@ -642,6 +640,10 @@ def generate(
             task.update(refiner=metadata.model_label(refiner), refiner_switch=refiner_start)
         if weights.loras:
             _load_loras(pipe, weights.loras, err)
+        if hasattr(pipe, "distilled_guidance_scale") and pipe.transformer.config.guidance_embeds:
+            task["distilled_guidance"] = (
+                pipe.distilled_guidance_scale if distilled_guidance is None else distilled_guidance
+            )
         task.update(clip_skip=clip_skip, loras=weights.tags, vae=weights.vae_label, model_hash=model_hash,
                     lora_hashes=metadata.lora_hashes(weights.tag_files),
                     ti_hashes=metadata.ti_hashes([prompt, negative_prompt or ""],

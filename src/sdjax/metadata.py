@@ -93,6 +93,7 @@ class ImageParameters:
     prompt_syntax: str = "plain"  # "a1111": emphasis, BREAK, long prompts (sdjax.text.prompt_syntax)
     control: tuple[ControlUnit, ...] = ()  # ControlNets (sdjax.pipelines.controlnet)
     clip_skip: int = 1  # A1111's "Clip skip" (a per-image input of the program: not part of the shape key)
+    distilled_guidance: float | None = None  # Forge's "Distilled CFG Scale" (Flux dev's embedded guidance; per image)
     loras: tuple[
         tuple[str, float | tuple[float, float]], ...
     ] = ()  # the <lora:name:w> tags of the prompt, applied to the params
@@ -154,6 +155,8 @@ class ImageParameters:
             out["Hires sampler"] = sampler_display_name(h.sampler) if h.sampler else None
         if self.clip_skip > 1:
             out["Clip skip"] = self.clip_skip
+        if self.distilled_guidance is not None:
+            out["Distilled CFG Scale"] = _number(self.distilled_guidance)
         if self.lora_hashes:
             out["Lora hashes"] = self.lora_hashes
         if self.ti_hashes:
@@ -216,6 +219,7 @@ class GenerationRequest:
     prompt_syntax: str = "plain"
     control: tuple[ControlUnit, ...] = ()
     clip_skip: int = 1
+    distilled_guidance: float | None = None
     loras: tuple[tuple[str, float | tuple[float, float]], ...] = ()
     vae: str = ""
     model_hash: str = ""
@@ -248,6 +252,7 @@ class GenerationRequest:
                 prompt_syntax=self.prompt_syntax,
                 control=self.control,
                 clip_skip=self.clip_skip,
+                distilled_guidance=self.distilled_guidance,
                 loras=self.loras,
                 vae=self.vae,
                 model_hash=self.model_hash,
@@ -304,6 +309,10 @@ def generate_images(
     skips = [im.clip_skip for im in images]
     if any(s != 1 for s in skips):  # a per-image input: one batch may mix values
         common["clip_skip"] = skips[0] if len(set(skips)) == 1 else skips
+    distilled = [im.distilled_guidance for im in images]
+    if any(d is not None for d in distilled):  # Flux dev's embedded guidance, per image
+        default = getattr(pipeline, "distilled_guidance_scale", None)
+        common["guidance"] = [default if d is None else d for d in distilled]
     if p.control and (p.hires is not None or p.refiner_switch is not None):
         raise ValueError("ControlNet runs with txt2img, img2img and inpainting; not with the hires fix or a refiner")
     if p.hires is not None:
@@ -603,6 +612,7 @@ def parameters_from_text(text: str) -> ImageParameters:
             refiner=raw.get("Refiner", ""),
             refiner_switch=float(raw["Refiner switch at"]) if "Refiner switch at" in raw else None,
             clip_skip=int(raw.get("Clip skip", 1)),
+            distilled_guidance=float(raw["Distilled CFG Scale"]) if "Distilled CFG Scale" in raw else None,
             vae=raw.get("VAE", ""),
             model_hash=raw.get("Model hash", ""),
             lora_hashes=raw.get("Lora hashes", ""),
