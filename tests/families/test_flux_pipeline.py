@@ -230,8 +230,9 @@ def test_cli_generates_with_forge_guidance_semantics(flux_models, tmp_path):
     params = metadata.parameters_from_text(metadata.read_parameters(png))
     assert params.distilled_guidance == 2.5 and params.guidance_scale == 1.0  # as Forge writes them
     got = np.asarray(Image.open(png).convert("RGB"), np.int16)
-    want = pipe.generate(PROMPTS[0], steps=3, guidance_scale=2.5, height=SIZE, width=SIZE, seed=11)[0]
-    other = pipe.generate(PROMPTS[0], steps=3, guidance_scale=3.5, height=SIZE, width=SIZE, seed=11)[0]
+    same = dict(steps=3, height=SIZE, width=SIZE, seed=11, max_sequence_length=512)  # the CLI's: dev's default
+    want = pipe.generate(PROMPTS[0], guidance_scale=2.5, **same)[0]
+    other = pipe.generate(PROMPTS[0], guidance_scale=3.5, **same)[0]
     assert np.abs(got - np.asarray(want, np.int16)).max() <= 1
     assert np.abs(got - np.asarray(other, np.int16)).max() > 1  # the distilled guidance reached the model
 
@@ -292,7 +293,8 @@ def test_single_files_with_a_config_folder_give_the_folders_image(flux_models, t
     kwargs = dict(steps=3, guidance_scale=3.5, height=SIZE, width=SIZE, seed=5, max_sequence_length=MAX_SEQ)
     want = pipe.generate(PROMPTS[:1], output_type="np", **kwargs)
     got = single.generate(PROMPTS[:1], output_type="np", **kwargs)
-    np.testing.assert_array_equal(got, want)
+    # (the torch weights went through fuse/unfuse in the LoRA test: they may differ from the folder's by an ulp)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_cli_takes_a_flux_transformer_file_with_its_config_folder(flux_models, tmp_path):

@@ -619,11 +619,14 @@ class Generator:
         if len(negative_prompts) != n:
             raise ValueError(f"negative_prompts: got {len(negative_prompts)} for {n} images")
         neg_texts = [p if isinstance(p, str) else "" for p in negs]
-        if pad and conditioning:  # per-image options (clip_skip, Flux's guidance): padding images repeat the last
-            conditioning = {
-                k: [*v, *[v[-1]] * pad] if isinstance(v, (list, tuple, np.ndarray)) and len(v) == n and n else v
-                for k, v in conditioning.items()
-            }
+        skip = (conditioning or {}).get("clip_skip")
+        if pad and isinstance(skip, (list, tuple, np.ndarray)) and len(skip) == n:  # per-image: padding takes 1
+            conditioning = {**conditioning, "clip_skip": [*skip, *[1] * pad]}
+        # Other per-image options a family declares (Flux's guidance): padding images repeat the last value.
+        for key in getattr(self.models.conditioning, "per_image_options", ()):
+            value = (conditioning or {}).get(key)
+            if pad and isinstance(value, (list, tuple, np.ndarray)) and len(value) == n and n:
+                conditioning = {**conditioning, key: [*value, *[value[-1]] * pad]}
         if prompt_syntax not in (None, "plain", "a1111"):
             raise ValueError(f"prompt_syntax={prompt_syntax!r} must be 'plain' or 'a1111'")
         chunks = 0

@@ -35,6 +35,7 @@ class FluxConditioning:
 
     name = "flux"
     components = ("text_encoder", "text_encoder_2")
+    per_image_options = ("guidance",)  # lists of one value per image (the generator pads them with the batch)
 
     def __post_init__(self):
         check_max_sequence_length(self.max_sequence_length)
