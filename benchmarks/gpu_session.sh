@@ -64,6 +64,14 @@ for phase in "$@"; do
       CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 300 \
         python3 benchmarks/cuda_aot_roundtrip.py compile --target-config .whl/h100.txtpb --dir /tmp/exe &&
         timeout 200 python3 benchmarks/cuda_aot_roundtrip.py run --dir /tmp/exe | tee "$OUT/aotcuda.json" ;;
+    flux)  # Flux.1 schnell (4 steps) and dev (28 steps) 1024x1024 end to end, full-size random weights, bf16: sdjax
+      # against diffusers eager and torch.compile'd (schnell), each framework in its own process (about 9 minutes)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      F=benchmarks/flux_gpu.py
+      timeout 170 python3 $F sdjax --kind schnell --steps 4 --reps 3 --json "$OUT/flux-schnell-sdjax.json"
+      timeout 200 python3 $F torch --kind schnell --steps 4 --reps 2 --compile --json "$OUT/flux-schnell-torch.json"
+      timeout 130 python3 $F sdjax --kind dev --steps 28 --reps 2 --json "$OUT/flux-dev-sdjax.json"
+      timeout 80 python3 $F torch --kind dev --steps 28 --reps 1 --json "$OUT/flux-dev-torch.json" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   echo "=== $phase rc=$? $(date -u +%H:%M:%S)"
