@@ -72,6 +72,17 @@ for phase in "$@"; do
       timeout 200 python3 $F torch --kind schnell --steps 4 --reps 2 --compile --json "$OUT/flux-schnell-torch.json"
       timeout 130 python3 $F sdjax --kind dev --steps 28 --reps 2 --json "$OUT/flux-dev-sdjax.json"
       timeout 80 python3 $F torch --kind dev --steps 28 --reps 1 --json "$OUT/flux-dev-torch.json" ;;
+    redesign)  # SD 1.5 (50 steps) and SDXL (30 steps) end to end, bf16: the code before the model-family redesign
+      # (bbb8cad^, unpacked in .gpu_old/src) against this tree, interleaved on one machine
+      for arch in "sd15 --steps 50" "sdxl --steps 30"; do
+        for v in old new; do
+          if [ $v = old ]; then P=.gpu_old/src; else P=$PWD/src; fi
+          PYTHONPATH=$PYTHONPATH:$P timeout $([ "${arch%% *}" = sd15 ] && echo 110 || echo 150) python3 -c "import sys; sys.path.insert(0, '$P'); from sdjax.cli import main; main()" \
+            bench --arch $arch --dtype bfloat16 --reps 2 --json "$OUT/redesign-$v-${arch%% *}.json" | tail -12 | sed "s|^|[$v] |"
+        done
+      done ;;
+    fluxdevtc)  # Flux.1 dev 28 steps with torch.compile (transformer + VAE decode)
+      timeout 150 python3 benchmarks/flux_gpu.py torch --kind dev --steps 28 --reps 2 --compile --json "$OUT/flux-dev-torch-compile.json" ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
   echo "=== $phase rc=$? $(date -u +%H:%M:%S)"
