@@ -87,6 +87,7 @@ LONGEST_FIRST = (
     "tests/training/test_train.py",
     "tests/loading/test_single_file.py",
     "tests/core/test_generator.py",
+    "tests/finetune/test_run.py",
     "tests/core/test_img2img_inpaint_parity.py",
     "tests/server/test_ray_serve.py",
     "tests/core/test_sdxl_tasks_parity.py",

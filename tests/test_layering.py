@@ -32,6 +32,7 @@ LAYERS = {
     "aot": 6,
     "bench_samplers": 6,
     "bench_controlnet": 6,
+    "finetune": 6,  # `sdjax train`: the CLI registers its sub-app; the runtime never imports it
     "cli": 7,
     "cli_models": 7,
     "server": 7,

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from sdjax import metadata
+from sdjax.finetune.cli import train_app
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -1314,6 +1315,7 @@ bench_app = typer.Typer(
     "per step of the samplers; `sdjax bench controlnet` the cost of ControlNets per step."
 )
 app.add_typer(bench_app, name="bench")
+app.add_typer(train_app, name="train")
 
 
 @bench_app.callback(invoke_without_command=True)

@@ -1,0 +1,28 @@
+"""Fine-tuning of SD 1.x / 2.x / XL models: LoRA training (`train_lora`, `sdjax train lora`).
+
+- `data`: image folders with captions, kohya repeat folders, aspect-ratio buckets, augmentations.
+- `lora`: the trainable LoRA as a delta pytree, merged inside the loss; kohya / PEFT files.
+- `step`: the jitted training step (objectives, Min-SNR-gamma, noise offset, AdamW, accumulation, mesh).
+- `run`: a run (run directory, loss log, orbax checkpoints, resuming); `cli`: the `sdjax train` commands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LoraTrainConfig", "train_lora"]
+
+
+def train_lora(data, out, **options: Any):
+    """Train a LoRA (see `sdjax.finetune.run.train_lora`)."""
+    from sdjax.finetune.run import train_lora as run
+
+    return run(data, out, **options)
+
+
+def __getattr__(name: str):
+    if name == "LoraTrainConfig":
+        from sdjax.finetune.run import LoraTrainConfig
+
+        return LoraTrainConfig
+    raise AttributeError(name)

@@ -1,0 +1,177 @@
+"""`sdjax train ...`: the fine-tuning commands (registered in `sdjax.cli` as the `train` sub-app).
+
+`sdjax train lora --data DIR --out star.safetensors --steps 300` trains a LoRA of the embedded model (or
+`--model`) and writes it as a kohya / A1111 file that `sdjax generate --lora` loads. A thin adapter over
+`sdjax.finetune.train_lora`: options become its keyword arguments; progress (loss, step time, ETA) goes to stderr,
+the written path to stdout. Imports nothing heavy until a command runs (the base install has no optax / orbax).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+train_app = typer.Typer(
+    no_args_is_help=True,
+    help="Fine-tune a model: `sdjax train lora` trains a LoRA (SD 1.x / 2.x / XL) and writes a kohya/A1111 file.",
+)
+
+
+class Precision(str, enum.Enum):
+    no = "no"
+    bf16 = "bf16"
+
+
+class Schedule(str, enum.Enum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+class Prediction(str, enum.Enum):
+    epsilon = "epsilon"
+    v_prediction = "v_prediction"
+
+
+class OnBad(str, enum.Enum):
+    skip = "skip"
+    error = "error"
+
+
+def _require_train_extra() -> None:
+    missing = [m for m in ("optax", "orbax.checkpoint") if _absent(m)]
+    if missing:
+        typer.echo(
+            f"error: training needs the 'train' extra ({', '.join(missing)} not installed): pip install 'sdjax[train]'",
+            err=True,
+        )
+        raise typer.Exit(2)
+
+
+def _absent(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]train lora"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[step_time]}/step"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+
+
+@train_app.command("lora")
+def lora(
+    data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
+    out: Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")],
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded.")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Optimiser updates.")] = 300,
+    rank: Annotated[int, typer.Option(help="LoRA rank (network dim).")] = 8,
+    alpha: Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")] = None,
+    lora_dropout: Annotated[float, typer.Option(help="Dropout on the UNet LoRA's input (PEFT's).")] = 0.0,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
+    lr_schedule: Annotated[Schedule, typer.Option(help="After warm-up.")] = Schedule.constant,
+    warmup: Annotated[int, typer.Option(help="Linear warm-up updates.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")] = 1,
+    accumulation: Annotated[int, typer.Option(help="Micro-batches per optimiser update.")] = 1,
+    resolution: Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")] = None,
+    bucketing: Annotated[bool, typer.Option(help="Aspect-ratio buckets (multiples of --bucket-step).")] = True,
+    bucket_step: Annotated[int, typer.Option(help="Bucket side multiple in pixels.")] = 64,
+    random_crop: Annotated[bool, typer.Option(help="Random instead of center crops.")] = False,
+    flip: Annotated[bool, typer.Option(help="Random horizontal flips.")] = False,
+    caption_dropout: Annotated[float, typer.Option(help="Share of empty captions.")] = 0.0,
+    shuffle_tags: Annotated[bool, typer.Option(help="Shuffle comma-separated tags.")] = False,
+    keep_tokens: Annotated[int, typer.Option(help="Tags kept in front when shuffling.")] = 0,
+    on_bad_image: Annotated[OnBad, typer.Option(help="Unreadable images: skip (named) or stop.")] = OnBad.skip,
+    train_text_encoder: Annotated[bool, typer.Option(help="LoRA on the text encoder(s) too.")] = False,
+    prediction_type: Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")] = None,
+    min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma weighting (e.g. 5).")] = None,
+    noise_offset: Annotated[float, typer.Option(help="Noise offset (e.g. 0.05).")] = 0.0,
+    input_perturbation: Annotated[float, typer.Option(help="Input perturbation (e.g. 0.1).")] = 0.0,
+    mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 LoRA.")] = Precision.no,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the LoRA init, data order and noise.")] = 0,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")] = None,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")] = True,
+    peft: Annotated[bool, typer.Option(help="Also write diffusers' pytorch_lora_weights.safetensors.")] = False,
+) -> None:
+    """Train a LoRA on a folder of captioned images; writes OUT (kohya/A1111) and a run directory."""
+    _require_train_extra()
+    from sdjax.finetune.run import LoraTrainConfig, train_lora
+
+    options = dict(
+        model=model,
+        steps=steps,
+        rank=rank,
+        alpha=alpha,
+        lora_dropout=lora_dropout,
+        lr=lr,
+        lr_schedule=lr_schedule.value,
+        warmup=warmup,
+        batch_size=batch_size,
+        accumulation=accumulation,
+        resolution=resolution,
+        bucketing=bucketing,
+        bucket_step=bucket_step,
+        random_crop=random_crop,
+        flip=flip,
+        caption_dropout=caption_dropout,
+        shuffle_tags=shuffle_tags,
+        keep_tokens=keep_tokens,
+        on_bad_image=on_bad_image.value,
+        train_text_encoder=train_text_encoder,
+        prediction_type=prediction_type.value if prediction_type else None,
+        min_snr_gamma=min_snr_gamma,
+        noise_offset=noise_offset,
+        input_perturbation=input_perturbation,
+        mixed_precision=mixed_precision.value,
+        gradient_checkpointing=gradient_checkpointing,
+        seed=seed,
+        run_dir=str(run_dir) if run_dir else None,
+        save_every=save_every,
+        resume=resume,
+        peft=peft,
+    )
+    try:
+        LoraTrainConfig(data=str(data), out=str(out), **options).check()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    progress = _progress()
+    task = progress.add_task("train", total=steps, loss="-", step_time="-")
+
+    def on_step(done: int, total: int, loss: float, seconds: float) -> None:
+        progress.update(task, completed=done, loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s")
+
+    def log(message: str) -> None:
+        progress.console.print(message)
+
+    from sdjax.finetune.data import DataError
+
+    with progress:
+        try:
+            result = train_lora(data, out, on_step=on_step, log=log, **options)
+        except (DataError, FileNotFoundError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    for skipped in result.skipped_images:
+        typer.echo(f"skipped: {skipped}", err=True)
+    typer.echo(f"run directory: {result.run_dir}", err=True)
+    typer.echo(str(result.out))

@@ -1,0 +1,369 @@
+"""`train_lora`: a LoRA training run of an SD 1.x / 2.x / XL model, from a data folder to a kohya file.
+
+A run directory holds `config.json` (every setting), `loss.jsonl` (one line per optimiser update: step, loss,
+learning rate, seconds), `checkpoints/` (orbax: the LoRA, the optimiser state and the step; the data order and
+noise are functions of the seed and the step, so a resumed run repeats the unbroken one's losses), `loss.png`
+(when matplotlib is installed) and, with `peft=True`, `pytorch_lora_weights.safetensors`. The LoRA itself goes to
+`out` as a kohya / A1111 `.safetensors` file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sdjax.finetune import data as data_lib
+from sdjax.finetune import lora as lora_lib
+
+OnStep = Callable[[int, int, float, float], None]  # (update, total updates, loss, seconds of the update)
+# Settings a resumed run must share with the run that wrote the checkpoint.
+_RESUME_KEYS = ("model", "rank", "alpha", "train_text_encoder", "batch_size", "accumulation", "seed", "lr")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraTrainConfig:
+    """Every setting of a LoRA run (written to the run directory's config.json)."""
+
+    data: str
+    out: str
+    model: str | None = None  # diffusers folder, single file, Hub id; None: the embedded model
+    steps: int = 300  # optimiser updates
+    rank: int = 8
+    alpha: float | None = None  # default: rank (scale 1)
+    train_text_encoder: bool = False
+    lora_dropout: float = 0.0  # dropout on the UNet LoRA's input (PEFT's lora_dropout)
+    lr: float = 1e-4
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    weight_decay: float = 1e-2
+    max_grad_norm: float | None = 1.0
+    batch_size: int = 1
+    accumulation: int = 1
+    resolution: int | None = None  # default: the model's sample size
+    bucketing: bool = True
+    bucket_step: int = 64
+    random_crop: bool = False
+    flip: bool = False
+    caption_dropout: float = 0.0
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    on_bad_image: str = "skip"
+    prediction_type: str | None = None  # default: the scheduler config's
+    min_snr_gamma: float | None = None
+    noise_offset: float = 0.0
+    input_perturbation: float = 0.0
+    mixed_precision: str = "no"  # or "bf16": frozen weights and compute in bfloat16, LoRA in float32
+    gradient_checkpointing: bool = False
+    clip_skip: int = 1
+    seed: int = 0
+    devices: int | None = None  # data-parallel devices (default: the most that divide the batch)
+    run_dir: str | None = None  # default: <out without suffix>-run
+    save_every: int = 0  # checkpoint every N updates (0: only at the end)
+    resume: bool = True  # continue from the run directory's latest checkpoint
+    peft: bool = False  # also write diffusers' pytorch_lora_weights.safetensors into the run directory
+    comment: str = ""
+
+    def check(self) -> None:
+        """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
+        if int(self.rank) != self.rank or self.rank < 1:
+            raise ValueError(f"rank={self.rank!r}: a LoRA rank must be a positive integer")
+        for name in ("steps", "batch_size", "accumulation"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.lr <= 0 or not math.isfinite(self.lr):
+            raise ValueError(f"lr={self.lr} must be a positive number")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
+        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
+            raise ValueError(f"resolution={self.resolution} must be a positive multiple of 8")
+        if not str(self.out).endswith(".safetensors"):
+            raise ValueError(f"out={self.out}: the LoRA is written as a .safetensors file")
+        if self.save_every < 0 or self.warmup < 0:
+            raise ValueError("save_every and warmup must be 0 or more")
+        self.data_config(self.resolution or 512).check()
+        if not Path(self.data).expanduser().is_dir():
+            raise data_lib.DataError(f"data folder {self.data} does not exist or is not a folder")
+
+    def data_config(self, resolution: int) -> data_lib.DataConfig:
+        return data_lib.DataConfig(
+            resolution=resolution,
+            bucketing=self.bucketing,
+            bucket_step=self.bucket_step,
+            random_crop=self.random_crop,
+            flip=self.flip,
+            caption_dropout=self.caption_dropout,
+            shuffle_tags=self.shuffle_tags,
+            keep_tokens=self.keep_tokens,
+            on_bad_image=self.on_bad_image,
+        )
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path(str(self.out).removesuffix(".safetensors") + "-run")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    out: Path
+    run_dir: Path
+    losses: list[float]  # per update of this call (after a resume: from the resumed step)
+    start_step: int
+    steps: int
+    skipped_images: tuple[str, ...]
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def _load(cfg: LoraTrainConfig):
+    import jax.numpy as jnp
+
+    from sdjax.pipelines import load_pipeline
+
+    dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
+    pipe, params = load_pipeline(cfg.model, dtype=dtype)
+    if not hasattr(pipe, "unet") or not hasattr(pipe.generator.models.conditioning, "tokenize"):
+        raise ValueError(
+            f"{cfg.model}: LoRA training supports SD 1.x / 2.x / XL UNet models (this is a {type(pipe).__name__})"
+        )
+    return pipe, params, dtype
+
+
+def _mesh(cfg: LoraTrainConfig, log: Callable[[str], None]):
+    import jax
+
+    from sdjax.parallel.sharding import make_mesh
+
+    available = jax.devices()
+    n = cfg.devices or math.gcd(cfg.batch_size, len(available))
+    if n > len(available) or cfg.batch_size % n:
+        raise ValueError(
+            f"devices={n}: need at most {len(available)} devices and a batch size ({cfg.batch_size}) they divide"
+        )
+    if cfg.devices is None and n < len(available):
+        log(f"data parallel over {n} of {len(available)} devices (the batch size {cfg.batch_size} divides by {n})")
+    return make_mesh(devices=available[:n])
+
+
+def _checkpoints(run_dir: Path, keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def _restore(manager, state: dict) -> tuple[dict, int]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    if step is None:
+        return state, 0
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+    return manager.restore(step, args=ocp.args.StandardRestore(abstract)), int(step)
+
+
+def _check_resume(run_dir: Path, cfg: LoraTrainConfig) -> None:
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        return
+    old = json.loads(saved.read_text())
+    new = dataclasses.asdict(cfg)
+    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in _RESUME_KEYS if old.get(k) != new[k]]
+    if diff:
+        raise ValueError(
+            f"{run_dir}: its checkpoints come from a run with other settings ({'; '.join(diff)}); use another "
+            "run_dir or resume=False"
+        )
+
+
+def _log_lines(path: Path, upto: int) -> None:
+    """Keep the loss log's lines of updates before `upto` (a resumed run rewrites the rest)."""
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < upto]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
+def plot_losses(log_path: Path, png: Path) -> bool:
+    """`loss.png` from `loss.jsonl` (False when matplotlib is not installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=0.8)
+    ax.set_xlabel("update")
+    ax.set_ylabel("loss")
+    ax.set_title(log_path.parent.name)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return True
+
+
+def _inputs(conditioning, batch: dict, clip_skip: int) -> dict:
+    ids = np.asarray(conditioning.tokenize(batch["captions"]), np.int32)
+    n = len(batch["captions"])
+    return {
+        "pixels": batch["pixels"],
+        "ids": ids,
+        "clip_skip": np.full((n,), clip_skip, np.int32),
+        "time_ids": batch["time_ids"],
+    }
+
+
+def write_lora(
+    cfg: LoraTrainConfig, lora: dict, unet_config: Any, prediction_type: str, run_dir: Path, num_images: int = 0
+) -> None:
+    """The kohya file at `cfg.out` (and diffusers' file in the run directory with `cfg.peft`)."""
+    host = {c: {k: {n: np.asarray(v) for n, v in ab.items()} for k, ab in layers.items()} for c, layers in lora.items()}
+    alpha = float(cfg.alpha if cfg.alpha is not None else cfg.rank)
+    meta = lora_lib.kohya_metadata(
+        rank=cfg.rank,
+        alpha=alpha,
+        base_model_version=lora_lib.base_model_version(unet_config, prediction_type),
+        comment=cfg.comment,
+        extra={
+            "ss_num_train_images": str(num_images),
+            "ss_max_train_steps": str(cfg.steps),
+            "ss_learning_rate": str(cfg.lr),
+            "ss_seed": str(cfg.seed),
+            "ss_network_train_unet_only": str(not cfg.train_text_encoder),
+        },
+    )
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    lora_lib.save_safetensors(cfg.out, lora_lib.kohya_state_dict(host, alpha, unet_config), meta)
+    if cfg.peft:
+        tensors, peft_meta = lora_lib.peft_state_dict(host, alpha, cfg.rank)
+        lora_lib.save_safetensors(run_dir / "pytorch_lora_weights.safetensors", tensors, peft_meta)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def train_lora(
+    data: str | Path,
+    out: str | Path,
+    *,
+    on_step: OnStep | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    stop_after: int | None = None,
+    **options: Any,
+) -> TrainResult:
+    """Train a LoRA on the images of `data` and write it to `out` (kohya `.safetensors`); `options` are the
+    fields of `LoraTrainConfig`. `stop_after` ends the run after that many updates of this call (checkpointed,
+    without writing `out`): for tests of resuming and for time-boxed runs."""
+    import jax
+
+    from sdjax.finetune import step as step_lib
+
+    cfg = LoraTrainConfig(data=str(data), out=str(out), **options)
+    cfg.check()
+    run_dir = cfg.run_path
+    if cfg.resume:
+        _check_resume(run_dir, cfg)
+    dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
+    pipe, params, dtype = _load(cfg)
+    resolution = cfg.resolution or pipe.default_size[0]
+    dataset = data_lib.with_buckets(dataset, cfg.data_config(resolution))
+    log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
+    mesh = _mesh(cfg, log)
+    conditioning = pipe.generator.models.conditioning
+    prediction_type = cfg.prediction_type or pipe.scheduler.prediction_type
+    objective = step_lib.Objective(
+        prediction_type=prediction_type,
+        num_train_timesteps=int(pipe.scheduler.num_train_timesteps),
+        min_snr_gamma=cfg.min_snr_gamma,
+        noise_offset=cfg.noise_offset,
+        input_perturbation=cfg.input_perturbation,
+    )
+    alpha = float(cfg.alpha if cfg.alpha is not None else cfg.rank)
+    models = step_lib.Models(
+        conditioning,
+        pipe.unet,
+        pipe.vae,
+        dtype,
+        unet_scale=alpha / cfg.rank,
+        text_scale=alpha / cfg.rank,
+        remat=cfg.gradient_checkpointing,
+        lora_dropout=cfg.lora_dropout,
+    )
+    targets = {"unet": lora_lib.UNET_TARGETS}
+    if cfg.train_text_encoder:
+        targets.update({c: lora_lib.TEXT_TARGETS for c in conditioning.components})
+    frozen_names = ("unet", "vae", *conditioning.components)
+    frozen = {c: params[c] for c in frozen_names}
+    lora = lora_lib.init_lora(jax.random.PRNGKey(cfg.seed), frozen, targets, cfg.rank)
+    schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
+    optimizer = step_lib.make_optimizer(
+        schedule, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, accumulation=cfg.accumulation
+    )
+    state = step_lib.init_state(lora, optimizer)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manager = _checkpoints(run_dir)
+    start = 0
+    if cfg.resume:
+        state, micro = _restore(manager, state)
+        start = micro // cfg.accumulation
+        if start:
+            log(f"resuming {run_dir} at update {start}")
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    loss_log = run_dir / "loss.jsonl"
+    _log_lines(loss_log, start)
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sdjax.parallel.sharding import batch_sharding
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state = jax.device_put(state, replicated)
+    frozen = jax.device_put(frozen, replicated)
+    train_step = step_lib.make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
+    sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
+    key = jax.random.PRNGKey(cfg.seed)
+    losses: list[float] = []
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    for update in range(start, end):
+        t0 = time.perf_counter()
+        micro_losses = []
+        for micro in range(update * cfg.accumulation, (update + 1) * cfg.accumulation):
+            host = _inputs(conditioning, sampler.load(micro), cfg.clip_skip)
+            batch = jax.device_put(host, batch_sharding(mesh))
+            state, loss = train_step(state, frozen, batch, key)
+            micro_losses.append(loss)
+        loss = float(np.mean([float(v) for v in micro_losses]))
+        seconds = time.perf_counter() - t0
+        losses.append(loss)
+        row = {"step": update, "loss": loss, "lr": float(schedule(update)), "seconds": round(seconds, 4)}
+        with loss_log.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at update {update}; lower lr ({cfg.lr}) or check the data")
+        done = update + 1
+        if (cfg.save_every and done % cfg.save_every == 0) or done == end:
+            manager.save(done * cfg.accumulation, args=_save_args(state), force=True)
+        if on_step is not None:
+            on_step(done, cfg.steps, loss, seconds)
+    manager.wait_until_finished()
+    manager.close()
+    if end == cfg.steps:
+        write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(dataset.items))
+        if loss_log.is_file():
+            plot_losses(loss_log, run_dir / "loss.png")
+    return TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
+
+
+def _save_args(state):
+    import orbax.checkpoint as ocp
+
+    return ocp.args.StandardSave(state)
