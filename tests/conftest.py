@@ -99,6 +99,7 @@ LONGEST_FIRST = (
     "tests/families/test_flux_pipeline.py",
     "tests/server/test_schemathesis.py",
     "tests/families/test_sd3_pipeline.py",
+    "tests/server/test_comfy_real.py",
 )
 
 

@@ -61,7 +61,7 @@ from sdjax.metadata import (
     ti_hashes,
 )
 from sdjax.samplers import a1111
-from sdjax.server import a1111_info, models_api, openai_stream, published
+from sdjax.server import a1111_info, comfy, models_api, openai_stream, published
 from sdjax.server import controlnet as controlnet_api
 from sdjax.server.batching import Batcher, Outcome, QueueFull, ShuttingDown
 from sdjax.server.errors import APIError, error_body, internal_error
@@ -102,6 +102,7 @@ IMAGE_ENDPOINTS = (
     "/v1/images/edits",
     "/v1/images/variations",
     "/controlnet/detect",
+    *comfy.UPLOAD_PATHS,
 )
 
 ENDPOINTS = (
@@ -138,6 +139,7 @@ ENDPOINTS = (
     "/controlnet/detect",
     "/controlnet/version",
     *a1111_info.PATHS,
+    *comfy.PATHS,
 )
 
 
@@ -774,6 +776,10 @@ def create_app(
         return {"object": "list", "data": [{"id": served().model_name, "object": "model", "owned_by": "sdjax"}]}
 
     app.include_router(a1111_info.router(config, lambda: served().pipeline))  # cmd-flags, upscalers, memory, ...
+    comfy_api = comfy.router(config=config, batcher=batcher, served=served, wait_for_model=wait_for_model,
+                             networks=networks, md=md)  # fmt: skip
+    app.include_router(comfy_api)  # ComfyUI's paths at the root, and under /api as ComfyUI serves them too
+    app.include_router(comfy_api, prefix="/api", include_in_schema=False)
 
     @app.get("/sdapi/v1/samplers", summary="Samplers (AUTOMATIC1111 API)")
     async def samplers():

@@ -1,0 +1,259 @@
+"""The ComfyUI nodes that feed the samplers (`comfy.nodes`): loaders (checkpoint, LoRA, VAE, ControlNet), conditioning
+(text, clip skip, Flux guidance, ControlNet) and images and masks (LoadImage, LoadImageMask, ImageScale), as a mixin
+of the planner: each `n_<class_type>` returns the node's outputs as `comfy.values`, or raises a `graph.NodeError`."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from sdjax.metadata import ControlUnit
+from sdjax.server.comfy.graph import Node, NodeError
+from sdjax.server.comfy.values import Clip, Cond, Model, Pixels, Vae
+from sdjax.server.schemas import FieldError
+
+_RESAMPLE = {
+    "nearest-exact": Image.NEAREST,
+    "bilinear": Image.BILINEAR,
+    "area": Image.BOX,
+    "bicubic": Image.BICUBIC,
+    "lanczos": Image.LANCZOS,
+}
+
+
+class Inputs:
+    """The planner's loader, conditioning and image nodes (`self.value`, `self.ctx` come from the planner)."""
+
+    ctx: Any
+
+    def value(self, node: Node, name: str) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ loaders
+    def n_CheckpointLoaderSimple(self, node: Node, _) -> tuple:
+        self._served(node, "ckpt_name")
+        return Model(), Clip(), Vae(self.ctx.default_vae)
+
+    def _served(self, node: Node, field: str) -> None:
+        name = node.inputs[field].strip().replace("\\", "/")
+        stem = name.rsplit("/", 1)[-1]
+        names = {n.lower() for n in self.ctx.model_names}
+        if not ({name.lower(), stem.lower(), stem.rsplit(".", 1)[0].lower()} & names):
+            raise NodeError(
+                node.id,
+                "value_not_in_list",
+                f"{field}: {name!r} is not the served model; sdjax serves one model at a time "
+                f"({self.ctx.model_names[0]!r}; switch with POST /sdapi/v1/options)",
+                field,
+            )
+
+    def n_UNETLoader(self, node: Node, _) -> tuple:
+        raise NodeError(
+            node.id,
+            "node_not_supported",
+            "UNETLoader: load the served model with CheckpointLoaderSimple (sdjax loads a model's parts together)",
+            "unet_name",
+        )
+
+    def n_CLIPLoader(self, node: Node, _) -> tuple:
+        raise NodeError(
+            node.id,
+            "node_not_supported",
+            f"{node.class_type}: the served model's own text encoders are used; load them with CheckpointLoaderSimple",
+            "clip_name",
+        )
+
+    n_DualCLIPLoader = n_CLIPLoader
+
+    def n_VAELoader(self, node: Node, _) -> tuple:
+        name = node.inputs["vae_name"]
+        if self.ctx.networks is None:
+            raise NodeError(node.id, "value_not_in_list", "vae_name: this server has no VAE folder", "vae_name")
+        try:
+            return (Vae(self.ctx.networks.vae(self.ctx.pipeline, name, "vae_name")),)
+        except FieldError as e:
+            raise NodeError(node.id, "value_not_in_list", e.message, "vae_name") from None
+
+    def n_LoraLoader(self, node: Node, _) -> tuple:
+        model, clip = self.value(node, "model"), self.value(node, "clip")
+        name = self._lora_name(node)
+        return (
+            Model(_add(model.loras, name, node.inputs["strength_model"])),
+            dataclasses.replace(clip, loras=_add(clip.loras, name, node.inputs["strength_clip"])),
+        )
+
+    def n_LoraLoaderModelOnly(self, node: Node, _) -> tuple:
+        model = self.value(node, "model")
+        return (Model(_add(model.loras, self._lora_name(node), node.inputs["strength_model"])),)
+
+    def _lora_name(self, node: Node) -> str:
+        name = node.inputs["lora_name"]
+        if any(c in name for c in ":<>") or not name.strip():
+            raise NodeError(node.id, "value_not_in_list", f"lora_name: {name!r} is not a LoRA name", "lora_name")
+        md = getattr(self.ctx.networks, "md", None)
+        try:
+            if md is None:
+                raise LookupError("this server has no Lora/ folder (start it with --models-dir)")
+            return md.resolve("lora", name).stem
+        except (ValueError, LookupError) as e:
+            raise NodeError(
+                node.id, "value_not_in_list", f"lora_name: {e.args[0] if e.args else e}", "lora_name"
+            ) from None
+
+    def n_ControlNetLoader(self, node: Node, _) -> tuple:
+        name = node.inputs["control_net_name"]
+        key = name.rsplit("/", 1)[-1]
+        key = key.removesuffix(".safetensors") if key not in self.ctx.controlnets else key
+        if key not in self.ctx.controlnets:
+            raise NodeError(
+                node.id,
+                "value_not_in_list",
+                f"control_net_name: {name!r} is not served; served: {sorted(self.ctx.controlnets)} (--controlnet-dir)",
+                "control_net_name",
+            )
+        return (str(self.ctx.controlnets[key]),)
+
+    # ------------------------------------------------------------------ conditioning
+    def n_CLIPSetLastLayer(self, node: Node, _) -> tuple:
+        from sdjax.server.models_api import clip_skip_setting
+
+        clip = self.value(node, "clip")
+        try:
+            skip = clip_skip_setting(-int(node.inputs["stop_at_clip_layer"]), self.ctx.pipeline, "stop_at_clip_layer")
+        except FieldError as e:
+            raise NodeError(node.id, "value_bigger_than_max", e.message, "stop_at_clip_layer") from None
+        return (dataclasses.replace(clip, clip_skip=skip),)
+
+    def n_CLIPTextEncode(self, node: Node, _) -> tuple:
+        return (Cond(node.inputs["text"], self.value(node, "clip"), node.id),)
+
+    def n_FluxGuidance(self, node: Node, _) -> tuple:
+        if getattr(self.ctx.pipeline, "distilled_guidance_scale", None) is None:
+            raise NodeError(
+                node.id,
+                "node_not_supported",
+                "FluxGuidance: the served model has no distilled guidance (Flux dev has)",
+                "guidance",
+            )
+        return (dataclasses.replace(self.value(node, "conditioning"), guidance=float(node.inputs["guidance"])),)
+
+    def n_ControlNetApplyAdvanced(self, node: Node, _) -> tuple:
+        positive, negative = self.value(node, "positive"), self.value(node, "negative")
+        net, pixels = self.value(node, "control_net"), self.value(node, "image")
+        if pixels.arrays is None:
+            raise NodeError(
+                node.id,
+                "node_not_supported",
+                "image: a control image must be loaded (LoadImage), not generated in the same prompt",
+                "image",
+            )
+        start, end = float(node.inputs["start_percent"]), float(node.inputs["end_percent"])
+        if not start < end:
+            raise NodeError(
+                node.id, "value_bigger_than_max", "start_percent must be below end_percent", "start_percent"
+            )
+        from sdjax.pipelines.controlnet import control_spec
+
+        try:
+            control_spec(self.ctx.pipeline, [net], None)  # loads (cached on the pipeline) and checks the family
+        except (ValueError, KeyError, OSError) as e:
+            raise NodeError(node.id, "node_not_supported", str(e.args[0] if e.args else e), "control_net") from None
+        unit = ControlUnit(net, "none", float(node.inputs["strength"]), start, end, pixels.arrays[0])
+        return (
+            dataclasses.replace(positive, control=(*positive.control, unit)),
+            dataclasses.replace(negative, control=(*negative.control, unit)),
+        )
+
+    # ------------------------------------------------------------------ images and masks
+    def n_LoadImage(self, node: Node, _) -> tuple:
+        im = self._open(node)
+        rgb = np.asarray(im.convert("RGB"))[None]
+        if "A" in im.getbands():
+            mask = 1.0 - np.asarray(im.getchannel("A"), np.float32) / 255.0
+        else:
+            mask = np.zeros((64, 64), np.float32)  # ComfyUI's empty mask
+        return Pixels(rgb), mask
+
+    def n_LoadImageMask(self, node: Node, _) -> tuple:
+        im = self._open(node)
+        channel = node.inputs["channel"]
+        band = {"alpha": "A", "red": "R", "green": "G", "blue": "B"}[channel]
+        if band not in im.getbands():
+            im = im.convert("RGBA")
+        if band not in im.getbands():
+            return (np.zeros((64, 64), np.float32),)
+        mask = np.asarray(im.getchannel(band), np.float32) / 255.0
+        return (1.0 - mask if band == "A" else mask,)
+
+    def _open(self, node: Node) -> Image.Image:
+        name = node.inputs["image"]
+        data = self.ctx.read_input(name)
+        if data is None:
+            raise NodeError(
+                node.id, "value_not_in_list", f"image: no uploaded image {name!r} (POST /upload/image)", "image"
+            )
+        try:
+            im = Image.open(io.BytesIO(data))
+            if im.width * im.height > self.ctx.limits.max_image_pixels:
+                raise ValueError(f"{im.width}x{im.height} pixels exceed {self.ctx.limits.max_image_pixels}")
+            im = ImageOps.exif_transpose(im)
+            im.load()
+        except Exception as e:  # any decoding failure is this input's problem
+            raise NodeError(
+                node.id, "invalid_input_type", f"image: {name!r} is not a readable image: {e}", "image"
+            ) from None
+        return im
+
+    def n_ImageScale(self, node: Node, _) -> tuple:
+        pixels = self.value(node, "image")
+        w, h = int(node.inputs["width"]), int(node.inputs["height"])
+        method, crop = _RESAMPLE[node.inputs["upscale_method"]], node.inputs["crop"] == "center"
+        limit = self.ctx.limits.max_image_pixels
+        if max(w, 1) * max(h, 1) > limit:
+            raise NodeError(node.id, "value_bigger_than_max", f"width x height: {w}x{h} is over the server's "
+                            f"{limit} pixels per image", "width")  # fmt: skip
+
+        def scale(arrays: np.ndarray) -> np.ndarray:
+            return np.stack([np.asarray(_resize(Image.fromarray(a), w, h, method, crop, limit)) for a in arrays])
+
+        if pixels.arrays is not None:
+            return (Pixels(scale(pixels.arrays)),)
+        return (dataclasses.replace(pixels, ops=(*pixels.ops, scale)),)
+
+
+def _add(loras: tuple, name: str, strength: float) -> tuple:
+    """A LoRA applied again adds its strength (ComfyUI patches the weights twice)."""
+    weights = dict(loras)
+    weights[name] = weights.get(name, 0.0) + float(strength)
+    return tuple(weights.items())
+
+
+def mask_image(mask: np.ndarray, size: tuple[int, int]) -> Image.Image:
+    """A MASK (floats, 1 = repaint) as a PIL "L" image of `size` (ComfyUI resizes masks bilinearly)."""
+    im = Image.fromarray(np.clip(np.round(np.asarray(mask) * 255), 0, 255).astype(np.uint8))
+    return im if im.size == size else im.resize(size, Image.BILINEAR)
+
+
+def _resize(im: Image.Image, w: int, h: int, method: int, crop: bool, limit: int) -> Image.Image:
+    """ComfyUI's `common_upscale`: 0 keeps the aspect ratio; "center" crops to the target's aspect first."""
+    if w == 0 and h == 0:
+        return im
+    w = w or max(1, round(im.width * h / im.height))
+    h = h or max(1, round(im.height * w / im.width))
+    if w * h > limit:
+        raise ValueError(f"ImageScale: {w}x{h} is over the server's {limit} pixels per image")
+    if crop:
+        old, new = im.width / im.height, w / h
+        if old > new:
+            cw = round(im.height * new)
+            x = (im.width - cw) // 2
+            im = im.crop((x, 0, x + cw, im.height))
+        elif old < new:
+            ch = round(im.width / new)
+            y = (im.height - ch) // 2
+            im = im.crop((0, y, im.width, y + ch))
+    return im.resize((w, h), method)

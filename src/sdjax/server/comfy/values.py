@@ -1,0 +1,100 @@
+"""The values a ComfyUI workflow's nodes evaluate to while `comfy.nodes` plans it (a model with its LoRAs, a CLIP
+with its LoRAs and clip skip, a conditioning, a latent, an image), and the plan they make."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from sdjax.metadata import ControlUnit, GenerationRequest
+
+
+@dataclasses.dataclass
+class Context:
+    """What planning needs from the server (built per prompt by the router)."""
+
+    pipeline: Any
+    limits: Any
+    model_names: tuple[str, ...]  # names that mean the served model (checkpoint, model name, file names)
+    model_name: str
+    read_input: Callable[[str], bytes | None]  # an uploaded image by "subfolder/name"
+    networks: Any = None  # server.networks.Networks
+    controlnets: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> path
+    default_vae: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    loras: tuple[tuple[str, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Clip:
+    loras: tuple[tuple[str, float], ...] = ()
+    clip_skip: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Vae:
+    name: str = ""  # "": the checkpoint's own
+
+
+@dataclasses.dataclass(frozen=True)
+class Cond:
+    text: str
+    clip: Clip
+    text_node: str = dataclasses.field(compare=False)  # where the text came from (named in errors)
+    control: tuple[ControlUnit, ...] = ()
+    guidance: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Latent:
+    kind: str  # "empty" | "image" | "sampled"
+    width: int
+    height: int
+    batch: int = 1
+    image: Any = None  # PIL RGB (image latents)
+    mask: Any = None  # PIL L, white = repaint (inpainting)
+    vae: Vae | None = None
+    node: str = ""  # the node that made it
+    stage: int = -1  # sampled and upscaled latents: the index of their stage
+    second: bool = False  # sampled: made by a second (hires) pass
+    upscaler: str = ""  # upscaled: sdjax's hires upscaler ("latent", "latent-nearest")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pixels:
+    """An IMAGE: uint8 `(N, H, W, 3)` arrays, or the images of a stage with host operations applied after."""
+
+    arrays: np.ndarray | None = None
+    stage: int | None = None
+    ops: tuple[Callable[[np.ndarray], np.ndarray], ...] = ()
+
+
+@dataclasses.dataclass
+class Stage:
+    node_id: str  # the KSampler
+    request: GenerationRequest
+    vae_fixed: bool = False  # the VAE is the encoder's (or a decoder's): another decoder must use the same
+    inputs: tuple = ()  # (model, positive, negative, cfg, seed) of the first pass: a second pass must share them
+    first_decoded: str = ""  # a VAEDecode of the first pass's latent (none may exist when a second pass follows)
+    second_pass: str = ""  # the KSampler of the hires pass
+
+
+@dataclasses.dataclass
+class Output:
+    node_id: str
+    kind: str  # "output" (SaveImage) | "temp" (PreviewImage)
+    prefix: str
+    pixels: Pixels
+
+
+@dataclasses.dataclass
+class Plan:
+    stages: list[Stage]
+    outputs: list[Output]
+    order: list[str]  # every node the outputs depend on, dependencies first
