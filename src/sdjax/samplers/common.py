@@ -275,6 +275,16 @@ def alpha_space_x0_eps(prediction_type: str, model_output, sample, alpha_prod_t)
     )
 
 
+def ancestral_down(sigma_from, sigma_to, sigma_up, xp):
+    """The ancestral step's target sigma_down = sqrt(sigma_to^2 - sigma_up^2), as diffusers computes it, except where
+    float32 cancellation leaves that difference <= 0 though sigma_to > 0 (sigma_from >> sigma_to: 2 steps,
+    157 -> 0.01, where diffusers' sqrt gives NaN): there the same quantity in its exact form sigma_to^2 / sigma_from
+    (eta = 1). `xp` is numpy or jax.numpy."""
+    diff = sigma_to**2 - sigma_up**2
+    safe = xp.where(diff > 0, diff, 1.0)
+    return xp.where(diff > 0, safe**0.5, sigma_to**2 / xp.where(sigma_from > 0, sigma_from, 1.0))
+
+
 def sigma_space_x0(prediction_type: str, model_output, sample, sigma):
     """x0 from a model output in the variance-exploding (k-diffusion) parameterisation x = x0 + sigma eps, where
     the model saw x / sqrt(sigma^2 + 1)."""

@@ -28,7 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax import rng
-from sdjax.samplers.common import ANY, F32, require_noise, shape_tuple, sigma_space_x0, sigma_to_t, state_class
+from sdjax.samplers.common import (
+    ANY,
+    F32,
+    ancestral_down,
+    require_noise,
+    shape_tuple,
+    sigma_space_x0,
+    sigma_to_t,
+    state_class,
+)
 from sdjax.samplers.euler import _SigmaSampler
 from sdjax.samplers.heun import interleave, sigma_space_schedule
 
@@ -223,7 +232,7 @@ class DPMSolverSDE(_SigmaSampler):
         sigma_to = jnp.where(first, sigma_mid, sigma_next)
         sigma_from = _sigma(t)
         sigma_up = jnp.minimum(sigma_to, (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5)
-        sigma_down = (sigma_to**2 - sigma_up**2) ** 0.5
+        sigma_down = ancestral_down(sigma_from, sigma_to, sigma_up, jnp)
         t_down = _t(sigma_down)
         dpm = (_sigma(t_down) / _sigma(t)) * base - jnp.expm1(t - t_down) * x0
         dpm = dpm + noise * self.s_noise * sigma_up

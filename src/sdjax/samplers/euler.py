@@ -20,6 +20,7 @@ import numpy as np
 from sdjax.samplers.common import (
     F32,
     Sampler,
+    ancestral_down,
     convert_sigmas,
     linspace_f32,
     match_step_index,
@@ -208,7 +209,7 @@ class EulerAncestral(_SigmaSampler):
         sigma_from, sigma_to = state.sigmas[step_index], state.sigmas[step_index + 1]
         x0 = sigma_space_x0(self.prediction_type, model_output.astype(jnp.float32), x, sigma_from)
         sigma_up = (sigma_to**2 * (sigma_from**2 - sigma_to**2) / sigma_from**2) ** 0.5
-        sigma_down = (sigma_to**2 - sigma_up**2) ** 0.5
+        sigma_down = ancestral_down(sigma_from, sigma_to, sigma_up, jnp)
         derivative = (x - x0) / sigma_from
         prev = x + derivative * (sigma_down - sigma_from)
         prev = prev + noise * sigma_up

@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.samplers.common import F32, require_noise, shape_tuple, sigma_space_x0, sigma_to_t, state_class
+from sdjax.samplers.common import (
+    F32,
+    ancestral_down,
+    require_noise,
+    shape_tuple,
+    sigma_space_x0,
+    sigma_to_t,
+    state_class,
+)
 from sdjax.samplers.euler import _SigmaSampler
 from sdjax.samplers.heun import interleave, sigma_space_schedule
 
@@ -145,7 +153,7 @@ class KDPM2Ancestral(_KDPM2Base):
         nxt = np.concatenate([sigmas[1:], [0.0]]).astype(F32)
         with np.errstate(divide="ignore", invalid="ignore"):
             up = ((nxt**2 * (sigmas**2 - nxt**2) / sigmas**2) ** F32(0.5)).astype(F32)
-            down = ((nxt**2 - up**2) ** F32(0.5)).astype(F32)
+            down = ancestral_down(sigmas, nxt, up, np).astype(F32)
         down[-1] = 0.0
         interpol = _log_midpoint(sigmas, down)
         interpol[-2:] = 0.0
