@@ -113,6 +113,9 @@ class Defaults:
             sampler=sampler_id(sampler or pipeline.default_sampler),
             width=int(width),
             height=int(height),
+            # the faces' CFG scale (A1111/Forge meaning): a family whose CFG is off by default says so (Flux: 1,
+            # its distilled guidance is apart); the UNet families keep the server's 7.5
+            guidance_scale=float(getattr(pipeline, "cfg_scale_default", 7.5)),
         )
 
 
@@ -200,6 +203,9 @@ class A1111Txt2ImgRequest(BaseModel):
     negative_prompt: str = ""
     steps: int | None = Field(None, ge=1)
     cfg_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
+    distilled_cfg_scale: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="Forge: Flux dev's distilled guidance (default: the model's)"
+    )
     width: int | None = Field(None, ge=8, multiple_of=8)
     height: int | None = Field(None, ge=8, multiple_of=8)
     seed: int = Field(-1, ge=-1, le=SEED_MAX, description="-1: random; image i uses seed + i")
@@ -471,6 +477,17 @@ def _check_prompt_tags(text: str, field: str) -> None:
         raise FieldError(field, f"<{tag.kind}:{tag.name}:...>: extra networks in prompts are not served here")
 
 
+def _distilled(pipeline: Any, value: float | None) -> float | None:
+    """Forge's `distilled_cfg_scale`: the model's default on a model with distilled guidance (Flux dev, written
+    to the infotext as Forge does), refused by name on one without."""
+    default = getattr(pipeline, "distilled_guidance_scale", None)
+    transformer = getattr(pipeline, "transformer", None)
+    has = default is not None and bool(getattr(getattr(transformer, "config", None), "guidance_embeds", False))
+    if value is not None and not has:
+        raise FieldError("distilled_cfg_scale", "this model has no distilled guidance (Flux dev has); use cfg_scale")
+    return (float(default) if value is None else float(value)) if has else None
+
+
 def resolve_a1111(
     body: A1111Txt2ImgRequest, pipeline: Any, limits: Limits, defaults: Defaults, model_name: str
 ) -> GenerationRequest:
@@ -505,6 +522,7 @@ def resolve_a1111(
         model=model_name,
         hires=_hires(body) if body.enable_hr and not isinstance(body, A1111Img2ImgRequest) else None,
         prompt_syntax=_a1111_syntax(pipeline, body.prompt, body.negative_prompt or ""),
+        distilled_guidance=_distilled(pipeline, body.distilled_cfg_scale),
     )
     _check_prompt_tags(body.prompt, "prompt")
     _check_prompt_tags(body.negative_prompt or "", "negative_prompt")
