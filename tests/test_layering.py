@@ -30,8 +30,6 @@ LAYERS = {
     "models_dir": 6,
     "bench": 6,
     "aot": 6,
-    "bench_samplers": 6,
-    "bench_controlnet": 6,
     "finetune": 6,  # `sdjax train`: the CLI registers its sub-app; the runtime never imports it
     "cli": 7,
     "cli_models": 7,

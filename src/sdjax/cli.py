@@ -1434,7 +1434,7 @@ def bench_samplers(
 ) -> None:
     """Distance of each sampler's result to a many-step reference solution against model evaluations, and each
     sampler's own cost per call against a model call."""
-    from sdjax import bench_samplers as lib
+    from sdjax.bench import samplers as lib
     from sdjax.config import ConfigError
 
     width, height = _parse_size(size, "--size") if size else (None, None)
@@ -1499,7 +1499,7 @@ def bench_controlnet(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
 ) -> None:
     """Time one denoising step (UNet with CFG) with 0, 1, 2, ... ControlNets."""
-    from sdjax import bench_controlnet as lib
+    from sdjax.bench import controlnet as lib
 
     try:
         counts = tuple(int(k) for k in controlnets.split(","))

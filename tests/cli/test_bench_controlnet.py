@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from sdjax import bench_controlnet
+from sdjax.bench import controlnet as bench_controlnet
 from sdjax.cli import app
 from sdjax.models.presets import ARCHITECTURES
 

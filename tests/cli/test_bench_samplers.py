@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from sdjax import bench_samplers
+from sdjax.bench import samplers as bench_samplers
 from sdjax.cli import app
 
 

@@ -152,7 +152,7 @@ def run(cfg: ControlNetBenchConfig, log: Callable[[str], None] = lambda s: None)
     worker = None
     if cfg.torch:
         log("starting the PyTorch diffusers worker")
-        worker = TorchWorker(cfg, height, width, serve="sdjax.bench_controlnet:_torch_serve")
+        worker = TorchWorker(cfg, height, width, serve="sdjax.bench.controlnet:_torch_serve")
     try:
         steps: dict[str, dict[str, Any]] = {}
         torch_side: dict[str, Any] = {}
