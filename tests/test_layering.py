@@ -12,6 +12,7 @@ LAYERS = {
     "config": 0,
     "rng": 0,
     "precision": 0,
+    "quant": 1,  # weight quantization: a params transformation and a module wrapper (jax, flax, qwix)
     "runtime": 0,
     "compilation_cache": 0,
     "isolated": 0,

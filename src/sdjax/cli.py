@@ -65,6 +65,19 @@ class DType(str, enum.Enum):
     float16 = "float16"
 
 
+class Quantize(str, enum.Enum):
+    """Weight-only quantization of the denoiser (`sdjax.quant`, docs/quantization.md)."""
+
+    int8 = "int8"
+    fp8 = "fp8"
+
+
+QUANTIZE_OPTION = typer.Option(
+    help="Store the denoiser's weights quantized (int8 or fp8 e4m3, per channel), dequantized inside the program.",
+    rich_help_panel="Weights",
+)
+
+
 app = typer.Typer(
     name="sdjax",
     no_args_is_help=True,
@@ -405,6 +418,7 @@ def generate(
         typer.Option(min=1, help="Images per compiled batch (does not change the images). Default: all at once."),
     ] = None,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
+    quantize: Annotated[Quantize | None, QUANTIZE_OPTION] = None,
     out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Output folder (created).")] = Path(
         "outputs"
     ),
@@ -572,9 +586,14 @@ def generate(
             if files:
                 if weights.vae is not None:
                     raise typer.BadParameter("--vae with --config/--t5/--clip-l is not supported", param_hint="--vae")
-                pipe = load_pipeline(model, dtype, **{k: str(v) for k, v in files.items()})
+                pipe = load_pipeline(model, dtype, **{k: str(v) for k, v in files.items()}, **_quantize_kw(quantize))
             else:
-                pipe = load_pipeline(model, dtype) if weights.vae is None else _load_with_vae(model, dtype, weights.vae)
+                q = _quantize_kw(quantize)
+                pipe = (
+                    load_pipeline(model, dtype, **q)
+                    if weights.vae is None
+                    else _load_with_vae(model, dtype, weights.vae, **q)
+                )
             for path in weights.embeddings:
                 pipe.load_textual_inversion(path, token=path.stem, allow_pickle=allow_pickle)  # A1111: file name
             model_hash = cli_models.model_hash(weights)
@@ -824,6 +843,11 @@ def _load_with_vae(model: str | None, dtype, vae: str) -> Any:
     return pipe
 
 
+def _quantize_kw(quantize: Quantize | None) -> dict[str, str]:
+    """`--quantize` as `load_pipeline`'s keyword (none when not given)."""
+    return {"quantize": quantize.value} if quantize is not None else {}
+
+
 def _load_loras(pipe, loras, err) -> None:
     """Load each (file, scale) and activate them together."""
     for path, scale in loras:
@@ -1010,6 +1034,7 @@ def serve(
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype.")] = DType.float32,
+    quantize: Annotated[Quantize | None, QUANTIZE_OPTION] = None,
     max_batch: Annotated[int, typer.Option(min=1, help="Most images in one compiled batch.")] = 8,
     batch_sizes: Annotated[
         str | None,
@@ -1219,7 +1244,12 @@ def serve(
     t0 = time.perf_counter()
     with err.status(f"Loading {model or 'the embedded model'}"):
         try:
-            pipe = load_pipeline(model, dtype) if vae_target is None else _load_with_vae(model, dtype, vae_target)
+            q = _quantize_kw(quantize)
+            pipe = (
+                load_pipeline(model, dtype, **q)
+                if vae_target is None
+                else _load_with_vae(model, dtype, vae_target, **q)
+            )
         except Exception as e:
             err.print(
                 f"[red]error:[/red] could not load {model or 'the embedded model'}: {escape(str(e))}",

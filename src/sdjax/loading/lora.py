@@ -47,6 +47,7 @@ from flax.traverse_util import flatten_dict
 
 from sdjax.loading import files, ldm_keys
 from sdjax.models.convert import path_to_torch_key
+from sdjax.quant import params as quant_params
 
 Path_ = tuple[str, ...]
 Target = tuple[str, Path_]  # (component, path of a `kernel` leaf)
@@ -491,7 +492,12 @@ def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, Scale]]) 
                 copied.add(prefix)
             parent = parent[prefix[-1]]
         base = parent[path[-1]]
-        if isinstance(base, jax.Array):
+        scale = parent.get(path[-1] + quant_params.SCALE_SUFFIX)
+        if scale is not None:  # a quantized kernel (sdjax.quant): dequantized, the delta added in float32, requantized
+            parent[path[-1]], parent[path[-1] + quant_params.SCALE_SUFFIX] = quant_params.fuse_delta(
+                base, scale, _fuse, up, down
+            )
+        elif isinstance(base, jax.Array):
             parent[path[-1]] = _fuse(base, up, down)
         else:
             host = np.asarray(base)

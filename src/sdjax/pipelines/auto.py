@@ -32,7 +32,9 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
     """
     from sdjax.families import family_of_pipeline_class, pipeline_classes
     from sdjax.precision import resolve_dtype
+    from sdjax.quant import check_quantize
 
+    check_quantize(kwargs.get("quantize"))
     model = resolve_alias(model or EMBEDDED_MODEL)
     if os.path.isfile(model) and _flux_file(model):
         from sdjax.families.flux.pipeline import FluxPipeline
@@ -50,6 +52,7 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
 
         single = {k: kwargs.pop(k) for k in ("prediction_type", "config", "extract_ema", "allow_pickle") if k in kwargs}
         scheduler = kwargs.pop("scheduler", None)
+        quantize = kwargs.pop("quantize", None)
         loaded, params, model_index = load_single_file(
             model, dtype=resolve_dtype(dtype), vae=kwargs.pop("vae", None), overrides=kwargs, **single
         )
@@ -58,7 +61,7 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
         if name not in classes:
             raise ValueError(f"{model}: a {name!r} checkpoint; sdjax loads {sorted(classes)}")
         return classes[name]._assemble(
-            loaded, params, model_index, dtype=resolve_dtype(dtype), name=model, scheduler=scheduler
+            loaded, params, model_index, dtype=resolve_dtype(dtype), name=model, scheduler=scheduler, quantize=quantize
         )
     resolve_kwargs = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
     name = pipeline_class_name(model, **resolve_kwargs)

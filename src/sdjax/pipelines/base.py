@@ -114,6 +114,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         attention: str | None = None,
         local_files_only: bool = False,
         vae: Any = None,
+        quantize: str | None = None,
         **components,
     ):
         """Load a diffusers folder or Hub repo id -> `(pipeline, params)` (a single `.safetensors` checkpoint
@@ -126,12 +127,16 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         diffusers' `from_config`). `vae` replaces the VAE: a diffusers VAE folder or Hub repo, a single VAE file,
         or a `(module, params)` pair. `"sdjax/embedded"` names the small model shipped with the package. `from_pt`
         is accepted for compatibility and has no effect: PyTorch-format weights are always converted.
+        `quantize="int8"|"fp8"` (or a `sdjax.quant.QuantPolicy`) stores the denoiser's kernels quantized,
+        dequantized inside the program (`sdjax.quant`, docs/quantization.md).
         """
         from sdjax.loading.components import load_pipeline_components
         from sdjax.loading.single_file import load_vae
         from sdjax.models.presets import resolve_alias
+        from sdjax.quant import check_quantize
 
         del from_pt
+        check_quantize(quantize)
         pretrained_model_name_or_path = resolve_alias(pretrained_model_name_or_path)
         if os.path.isfile(pretrained_model_name_or_path):
             return cls.from_single_file(
@@ -140,6 +145,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
                 vae=vae,
                 split_head_dim=split_head_dim,
                 attention=attention or ("chunked" if use_memory_efficient_attention else None),
+                quantize=quantize,
                 **components,
             )
         scheduler = components.pop("scheduler", None)
@@ -164,6 +170,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             scheduler=scheduler,
             split_head_dim=split_head_dim,
             attention=attention or ("chunked" if use_memory_efficient_attention else None),
+            quantize=quantize,
         )
 
     @classmethod
@@ -180,6 +187,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         split_head_dim: bool = False,
         attention: str | None = None,
         local_files_only: bool = False,
+        quantize: str | None = None,
         **components,
     ):
         """Load an original-layout checkpoint file (as civitai ships them: SD 1.x, 2.x, XL base / refiner,
@@ -187,9 +195,11 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         come from sdjax's embedded config sets (or `config=`, a diffusers folder or Hub repo); `prediction_type`
         overrides what the file says (SD 2.x 512 epsilon vs 768 v-prediction). `.ckpt` pickles are refused unless
         `allow_pickle=True` (read by a restricted unpickler that executes no code). See
-        `sdjax.loading.single_file`."""
+        `sdjax.loading.single_file`. `quantize` as for `from_pretrained`."""
         from sdjax.loading.single_file import load_single_file
+        from sdjax.quant import check_quantize
 
+        check_quantize(quantize)
         scheduler = components.pop("scheduler", None)
         loaded, params, model_index = load_single_file(
             path,
@@ -217,6 +227,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             scheduler=scheduler,
             split_head_dim=split_head_dim,
             attention=attention,
+            quantize=quantize,
         )
 
     @classmethod
@@ -231,8 +242,12 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         scheduler=None,
         split_head_dim: bool = False,
         attention: str | None = None,
+        quantize: str | None = None,
     ):
-        """The pipeline from loaded components: runtime options on the modules, the sampler override."""
+        """The pipeline from loaded components: runtime options on the modules, the sampler override, the
+        quantized denoiser (`sdjax.quant.quantize_pipeline`)."""
+        from sdjax.quant import quantize_pipeline
+
         runtime = {"split_head_dim": split_head_dim}
         if attention:
             runtime["attention"] = attention
@@ -246,7 +261,7 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
             params["scheduler"] = loaded["scheduler"].create_state()
         settings = {k: model_index[k] for k in cls.pipeline_config_keys if k in model_index}
         pipe = cls(**loaded, **settings, dtype=dtype, name=name, params=params)
-        return pipe, params
+        return quantize_pipeline(pipe, params, quantize)
 
     # ------------------------------------------------------------------ helpers of both APIs
     @property

@@ -266,7 +266,8 @@ def apply_loras(params: Mapping[str, Any], loras: Sequence[Lora], scales: Sequen
             if component != COMPONENT or path not in flat:
                 raise LoraError(f"LoRA {lora.name!r} adapts {component} {'/'.join(path)}, which these params lack")
             dtype = np.dtype(flat[path].dtype)
-            if dtype.itemsize == 1:
+            quantized = (*path[:-1], path[-1] + "_scale") in flat  # sdjax.quant: requantized after the sum
+            if dtype.itemsize == 1 and not quantized:
                 raise LoraError(
                     f"LoRA {lora.name!r}: {'/'.join(path)} is {dtype} (keep_fp8): adding the LoRA would round it to "
                     f"float8; load the transformer with keep_fp8=False"

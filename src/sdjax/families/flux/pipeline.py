@@ -112,6 +112,7 @@ class FluxPipeline(DiffusionPipeline):
         keep_fp8: bool = False,
         t5: str | None = None,
         clip_l: str | None = None,
+        quantize: str | None = None,
         **kwargs,
     ):
         """A Flux transformer file as people have them (`flux1-dev.safetensors` in BFL layout, ComfyUI/Forge files
@@ -120,11 +121,14 @@ class FluxPipeline(DiffusionPipeline):
         `clip_l=` name the separate files: `t5xxl_fp16.safetensors`, `t5xxl_fp8_e4m3fn.safetensors`,
         `clip_l.safetensors`) -> `(pipeline, params)`. `keep_fp8=True` keeps float8 weights float8 in memory (one
         byte per weight; each layer casts them to the compute dtype). The transformer's architecture is read from
-        the file's tensors."""
+        the file's tensors. `quantize="int8"|"fp8"`: the transformer's kernels quantized (`sdjax.quant`)."""
         from pathlib import Path
 
         from sdjax.config import read_json
         from sdjax.families.flux import weights
+        from sdjax.quant import check_quantize, quantize_pipeline
+
+        check_quantize(quantize)
 
         def folder_config(component):  # a local config folder's configs (else the released models' defaults)
             local = Path(str(config)) / component / "config.json"
@@ -150,7 +154,7 @@ class FluxPipeline(DiffusionPipeline):
         params = {**loaded, **params}
         pipe.params = params
         pipe.name = str(path)
-        return pipe, params
+        return quantize_pipeline(pipe, params, quantize)
 
     def _conditioning(self):
         return FluxConditioning(

@@ -1,0 +1,33 @@
+"""Weight-only quantization (int8 per channel, float8 e4m3 per channel) for every family: docs/quantization.md.
+
+`scheme`: one kernel's quantize / dequantize (qwix's arithmetic); `params`: which kernels (`QuantPolicy`) and the
+params-tree transformation; `modules`: the dequantizing module wrapper and `quantize_pipeline`, which
+`Pipeline.from_pretrained(..., quantize=)` calls.
+"""
+
+from sdjax.quant.modules import DequantizingModule, quantize_pipeline
+from sdjax.quant.params import (
+    QuantPolicy,
+    check_quantize,
+    dequantize_tree,
+    has_quantized,
+    nbytes,
+    quantize_params,
+    quantize_tree,
+)
+from sdjax.quant.scheme import SCHEMES, dequantize_kernel, quantize_kernel
+
+__all__ = [
+    "SCHEMES",
+    "DequantizingModule",
+    "QuantPolicy",
+    "check_quantize",
+    "dequantize_kernel",
+    "dequantize_tree",
+    "has_quantized",
+    "nbytes",
+    "quantize_kernel",
+    "quantize_params",
+    "quantize_pipeline",
+    "quantize_tree",
+]

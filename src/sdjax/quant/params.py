@@ -1,0 +1,138 @@
+"""Which parameters are quantized (`QuantPolicy`) and the params-tree transformation both ways.
+
+A quantized kernel keeps its path: the `kernel` leaf becomes the int8 / float8_e4m3fn values and a sibling leaf
+`kernel_scale` (float32, one per output channel) is added next to it. Sharding rules, LoRA key matching and every
+other consumer that finds a layer by its `.../kernel` path see the same path and shape; only the dtype changed.
+Flax modules never see the pair: `dequantize_params` (inside the jitted program, `sdjax.quant.modules`) turns it back
+into a float kernel of the compute dtype and drops `kernel_scale`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax.quant import scheme as scheme_lib
+
+SCALE_SUFFIX = "_scale"
+KERNEL = "kernel"
+SCALE = KERNEL + SCALE_SUFFIX
+# Below this many weights a kernel stays in high precision: SD's conv_in / conv_out (3x3x4x320 = 11,520), LCM's
+# guidance projection; the memory they would save is negligible and the first and last layers are the most
+# sensitive ones.
+DEFAULT_MIN_SIZE = 16_384
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPolicy:
+    """What `quantize_params` quantizes: every floating `kernel` leaf with at least `min_size` weights and two or
+    more axes, in the params components named in `components`, whose path (`component/.../kernel`) matches none of
+    the `exclude` regexes. Norms, biases, embeddings (`embedding` leaves), position tables and the VAE stay as they
+    are."""
+
+    scheme: str
+    components: tuple[str, ...] = ("unet", "transformer")
+    min_size: int = DEFAULT_MIN_SIZE
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        scheme_lib.check_scheme(self.scheme, "QuantPolicy.scheme")
+        if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
+            raise TypeError(f"QuantPolicy.components={self.components!r} must be a tuple of params component names")
+
+    def selects(self, path: str, kernel: Any) -> bool:
+        shape = tuple(np.shape(kernel))
+        return (
+            len(shape) >= 2
+            and int(np.prod(shape)) >= self.min_size
+            and jnp.issubdtype(kernel.dtype, jnp.floating)
+            and not any(re.fullmatch(p, path) for p in self.exclude)
+        )
+
+
+def check_quantize(quantize: Any) -> str | QuantPolicy | None:
+    """`quantize=` as the loaders take it: None (no quantization), `"int8"`, `"fp8"` (the denoiser's kernels with the
+    default policy) or a `QuantPolicy`; anything else raises a ValueError naming the argument and the allowed
+    values (the loaders call it before anything loads)."""
+    if quantize is None or isinstance(quantize, QuantPolicy):
+        return quantize
+    if not isinstance(quantize, str) or quantize not in scheme_lib.SCHEMES:
+        raise ValueError(
+            f"quantize={quantize!r}: expected one of {sorted(scheme_lib.SCHEMES)}, a sdjax.quant.QuantPolicy, "
+            "or None (no quantization)"
+        )
+    return quantize
+
+
+def is_quantized_node(node: Any) -> bool:
+    return isinstance(node, Mapping) and SCALE in node and KERNEL in node
+
+
+def quantize_tree(tree: Any, policy: QuantPolicy, path: str = "") -> Any:
+    """One component's params with the selected kernels quantized (a new tree; other leaves are the same objects)."""
+    if not isinstance(tree, Mapping):
+        return tree
+    if is_quantized_node(tree):
+        return tree  # already quantized: kept as it is
+    out = {k: quantize_tree(v, policy, f"{path}/{k}" if path else str(k)) for k, v in tree.items()}
+    kernel = tree.get(KERNEL)
+    if kernel is not None and not isinstance(kernel, Mapping) and policy.selects(f"{path}/{KERNEL}", kernel):
+        if isinstance(kernel, jax.ShapeDtypeStruct):  # abstract params (AOT compiles): shapes only
+            qtype = scheme_lib.SCHEMES[policy.scheme]
+            out[KERNEL] = jax.ShapeDtypeStruct(kernel.shape, qtype, sharding=kernel.sharding)
+            out[SCALE] = jax.ShapeDtypeStruct(kernel.shape[-1:], jnp.float32)
+        else:
+            out[KERNEL], out[SCALE] = scheme_lib.quantize_kernel(kernel, policy.scheme)
+    return out
+
+
+def quantize_params(params: Mapping[str, Any], policy: QuantPolicy) -> dict[str, Any]:
+    """A pipeline's params (component -> tree) with the policy's components quantized; the others unchanged."""
+    return {k: quantize_tree(v, policy, k) if k in policy.components else v for k, v in params.items()}
+
+
+def dequantize_tree(tree: Any, dtype: Any) -> Any:
+    """Every `{kernel, kernel_scale}` pair -> a float `kernel` of `dtype` (the scale dropped); anything else as is."""
+    if not isinstance(tree, Mapping):
+        return tree
+    out = {k: dequantize_tree(v, dtype) for k, v in tree.items() if k != SCALE}
+    if is_quantized_node(tree):
+        out[KERNEL] = scheme_lib.dequantize_kernel(tree[KERNEL], tree[SCALE], dtype)
+    return out
+
+
+def has_quantized(tree: Any) -> bool:
+    if not isinstance(tree, Mapping):
+        return False
+    return is_quantized_node(tree) or any(has_quantized(v) for v in tree.values())
+
+
+def quantized_kernels(tree: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
+    """`path -> (q, scale)` of every quantized kernel in `tree`."""
+    if not isinstance(tree, Mapping):
+        return {}
+    out = {}
+    if is_quantized_node(tree):
+        out[f"{path}/{KERNEL}" if path else KERNEL] = (tree[KERNEL], tree[SCALE])
+    for k, v in tree.items():
+        out.update(quantized_kernels(v, f"{path}/{k}" if path else str(k)))
+    return out
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of every array leaf of `tree` (arrays or ShapeDtypeStructs)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def fuse_delta(q: Any, scale: Any, fuse, *args) -> tuple[jax.Array, jax.Array]:
+    """A LoRA delta on a quantized kernel: dequantize to float32, `fuse(kernel_f32, *args)` (the caller's
+    `base + delta`, in float32), quantize again with a new per-channel scale (same scheme). The delta is added in
+    float32; the result carries one more rounding, at most half a (new) scale step per weight for int8."""
+    merged = fuse(scheme_lib.dequantize_kernel(q, scale, jnp.float32), *args)
+    return scheme_lib.quantize_kernel(merged, scheme_lib.scheme_of(q.dtype))
