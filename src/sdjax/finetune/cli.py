@@ -2,8 +2,9 @@
 
 `sdjax train lora --data DIR --out star.safetensors --steps 300` trains a LoRA of the embedded model (or
 `--model`) and writes it as a kohya / A1111 file that `sdjax generate --lora` loads. A thin adapter over
-`sdjax.finetune.train_lora`: options become its keyword arguments; progress (loss, step time, ETA) goes to stderr,
-the written path to stdout. Imports nothing heavy until a command runs (the base install has no optax / orbax).
+`sdjax.finetune.train_lora`: options become its keyword arguments (`sdjax train textual-inversion`: the same over
+`train_textual_inversion`); progress (loss, step time, ETA) goes to stderr, the written path to stdout. Imports
+nothing heavy until a command runs (the base install has no optax / orbax).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import typer
 
 train_app = typer.Typer(
     no_args_is_help=True,
-    help="Fine-tune a model: `sdjax train lora` trains a LoRA (SD 1.x / 2.x / XL) and writes a kohya/A1111 file.",
+    help="Fine-tune a model: `sdjax train lora` trains a LoRA (SD 1.x / 2.x / XL) and writes a kohya/A1111 file; "
+    "`sdjax train textual-inversion` trains a new token's embedding (A1111 and diffusers files).",
 )
 
 
@@ -58,12 +60,12 @@ def _absent(name: str) -> bool:
         return True
 
 
-def _progress():
+def _progress(label: str = "train lora"):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     return Progress(
-        TextColumn("[bold]train lora"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]}"),
@@ -168,6 +170,92 @@ def lora(
     with progress:
         try:
             result = train_lora(data, out, on_step=on_step, log=log, **options)
+        except (DataError, FileNotFoundError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    for skipped in result.skipped_images:
+        typer.echo(f"skipped: {skipped}", err=True)
+    typer.echo(f"run directory: {result.run_dir}", err=True)
+    typer.echo(str(result.out))
+
+
+@train_app.command("textual-inversion")
+def textual_inversion(
+    data: Annotated[Path, typer.Option(help="Images (.txt captions naming the token optional; else templates).")],
+    token: Annotated[str, typer.Option(help="The new token, e.g. '<star>'.")],
+    init_word: Annotated[str, typer.Option(help="Word whose embedding starts the token's rows, e.g. 'star'.")],
+    out: Annotated[Path, typer.Option(help="The embedding to write (.safetensors, A1111 layout).")],
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded.")
+    ] = None,
+    vectors: Annotated[int, typer.Option(help="Embedding rows (tokens TOKEN, TOKEN_1, ...).")] = 1,
+    steps: Annotated[int, typer.Option(help="Optimiser updates.")] = 300,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 5e-3,
+    lr_schedule: Annotated[Schedule, typer.Option(help="After warm-up.")] = Schedule.constant,
+    warmup: Annotated[int, typer.Option(help="Linear warm-up updates.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")] = 1,
+    accumulation: Annotated[int, typer.Option(help="Micro-batches per optimiser update.")] = 1,
+    resolution: Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")] = None,
+    bucketing: Annotated[bool, typer.Option(help="Aspect-ratio buckets (multiples of --bucket-step).")] = True,
+    random_crop: Annotated[bool, typer.Option(help="Random instead of center crops.")] = False,
+    flip: Annotated[bool, typer.Option(help="Random horizontal flips.")] = False,
+    on_bad_image: Annotated[OnBad, typer.Option(help="Unreadable images: skip (named) or stop.")] = OnBad.skip,
+    prediction_type: Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")] = None,
+    min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma weighting (e.g. 5).")] = None,
+    noise_offset: Annotated[float, typer.Option(help="Noise offset (e.g. 0.05).")] = 0.0,
+    mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 rows.")] = Precision.no,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the data order, templates and noise.")] = 0,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")] = None,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")] = True,
+) -> None:
+    """Train a new token's embedding (textual inversion); writes OUT (A1111), learned_embeds.safetensors
+    (diffusers, in the run directory) and a run directory."""
+    _require_train_extra()
+    from sdjax.finetune.data import DataError
+    from sdjax.finetune.textual_inversion import TextualInversionConfig, train_textual_inversion
+
+    options = dict(
+        token=token,
+        init_word=init_word,
+        model=model,
+        vectors=vectors,
+        steps=steps,
+        lr=lr,
+        lr_schedule=lr_schedule.value,
+        warmup=warmup,
+        batch_size=batch_size,
+        accumulation=accumulation,
+        resolution=resolution,
+        bucketing=bucketing,
+        random_crop=random_crop,
+        flip=flip,
+        on_bad_image=on_bad_image.value,
+        prediction_type=prediction_type.value if prediction_type else None,
+        min_snr_gamma=min_snr_gamma,
+        noise_offset=noise_offset,
+        mixed_precision=mixed_precision.value,
+        gradient_checkpointing=gradient_checkpointing,
+        seed=seed,
+        run_dir=str(run_dir) if run_dir else None,
+        save_every=save_every,
+        resume=resume,
+    )
+    try:
+        TextualInversionConfig(data=str(data), out=str(out), **options).check()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    progress = _progress("train textual-inversion")
+    task = progress.add_task("train", total=steps, loss="-", step_time="-")
+
+    def on_step(done: int, total: int, loss: float, seconds: float) -> None:
+        progress.update(task, completed=done, loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s")
+
+    with progress:
+        try:
+            result = train_textual_inversion(data, out, on_step=on_step, log=progress.console.print, **options)
         except (DataError, FileNotFoundError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
