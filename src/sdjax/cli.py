@@ -835,11 +835,11 @@ def _task_options(
     return out
 
 
-def _load_with_vae(model: str | None, dtype, vae: str) -> Any:
+def _load_with_vae(model: str | None, dtype, vae: str, **kwargs: Any) -> Any:
     """The pipeline with its VAE replaced (`--vae`)."""
     from sdjax.pipelines import load_pipeline as load
 
-    pipe, _ = load(model, dtype=_jnp_dtype(dtype), vae=vae)
+    pipe, _ = load(model, dtype=_jnp_dtype(dtype), vae=vae, **kwargs)
     return pipe
 
 
