@@ -2,7 +2,7 @@
 
     python benchmarks/tpu_aot_table.py [--models sd15,sd21,sdxl] [--per-chip 1,4,8] \
         [--targets v5e-1,v5e-4,v5e-8,v6e-4,v4-8] [--steps 30] [--dtype bfloat16] [--no-unet-cost] \
-        [--vae-slicing] [--attention NAME] [--controlnets N] [--out tpu_aot.jsonl] [--markdown]
+        [--vae-slicing] [--attention NAME] [--controlnets N] [--fsdp] [--out tpu_aot.jsonl] [--markdown]
 
 Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-aot]'`) of the whole generation at
 the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
@@ -10,7 +10,10 @@ process (a compile of SDXL takes minutes and a few GB of host memory). Rows are 
 as they finish, and a row already in `--out` is not compiled again, so the table can be filled over several
 sessions. A compile that kills its process (libtpu's compiler has crashed on some shapes) is recorded as such, not
 tried again. `--vae-slicing` compiles the rows with the VAE run one image per chip at a time (`sdjax compile
---vae-slicing`); such rows are rows of their own. `--markdown` prints the table of everything in `--out`.
+--vae-slicing`); such rows are rows of their own, as are `--fsdp` rows (the large weights split over the data axis
+too) and `--dtype fp8` rows (Flux / SD 3: float8 matmul kernels, bfloat16 compute). `--models` also takes
+`flux-dev`, `flux-schnell`, `sd35-large`, `sd35-medium` (1024x1024; give their `--steps`: 28, 4, 28, 28).
+`--markdown` prints the table of everything in `--out`.
 """
 
 from __future__ import annotations
@@ -23,20 +26,27 @@ import sys
 import time
 from pathlib import Path
 
-SIZES = {"sd15": 512, "sd21": 768, "sdxl": 1024}
+SIZES = {"sd15": 512, "sd21": 768, "sdxl": 1024, "flux-dev": 1024, "flux-schnell": 1024}
+SIZES.update({"sd35-large": 1024, "sd35-medium": 1024, "sd3-medium": 1024})
+FP8 = ("fp8", "float8", "float8_e4m3fn")  # `--dtype fp8`: float8 matmul kernels, bfloat16 compute
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 
 
 def key(row: dict) -> tuple:
+    dtype, weights = row["dtype"], row.get("weights_dtype")
+    if str(dtype).lower() in FP8:  # a spec's `fp8` is a report's bfloat16 compute + float8 weights
+        dtype, weights = "bfloat16", "float8_e4m3fn"
     return (
         row["model"],
         row["target"],
         row["batch"],
         row["steps"],
-        row["dtype"],
+        dtype,
         bool(row.get("vae_slicing")),
         row.get("attention", "auto"),
         row.get("controlnets", 0),
+        weights,
+        bool(row.get("fsdp")),
     )
 
 
@@ -54,18 +64,23 @@ def child(spec: dict) -> dict:
         vae_slicing=spec.get("vae_slicing", False),
         attention=spec.get("attention", "auto"),
         controlnets=spec.get("controlnets", 0),
+        fsdp=spec.get("fsdp", False),
     )
     return report.to_dict()
 
 
 def variant(row: dict) -> str:
-    """The "VAE, attention" column: whole or sliced, the attention when it is not the TPU's own, ControlNets."""
+    """The "VAE, attention" column: whole or sliced, the attention when it is not the TPU's own, ControlNets,
+    float8 weights, FSDP."""
     attention = row.get("attention", "auto")
     nets = row.get("controlnets", 0)
+    fp8 = row.get("weights_dtype") or str(row.get("dtype")).lower() in FP8
     return (
         ("sliced" if row.get("vae_slicing") else "whole")
         + ("" if attention == "auto" else f", {attention} attention")
         + (f", + {nets} ControlNet" if nets else "")
+        + (", fp8 weights" if fp8 else "")
+        + (", FSDP" if row.get("fsdp") else "")
     )
 
 
@@ -139,6 +154,7 @@ def main() -> None:
     ap.add_argument("--vae-slicing", action="store_true", help="the VAE one image per chip at a time")
     ap.add_argument("--attention", default="auto", help="the UNet's and VAE's attention (auto: the TPU's own)")
     ap.add_argument("--controlnets", type=int, default=0, help="ControlNets in every model call")
+    ap.add_argument("--fsdp", action="store_true", help="also split the large weights over the data axis")
     ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -170,6 +186,7 @@ def main() -> None:
                     "vae_slicing": args.vae_slicing,
                     "attention": args.attention,
                     "controlnets": args.controlnets,
+                    "fsdp": args.fsdp,
                 }
                 if key(spec) in done:
                     continue

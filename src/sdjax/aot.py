@@ -21,7 +21,16 @@ and each gets half the chip's HBM):
   (estimates: bf16 matmul peak, also used for float32, whose matmuls run slower on the MXU). Real runs are slower.
 
 The batch is split over the mesh's `data` axis; a batch that does not divide by the chips gets a `model` axis for
-the rest (`model_parallel`), over which the rules table splits attention / MLP / conv weights.
+the rest (`model_parallel`), over which the rules table splits attention / MLP / conv weights; so does a model whose
+weights would take more than half a chip's HBM per replica (Flux.1: 33.7 GB in bf16). `fsdp=True` also splits the
+large weights over `data` (`sdjax.parallel.sharding.fsdp`).
+
+Models: the SD / SDXL presets (`sdjax.models.presets.ARCHITECTURES`), the Flux.1 presets "flux-dev" and
+"flux-schnell" (`sdjax.families.flux.presets`: 1024x1024; no true CFG, as FluxPipeline runs by default), the SD 3 /
+3.5 presets "sd35-large", "sd35-medium", "sd3-medium" (`sdjax.families.sd3.presets`: 1024x1024, CFG), or a diffusers
+folder of any of these kinds (its configs only). The transformer families' matmul kernels (transformer and T5) can
+be stored in float8 (`dtype="fp8"`: float8_e4m3fn weights, bfloat16 compute; each Dense casts its kernel where it
+is used).
 """
 
 from __future__ import annotations
@@ -136,19 +145,46 @@ def topology_devices(target: str) -> tuple[str, list]:
 
 
 # ---------------------------------------------------------------------------------------------- models
+# Families whose presets live in their folder (`families/NAME/presets.py`: `ARCHITECTURES`, `Architecture`,
+# `build_pipeline(arch, dtype, abstract=, weights_dtype=)`, `folder_architecture(folder)`).
+PRESET_FAMILIES = ("flux", "sd3")
+
+
+def _family_presets() -> dict[str, Any]:
+    import importlib
+
+    return {name: importlib.import_module(f"sdjax.families.{name}.presets") for name in PRESET_FAMILIES}
+
+
+def _presets_of(arch):
+    """The presets module whose `Architecture` `arch` is, or None (an SD / SDXL `Architecture`)."""
+    return next((m for m in _family_presets().values() if isinstance(arch, m.Architecture)), None)
+
+
 def architecture(model: str):
-    """A preset name (`sdjax.models.presets.ARCHITECTURES`) or a diffusers folder -> `Architecture` (configs only;
-    no weights are read)."""
+    """A preset name (`sdjax.models.presets.ARCHITECTURES`, or a family's: `families.flux.presets`,
+    `families.sd3.presets`) or a diffusers folder -> `Architecture` or the family's architecture (configs only; no
+    weights are read)."""
+    from sdjax.config import read_json
+    from sdjax.families import FAMILIES
     from sdjax.models.presets import ARCHITECTURES, resolve_alias
 
+    families = _family_presets()
     if model in ARCHITECTURES:
         return ARCHITECTURES[model]
+    for module in families.values():
+        if model in module.ARCHITECTURES:
+            return module.ARCHITECTURES[model]
     folder = Path(resolve_alias(model))
     if not (folder / "model_index.json").is_file():
+        names = sorted(ARCHITECTURES) + [n for m in families.values() for n in sorted(m.ARCHITECTURES)]
         raise ValueError(
-            f"model={model!r}: expected a preset ({', '.join(sorted(ARCHITECTURES))}) or a diffusers folder with "
-            "model_index.json"
+            f"model={model!r}: expected a preset ({', '.join(names)}) or a diffusers folder with model_index.json"
         )
+    pipeline = str(read_json(folder / "model_index.json").get("_class_name", "")).removeprefix("Flax")
+    for name, module in families.items():
+        if pipeline in FAMILIES[name].model_index_classes:
+            return module.folder_architecture(folder)
     return _folder_architecture(folder)
 
 
@@ -227,6 +263,9 @@ class Report:
     error: str | None = None  # the compiler's out-of-memory message: the program does not fit
     required_bytes: int | None = None  # what that message says is needed ...
     available_bytes: int | None = None  # ... and available (libtpu's usable HBM, a little under the datasheet's)
+    weights_dtype: str | None = None  # the matmul kernels' storage dtype where it is not `dtype` (float8)
+    fsdp: bool = False  # large weights also split over the data axis
+    cfg: bool = True  # classifier-free guidance: two rows per image in each model call
 
     @property
     def total_bytes(self) -> int | None:
@@ -301,7 +340,9 @@ class Report:
             f"{self.batch}, {self.steps} steps, {self.sampler} on {self.target} ({self.chips} x {self.chip}, "
             f"{self.devices} devices, mesh {mesh}){', VAE slicing' if self.vae_slicing else ''}"
             f"{'' if self.attention == 'auto' else f', {self.attention} attention'}"
-            f"{f', {self.controlnets} ControlNet(s)' if self.controlnets else ''}; per device:"
+            f"{f', {self.controlnets} ControlNet(s)' if self.controlnets else ''}"
+            f"{f', {self.weights_dtype} weights' if self.weights_dtype else ''}{', FSDP' if self.fsdp else ''}"
+            f"{'' if self.cfg else ', no CFG'}; per device:"
         )
 
 
@@ -322,25 +363,34 @@ def compile_for(
     controlnets: int = 0,
     unet_cost: bool = True,
     save_cache: str | os.PathLike | None = None,
+    weights_dtype: str | None = None,
+    fsdp: bool = False,
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Compile generation for `target` (a TPU slice such as `"v5e-4"` or `"v5e:2x2"`) and report memory, FLOPs
-    and a roofline bound per device (module doc). `model` is a preset (`sd15`, `sd21`, `sdxl`, ...) or a diffusers
-    folder (only its configs are read); `size` is `H` or `(H, W)` (default: the model's); `batch` is the global
-    batch. `vae_slicing` decodes (and encodes) one image per chip at a time (`models.vae_slicing`: the VAE's
-    activations of one image instead of the batch's). `attention` replaces the UNet's and VAE's attention
-    ("chunked": query blocks, no whole score matrix; `sdjax.ops.attention`); "auto" is what a TPU VM traces.
-    `controlnets` adds that many ControlNets (the architecture's own: `models.controlnet.config_from_unet`, as
-    diffusers' `ControlNetModel.from_unet`) to every model call, with their control images as inputs; their
-    weights are sharded by the same rules as the UNet's. `unet_cost=False` skips the compile of one model call
-    (UNet + ControlNets; no loop-corrected FLOPs, bytes or roofline). `save_cache` writes the executable
-    (`save_executable`) into that folder."""
+    and a roofline bound per device (module doc). `model` is a preset (`sd15`, `sd21`, `sdxl`, ..., `flux-dev`,
+    `flux-schnell`, `sd35-large`, `sd35-medium`) or a diffusers folder (only its configs are read); `size` is `H` or
+    `(H, W)` (default: the model's); `batch` is the global batch. `vae_slicing` decodes (and encodes) one image per chip
+    at a time (`models.vae_slicing`: the VAE's activations of one image instead of the batch's). `attention` replaces
+    the UNet's and VAE's attention ("chunked": query blocks, no whole score matrix; `sdjax.ops.attention`); "auto" is
+    what a TPU VM traces. `controlnets` adds that many ControlNets (the architecture's own:
+    `models.controlnet.config_from_unet`, as diffusers' `ControlNetModel.from_unet`) to every model call, with their
+    control images as inputs; their weights are sharded by the same rules as the UNet's. `unet_cost=False` skips the
+    compile of one model call (UNet + ControlNets; no loop-corrected FLOPs, bytes or roofline).
+    `save_cache` writes the executable (`save_executable`) into that folder.
+
+    `model_parallel` (devices per model replica) defaults to what the batch needs and at least what keeps one
+    replica's weights under half a chip's HBM. `weights_dtype` ("float8_e4m3fn"; Flux and SD 3 models) stores
+    the transformer's and T5's matmul kernels in that dtype, computed in `dtype`; `dtype="fp8"` is short for
+    `dtype="bfloat16", weights_dtype="float8_e4m3fn"`. `fsdp` also splits the large weights over the data axis
+    (`sdjax.parallel.sharding.fsdp`)."""
+    import contextlib
+
     import jax.numpy as jnp
 
     from sdjax.core.tasks import TASKS
     from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
     from sdjax.parallel import sharding as sharding_lib
-    from sdjax.pipelines.presets import build_pipeline
     from sdjax.precision import resolve_dtype
 
     for name, value in (("batch", batch), ("steps", steps)):
@@ -352,28 +402,38 @@ def compile_for(
         raise ValueError(f"task={task!r}: expected one of {sorted(TASKS)}")
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
+    if str(dtype).lower() in FP8_NAMES:
+        dtype, weights_dtype = "bfloat16", weights_dtype or "float8_e4m3fn"
     jdtype = jnp.dtype(resolve_dtype(dtype))
+    wdtype = _weights_dtype(weights_dtype)
     arch = architecture(model)
+    family = _presets_of(arch)
+    if family is not None and controlnets:
+        raise ValueError(f"controlnets={controlnets}: sdjax has no ControlNet for {model!r}; compile it without")
+    if wdtype is not None and family is None:
+        raise ValueError(f"weights_dtype={weights_dtype!r}: float8 weights are implemented for Flux and SD 3 only")
     kind, _ = parse_target(target)
     topology, devices = topology_devices(target)
     chip = CHIPS[kind]
     per_chip = len({tuple(d.coords) for d in devices})
     per_chip = len(devices) // per_chip if per_chip else 1
     n = len(devices)
+
+    log(f"building {model} with abstract params")
+    pipe, params = _abstract_pipeline(arch, jdtype, wdtype)
+    weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     if model_parallel is None:
-        model_parallel = n // math.gcd(batch, n)
+        model_parallel = _default_model_parallel(n, batch, weights, chip.hbm_bytes // per_chip, fsdp=fsdp)
     if model_parallel < 1 or n % model_parallel or batch % (n // model_parallel):
         raise ValueError(
             f"model_parallel={model_parallel}: must divide the {n} devices, and the batch ({batch}) must divide by "
             f"the data axis (devices / model_parallel)"
         )
     mesh = sharding_lib.make_mesh(n // model_parallel, model_parallel, devices)
-
-    log(f"building {model} with abstract params")
-    pipe, params = build_pipeline(arch, jdtype, abstract=True)
     control = None
     if controlnets:
         control, params["controlnet"] = _abstract_controlnets(arch, jdtype, controlnets)
+        weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     dh, dw = pipe.default_size
     height, width = (size, size) if isinstance(size, int) else (size or (dh, dw))
     pipe.validate(steps=steps, height=height, width=width, sampler=sampler)
@@ -382,6 +442,7 @@ def compile_for(
     gen.vae_slicing = vae_slicing
     if attention != "auto":
         gen.set_attention(attention)
+    cfg = getattr(arch, "cfg", True)  # Flux: no true CFG (FluxPipeline's default); SD / SDXL / SD 3: CFG
     spec = gen.spec(
         task=TASKS[task](),
         batch=batch,
@@ -389,16 +450,21 @@ def compile_for(
         width=width,
         steps=steps,
         sampler=sampler_obj,
+        cfg=cfg,
         mesh=mesh,
         control=control,
     )
     calls = int(sampler_obj.num_model_calls(steps))
 
+    def layout():  # the params' layout while tracing (each `with` needs a fresh context manager)
+        return sharding_lib.fsdp() if fsdp else contextlib.nullcontext()
+
     log(f"compiling the whole generation for {topology} ({n} devices)")
     t0 = time.perf_counter()
     compiled = error = None
     try:
-        compiled = gen.lower(spec, params=params, mesh=mesh).compile()
+        with layout():
+            compiled = gen.lower(spec, params=params, mesh=mesh).compile()
     except Exception as e:  # the TPU compiler refuses a program that needs more HBM than the chip has
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -412,13 +478,13 @@ def compile_for(
     if unet_cost and compiled is not None:
         log("compiling one model call (the loop's body) for its FLOPs and bytes")
         t0 = time.perf_counter()
-        unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh))
+        with layout():
+            unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh))
         unet_s = time.perf_counter() - t0
     loop_extra = calls - 1
     flops = program_flops + loop_extra * unet_flops if None not in (program_flops, unet_flops) else None
     nbytes = program_bytes + loop_extra * unet_bytes if None not in (program_bytes, unet_bytes) else None
 
-    weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     saved = None
     if save_cache is not None and compiled is not None:
         saved = str(save_executable(compiled, save_cache, f"{model}-{topology}-{height}x{width}-b{batch}-s{steps}"))
@@ -457,7 +523,47 @@ def compile_for(
         error=error,
         required_bytes=required,
         available_bytes=available,
+        weights_dtype=None if wdtype is None else wdtype.name,
+        fsdp=bool(fsdp),
+        cfg=cfg,
     )
+
+
+FP8_NAMES = ("fp8", "float8", "float8_e4m3fn")  # `dtype` names meaning float8 weights, bfloat16 compute
+WEIGHTS_DTYPES = ("float8_e4m3fn",)
+
+
+def _weights_dtype(name: str | None):
+    import jax.numpy as jnp
+
+    if name is None:
+        return None
+    if str(name).lower() in FP8_NAMES:
+        return jnp.dtype(jnp.float8_e4m3fn)
+    raise ValueError(f"weights_dtype={name!r}: expected one of {WEIGHTS_DTYPES} (or None: the params' dtype)")
+
+
+def _abstract_pipeline(arch, dtype, weights_dtype):
+    """The architecture's pipeline with abstract params (SD / SDXL presets, or a family's: Flux.1, SD 3)."""
+    from sdjax.pipelines.presets import build_pipeline
+
+    family = _presets_of(arch)
+    if family is not None:
+        return family.build_pipeline(arch, dtype, abstract=True, weights_dtype=weights_dtype)
+    return build_pipeline(arch, dtype, abstract=True)
+
+
+def _default_model_parallel(devices: int, batch: int, weights_bytes: int, hbm_bytes: int, *, fsdp: bool) -> int:
+    """Devices per model replica: what the batch needs (the batch divides by the rest), and more while one replica's
+    share of the weights (divided by the data axis too with FSDP) would exceed half a device's HBM."""
+    model_parallel = devices // math.gcd(batch, devices)
+    for m in range(model_parallel, devices + 1, model_parallel):
+        if devices % m:
+            continue
+        split = m * (devices // m if fsdp else 1)
+        if weights_bytes / split <= hbm_bytes / 2:
+            return m
+    return devices
 
 
 _MEMORY_FIELDS = {

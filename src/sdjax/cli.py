@@ -1574,13 +1574,15 @@ def compile_(
     ],
     model: Annotated[
         str,
-        typer.Option("--model", "-m", help="A preset (sd15, sd21, sdxl, ...) or a diffusers folder (configs only)."),
+        typer.Option("--model", "-m", help="A preset (sd15, sdxl, flux-dev, ...) or a diffusers folder (configs only)"),
     ] = "sd15",
     size: Annotated[str | None, typer.Option(help="Image size: 512, or WIDTHxHEIGHT. Default: the model's.")] = None,
     batch: Annotated[int, typer.Option(min=1, help="Images per call (the global batch over all chips).")] = 1,
     steps: Annotated[int, typer.Option(min=1, help="Sampler steps.")] = 30,
     sampler: Annotated[str | None, typer.Option(help="Sampler. Default: the model's scheduler.")] = None,
-    dtype: Annotated[str, typer.Option(help="Weights and compute dtype: bf16, float32, float16, ...")] = "bfloat16",
+    dtype: Annotated[
+        str, typer.Option(help="Weights and compute dtype: bf16, float32, ...; fp8: float8 kernels, bf16 compute.")
+    ] = "bfloat16",
     task: Annotated[str, typer.Option(help="txt2img, img2img or inpaint.")] = "txt2img",
     model_parallel: Annotated[
         int | None,
@@ -1619,6 +1621,10 @@ def compile_(
         Path | None,
         typer.Option(help="Write the compiled executable here (serialize_executable; same JAX/libtpu to load)."),
     ] = None,
+    fsdp: Annotated[
+        bool,
+        typer.Option(help="Also split the large weights over the data axis (FSDP; Flux / SD 3 on 16 GB chips)."),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
     isolate: Annotated[
         bool,
@@ -1666,6 +1672,7 @@ def compile_(
                 controlnets=controlnets,
                 unet_cost=unet_cost,
                 save_cache=save_cache,
+                fsdp=fsdp,
                 log=lambda s: status.update(s),
             )
     except (ValueError, FileNotFoundError) as e:

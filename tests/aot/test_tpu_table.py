@@ -67,3 +67,16 @@ def test_the_variant_column_names_slicing_attention_and_controlnets(table):
     # rows written before the attention and ControlNet options keep their keys
     old = {"model": "sd15", "target": "v5e-1", "batch": 1, "steps": 30, "dtype": "bfloat16"}
     assert table.key(old) == table.key({**old, "attention": "auto", "controlnets": 0, "vae_slicing": False})
+
+
+def test_fp8_and_fsdp_rows_are_rows_of_their_own(table):
+    """`--dtype fp8` (a report's bfloat16 compute + float8 weights) and `--fsdp` rows: their own keys and variant
+    names; a finished fp8 row matches the spec that asked for it, so it is not compiled again."""
+    spec = {"model": "flux-dev", "target": "v6e-1", "batch": 1, "steps": 28, "dtype": "fp8", "fsdp": False}
+    row = {**spec, "dtype": "bfloat16", "weights_dtype": "float8_e4m3fn"}
+    assert table.key(spec) == table.key(row)
+    assert table.key(row) != table.key({**row, "weights_dtype": None})
+    assert table.key({**row, "fsdp": True}) != table.key(row)
+    assert table.variant(row) == "whole, fp8 weights"
+    assert table.variant({"fsdp": True}) == "whole, FSDP"
+    assert table.SIZES["flux-dev"] == table.SIZES["sd35-large"] == 1024

@@ -106,6 +106,39 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         )
         self.generator.strength_rule = "float"  # StableDiffusion3Img2ImgPipeline.get_timesteps
 
+    @classmethod
+    def from_single_file(
+        cls,
+        path: str,
+        *,
+        config: str,
+        dtype=jnp.float32,
+        clip_l: str | None = None,
+        clip_g: str | None = None,
+        t5: str | None = None,
+        keep_fp8: bool = False,
+        **kwargs,
+    ):
+        """An SD 3 / 3.5 single file (`sd3.5_large.safetensors`, ...: the MMDiT under `model.diffusion_model.`, and the
+        text encoders and VAE where it bundles them; `families.sd3.weights`) with the rest from `config`, a diffusers
+        SD 3 folder (its configs, tokenizers, scheduler, and the weights of what neither the file nor `clip_l=` /
+        `clip_g=` / `t5=` give) -> `(pipeline, params)`. `keep_fp8` keeps float8 weights float8 in memory."""
+        from sdjax.families.sd3.weights import load_single_file_components
+
+        loaded = load_single_file_components(
+            path, config=config, dtype=dtype, clip_l=clip_l, clip_g=clip_g, t5=t5, keep_fp8=keep_fp8
+        )
+        for name in loaded:
+            if name in kwargs:
+                raise ValueError(f"{name} is given both by a file and as {name}=")
+        vae = loaded.pop("vae", None)
+        overrides = {name: module for name, (module, _) in loaded.items()}
+        pipe, params = cls.from_pretrained(config, dtype=dtype, vae=vae, **overrides, **kwargs)
+        params = {**params, **{name: p for name, (_, p) in loaded.items()}}
+        pipe.params = params
+        pipe.name = str(path)
+        return pipe, params
+
     def _conditioning(self):
         return SD3Conditioning(
             self.tokenizer,
