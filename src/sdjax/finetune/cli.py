@@ -19,7 +19,8 @@ import typer
 train_app = typer.Typer(
     no_args_is_help=True,
     help="Fine-tune a model: `sdjax train lora` trains a LoRA (SD 1.x / 2.x / XL) and writes a kohya/A1111 file; "
-    "`sdjax train textual-inversion` trains a new token's embedding (A1111 and diffusers files).",
+    "`sdjax train textual-inversion` trains a new token's embedding (A1111 and diffusers files); "
+    "`sdjax train dreambooth` trains a DreamBooth LoRA with prior preservation.",
 )
 
 
@@ -256,6 +257,105 @@ def textual_inversion(
     with progress:
         try:
             result = train_textual_inversion(data, out, on_step=on_step, log=progress.console.print, **options)
+        except (DataError, FileNotFoundError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+    for skipped in result.skipped_images:
+        typer.echo(f"skipped: {skipped}", err=True)
+    typer.echo(f"run directory: {result.run_dir}", err=True)
+    typer.echo(str(result.out))
+
+
+@train_app.command("dreambooth")
+def dreambooth(
+    instance_data: Annotated[Path, typer.Option(help="The subject's images (their captions are not read).")],
+    instance_prompt: Annotated[str, typer.Option(help="Prompt of every instance image, e.g. 'a photo of sks dog'.")],
+    out: Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")],
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded.")
+    ] = None,
+    with_prior_preservation: Annotated[
+        bool | None, typer.Option(help="Train class images too (prior preservation). Default: on with --class-prompt.")
+    ] = None,
+    class_data: Annotated[Path | None, typer.Option(help="Class images; missing ones are drawn there.")] = None,
+    class_prompt: Annotated[str | None, typer.Option(help="Prompt of the class images, e.g. 'a photo of dog'.")] = None,
+    num_class_images: Annotated[int, typer.Option(help="Class images wanted (missing ones are generated).")] = 100,
+    prior_loss_weight: Annotated[float, typer.Option(help="Weight of the class images' loss.")] = 1.0,
+    class_steps: Annotated[int | None, typer.Option(help="Denoising steps of generated class images.")] = None,
+    steps: Annotated[int, typer.Option(help="Optimiser updates.")] = 300,
+    rank: Annotated[int, typer.Option(help="LoRA rank (network dim).")] = 8,
+    alpha: Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")] = None,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
+    lr_schedule: Annotated[Schedule, typer.Option(help="After warm-up.")] = Schedule.constant,
+    warmup: Annotated[int, typer.Option(help="Linear warm-up updates.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Instance images per micro-batch (as many class images).")] = 1,
+    accumulation: Annotated[int, typer.Option(help="Micro-batches per optimiser update.")] = 1,
+    resolution: Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")] = None,
+    random_crop: Annotated[bool, typer.Option(help="Random instead of center crops.")] = False,
+    flip: Annotated[bool, typer.Option(help="Random horizontal flips.")] = False,
+    train_text_encoder: Annotated[bool, typer.Option(help="LoRA on the text encoder(s) too.")] = False,
+    prediction_type: Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")] = None,
+    min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma (not with prior preservation).")] = None,
+    mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 LoRA.")] = Precision.no,
+    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the LoRA init, data order and noise.")] = 0,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")] = None,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")] = True,
+    peft: Annotated[bool, typer.Option(help="Also write diffusers' pytorch_lora_weights.safetensors.")] = False,
+) -> None:
+    """Train a DreamBooth LoRA (instance prompt, class images with prior preservation); writes OUT
+    (kohya/A1111) and a run directory."""
+    _require_train_extra()
+    from sdjax.finetune.data import DataError
+    from sdjax.finetune.dreambooth import DreamBoothConfig, train_dreambooth
+
+    prior = with_prior_preservation if with_prior_preservation is not None else class_prompt is not None
+    options = dict(
+        instance_prompt=instance_prompt,
+        model=model,
+        with_prior_preservation=prior,
+        class_data=str(class_data) if class_data else None,
+        class_prompt=class_prompt,
+        num_class_images=num_class_images,
+        prior_loss_weight=prior_loss_weight,
+        class_steps=class_steps,
+        steps=steps,
+        rank=rank,
+        alpha=alpha,
+        lr=lr,
+        lr_schedule=lr_schedule.value,
+        warmup=warmup,
+        batch_size=batch_size,
+        accumulation=accumulation,
+        resolution=resolution,
+        random_crop=random_crop,
+        flip=flip,
+        train_text_encoder=train_text_encoder,
+        prediction_type=prediction_type.value if prediction_type else None,
+        min_snr_gamma=min_snr_gamma,
+        mixed_precision=mixed_precision.value,
+        gradient_checkpointing=gradient_checkpointing,
+        seed=seed,
+        run_dir=str(run_dir) if run_dir else None,
+        save_every=save_every,
+        resume=resume,
+        peft=peft,
+    )
+    try:
+        DreamBoothConfig(data=str(instance_data), out=str(out), **options).check()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    progress = _progress("train dreambooth")
+    task = progress.add_task("train", total=steps, loss="-", step_time="-")
+
+    def on_step(done: int, total: int, loss: float, seconds: float) -> None:
+        progress.update(task, completed=done, loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s")
+
+    with progress:
+        try:
+            result = train_dreambooth(instance_data, out, on_step=on_step, log=progress.console.print, **options)
         except (DataError, FileNotFoundError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None

@@ -45,6 +45,9 @@ class Objective:
     min_snr_gamma: float | None = None
     noise_offset: float = 0.0
     input_perturbation: float = 0.0
+    # DreamBooth prior preservation (`finetune.dreambooth`): the batch is [instance; class] halves and the loss
+    # is `MSE(instance) + prior_loss_weight * MSE(class)` (diffusers' `train_dreambooth_lora.py`); None: off.
+    prior_loss_weight: float | None = None
 
     def __post_init__(self):
         if self.prediction_type not in PREDICTION_TYPES:
@@ -54,6 +57,12 @@ class Objective:
             )
         if self.min_snr_gamma is not None and self.min_snr_gamma <= 0:
             raise ValueError(f"min_snr_gamma={self.min_snr_gamma} must be positive (or None: off)")
+        if self.prior_loss_weight is not None and self.min_snr_gamma is not None:
+            raise ValueError(
+                "min_snr_gamma with prior preservation: diffusers' train_dreambooth_lora.py has no Min-SNR "
+                "weighting, and its SDXL script weights the instance half's losses with the SNRs of the whole "
+                "[instance; class] batch (shapes that do not match); sdjax refuses the combination"
+            )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,6 +95,9 @@ def diffusion_loss(pred, latents, noise, timesteps, alphas_cumprod, objective: O
         a = abar.reshape(-1, 1, 1, 1)
         target = jnp.sqrt(a) * noise - jnp.sqrt(1.0 - a) * latents
     per_example = jnp.mean((pred.astype(jnp.float32) - target.astype(jnp.float32)) ** 2, axis=(1, 2, 3))
+    if objective.prior_loss_weight is not None:  # torch.chunk(2): instance half, then class half
+        instance, prior = jnp.split(per_example, 2)
+        return jnp.mean(instance) + objective.prior_loss_weight * jnp.mean(prior)
     if objective.min_snr_gamma is None:
         return jnp.mean(per_example)
     snr = (jnp.sqrt(abar) / jnp.sqrt(1.0 - abar)) ** 2  # diffusers.training_utils.compute_snr

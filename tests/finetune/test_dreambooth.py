@@ -1,0 +1,205 @@
+"""`sdjax train dreambooth`: one prior-preservation step against diffusers' UNet + a peft LoRA computing
+`train_dreambooth_lora.py`'s loss on the same [instance; class] batch, class images drawn only when missing (and
+reused by a second run), and bad settings refused before anything is loaded."""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from sdjax.cli import app
+from sdjax.finetune import dreambooth, train_dreambooth
+from sdjax.finetune import lora as lora_lib
+from sdjax.finetune import step as step_lib
+from sdjax.models.convert import path_to_torch_key
+from sdjax.pipelines import load_pipeline
+
+RANK, ALPHA, PRIOR_WEIGHT = 4, 8.0, 0.5
+TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+
+
+def _diffusers_dreambooth_step(torch_unet, scheduler_config, prediction_type, batch):
+    """diffusers' train_dreambooth_lora.py loss (chunk the prediction and target in two, instance MSE +
+    prior_loss_weight * class MSE) with a peft LoRA whose up weights are nonzero -> (loss, LoRA parameters)."""
+    import torch
+    from diffusers import DDPMScheduler
+    from peft import LoraConfig
+
+    unet = copy.deepcopy(torch_unet)
+    unet.requires_grad_(False)
+    torch.manual_seed(0)
+    unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=TARGETS))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    sched = DDPMScheduler.from_config(scheduler_config, prediction_type=prediction_type)
+    latents, noise = torch.from_numpy(batch["latents"]), torch.from_numpy(batch["noise"])
+    t = torch.from_numpy(batch["timesteps"]).long()
+    noisy = sched.add_noise(latents, noise, t)
+    target = noise if prediction_type == "epsilon" else sched.get_velocity(latents, noise, t)
+    model_pred = unet(noisy, t, torch.from_numpy(batch["context"])).sample
+    model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
+    target, target_prior = torch.chunk(target, 2, dim=0)
+    loss = torch.nn.functional.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    prior_loss = torch.nn.functional.mse_loss(model_pred_prior.float(), target_prior.float(), reduction="mean")
+    loss = loss + PRIOR_WEIGHT * prior_loss
+    loss.backward()
+    return float(loss.detach()), {n: p for n, p in unet.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_prior_preservation_step_matches_diffusers(sd1_dir, torch_sd1, prediction_type):
+    pipe, params = load_pipeline(str(sd1_dir))
+    rng = np.random.default_rng(3)
+    batch = {  # 2 instance examples, then 2 class examples
+        "latents": rng.standard_normal((4, 4, 8, 8)).astype(np.float32),
+        "noise": rng.standard_normal((4, 4, 8, 8)).astype(np.float32),
+        "timesteps": np.asarray([37, 811, 500, 120], np.int32),
+        "context": rng.standard_normal((4, 9, 32)).astype(np.float32),
+    }
+    ref_loss, tensors = _diffusers_dreambooth_step(torch_sd1.unet, torch_sd1.scheduler.config, prediction_type, batch)
+    lora = lora_lib.init_lora(jax.random.PRNGKey(0), params, {"unet": lora_lib.UNET_TARGETS}, RANK)
+    for name in lora["unet"]:
+        module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
+        lora["unet"][name] = {
+            "down": tensors[f"{module}.lora_A.default.weight"].detach().numpy(),
+            "up": tensors[f"{module}.lora_B.default.weight"].detach().numpy(),
+        }
+    assert len(lora["unet"]) * 2 == len(tensors)
+    models = step_lib.Models(None, pipe.unet, pipe.vae, unet_scale=ALPHA / RANK)
+    ac = jnp.asarray(pipe.scheduler.alphas_cumprod)
+    inputs = {k: jnp.asarray(v) for k, v in batch.items()} | {"unet_kwargs": {}, "perturbation": None}
+
+    def loss_with(objective):
+        fn = lambda lora_unet: step_lib.unet_loss(lora_unet, params["unet"], models, objective, ac, inputs)
+        return jax.jit(jax.value_and_grad(fn))(lora["unet"])
+
+    value, grads = loss_with(step_lib.Objective(prediction_type=prediction_type, prior_loss_weight=PRIOR_WEIGHT))
+    loss_rel = abs(float(value) - ref_loss) / abs(ref_loss)
+    plain, _ = loss_with(step_lib.Objective(prediction_type=prediction_type))  # the mean over all 4: not it
+    assert abs(float(plain) - ref_loss) / ref_loss > 1e-3
+    worst = 0.0
+    for name, g in grads.items():
+        module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
+        for ours, theirs in (("down", "lora_A"), ("up", "lora_B")):
+            ref = tensors[f"{module}.{theirs}.default.weight"].grad.numpy()
+            err = np.linalg.norm(np.asarray(g[ours]) - ref) / np.linalg.norm(ref)
+            worst = max(worst, err)
+            assert err <= 1e-4, f"{module}.{theirs}: gradient relative error {err:.2e}"
+    print(f"{prediction_type}: loss relative error {loss_rel:.2e}, worst of {2 * len(grads)} gradients {worst:.2e}")
+    assert loss_rel <= 1e-5
+
+
+def _images(folder, n, seed):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text("a caption DreamBooth does not read")
+
+
+def test_class_images_drawn_when_missing_then_reused(sd1_dir, tmp_path):
+    instance, classes = tmp_path / "sks", tmp_path / "dog"
+    _images(instance, 2, 0)
+    _images(classes, 1, 1)  # one class image of the user's: two of three are missing
+    options = dict(
+        model=str(sd1_dir),
+        instance_prompt="a photo of sks dog",
+        with_prior_preservation=True,
+        class_data=str(classes),
+        class_prompt="a photo of dog",
+        num_class_images=3,
+        class_steps=2,
+        steps=2,
+        rank=2,
+        resolution=64,
+        lr=1e-3,
+    )
+    result = train_dreambooth(instance, tmp_path / "sks.safetensors", **options)
+    drawn = sorted(p.name for p in classes.glob(dreambooth.CLASS_PREFIX + "*"))
+    assert drawn == ["sdjax-class-00000.png", "sdjax-class-00001.png"]
+    assert len(dreambooth.class_images(classes)) == 3
+    pixels = [np.asarray(Image.open(classes / name)) for name in drawn]
+    assert all(p.shape == (64, 64, 3) for p in pixels) and not np.array_equal(*pixels)  # seeds 0 and 1
+    assert len(result.losses) == 2 and all(np.isfinite(result.losses))
+    trained = load_file(str(result.out))
+    assert any(k.startswith("lora_unet_") and k.endswith("lora_up.weight") for k in trained)
+
+    # the batch: the instance examples with the instance prompt, then the class examples with the class prompt
+    pipe, _ = load_pipeline(str(sd1_dir))
+    cfg = dreambooth.DreamBoothConfig(data=str(instance), out="x.safetensors", **options)
+    data_cfg = cfg.data_config(64)
+    samplers = [
+        dreambooth.data_lib.Sampler(
+            dreambooth._with_prompt(dreambooth.data_lib.scan(folder, data_cfg), prompt), data_cfg, 1, 0
+        )
+        for folder, prompt in ((instance, cfg.instance_prompt), (classes, cfg.class_prompt))
+    ]
+    batch = dreambooth._batch(samplers, pipe.generator.models.conditioning, 0, 1)
+    ids = np.asarray(pipe.generator.models.conditioning.tokenize([cfg.instance_prompt, cfg.class_prompt]))
+    assert batch["pixels"].shape == (2, 3, 64, 64) and np.array_equal(batch["ids"], ids)
+
+    # a second run (the CLI, prior preservation implied by --class-prompt) draws nothing
+    stamps = {p: p.stat().st_mtime_ns for p in classes.iterdir()}
+    cli = ["train", "dreambooth", "-m", str(sd1_dir), "--instance-data", str(instance)]
+    cli += ["--instance-prompt", "a photo of sks dog", "--class-data", str(classes), "--class-prompt", "a photo of dog"]
+    cli += ["--num-class-images", "3", "--steps", "1", "--rank", "2", "--resolution", "64"]
+    cli += ["--out", str(tmp_path / "again.safetensors")]
+    run = CliRunner().invoke(app, cli)
+    assert run.exit_code == 0, run.output + str(run.exception)
+    assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "again.safetensors")
+    assert {p: p.stat().st_mtime_ns for p in classes.iterdir()} == stamps
+
+    # resuming the first run with another prior weight is refused
+    with pytest.raises(ValueError, match="prior_loss_weight: 1.0 -> 2.0"):
+        train_dreambooth(instance, tmp_path / "sks.safetensors", **(options | {"prior_loss_weight": 2.0}))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(class_prompt=None), "needs a class_prompt"),
+        (dict(num_class_images=0), "num_class_images=0 must be at least 1"),
+        (dict(min_snr_gamma=5.0), "min_snr_gamma with prior preservation"),
+        (dict(class_data=None), "needs a class_data folder"),
+        (dict(bucketing=True), "bucketing with prior preservation"),
+        (dict(instance_prompt=" "), "instance_prompt is empty"),
+    ],
+)
+def test_bad_settings_fail_before_loading(tmp_path, change, message):
+    _images(tmp_path / "sks", 1, 0)
+    options = dict(
+        model=str(tmp_path / "no-such-model"),  # reached only if the check let the settings through
+        instance_prompt="a photo of sks dog",
+        with_prior_preservation=True,
+        class_data=str(tmp_path / "dog"),
+        class_prompt="a photo of dog",
+        num_class_images=4,
+    )
+    with pytest.raises(ValueError, match=message):
+        train_dreambooth(tmp_path / "sks", tmp_path / "x.safetensors", **(options | change))
+    assert not (tmp_path / "dog").exists() and not (tmp_path / "x-run").exists()
+
+
+def test_cli_refuses_prior_preservation_without_class_prompt(tmp_path):
+    _images(tmp_path / "sks", 1, 0)
+    cli = ["train", "dreambooth", "--instance-data", str(tmp_path / "sks"), "--instance-prompt", "sks dog"]
+    cli += [
+        "--with-prior-preservation",
+        "--class-data",
+        str(tmp_path / "dog"),
+        "--out",
+        str(tmp_path / "x.safetensors"),
+    ]
+    run = CliRunner().invoke(app, cli)
+    assert run.exit_code == 2 and "needs a class_prompt" in run.output
+    cli += ["--class-prompt", "a dog", "--num-class-images", "0"]
+    run = CliRunner().invoke(app, cli)
+    assert run.exit_code == 2 and "num_class_images=0" in run.output
