@@ -126,12 +126,12 @@ def run_sdjax(args) -> dict:
 
 
 def run_torch(args) -> dict:
+    import reference
     import t5_reference
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-    import reference
     from sdjax.families.flux.presets import flux_architecture
 
     a = flux_architecture(args.kind)
