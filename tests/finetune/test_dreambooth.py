@@ -2,49 +2,29 @@
 `train_dreambooth_lora.py`'s loss on the same [instance; class] batch, class images drawn only when missing (and
 reused by a second run), and bad settings refused before anything is loaded."""
 
-import copy
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from finetune_helpers import lora_from_peft, parity_batch, peft_forward, worst_grad_error
 from PIL import Image
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from sdjax.cli import app
 from sdjax.finetune import dreambooth, train_dreambooth
-from sdjax.finetune import lora as lora_lib
 from sdjax.finetune import step as step_lib
-from sdjax.models.convert import path_to_torch_key
 from sdjax.pipelines import load_pipeline
 
 RANK, ALPHA, PRIOR_WEIGHT = 4, 8.0, 0.5
-TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 
 
 def _diffusers_dreambooth_step(torch_unet, scheduler_config, prediction_type, batch):
     """diffusers' train_dreambooth_lora.py loss (chunk the prediction and target in two, instance MSE +
     prior_loss_weight * class MSE) with a peft LoRA whose up weights are nonzero -> (loss, LoRA parameters)."""
     import torch
-    from diffusers import DDPMScheduler
-    from peft import LoraConfig
 
-    unet = copy.deepcopy(torch_unet)
-    unet.requires_grad_(False)
-    torch.manual_seed(0)
-    unet.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=TARGETS))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in unet.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    sched = DDPMScheduler.from_config(scheduler_config, prediction_type=prediction_type)
-    latents, noise = torch.from_numpy(batch["latents"]), torch.from_numpy(batch["noise"])
-    t = torch.from_numpy(batch["timesteps"]).long()
-    noisy = sched.add_noise(latents, noise, t)
-    target = noise if prediction_type == "epsilon" else sched.get_velocity(latents, noise, t)
-    model_pred = unet(noisy, t, torch.from_numpy(batch["context"])).sample
+    unet, model_pred, target, _, _ = peft_forward(torch_unet, scheduler_config, prediction_type, batch, RANK, ALPHA)
     model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
     target, target_prior = torch.chunk(target, 2, dim=0)
     loss = torch.nn.functional.mse_loss(model_pred.float(), target.float(), reduction="mean")
@@ -57,21 +37,9 @@ def _diffusers_dreambooth_step(torch_unet, scheduler_config, prediction_type, ba
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
 def test_prior_preservation_step_matches_diffusers(sd1_dir, torch_sd1, prediction_type):
     pipe, params = load_pipeline(str(sd1_dir))
-    rng = np.random.default_rng(3)
-    batch = {  # 2 instance examples, then 2 class examples
-        "latents": rng.standard_normal((4, 4, 8, 8)).astype(np.float32),
-        "noise": rng.standard_normal((4, 4, 8, 8)).astype(np.float32),
-        "timesteps": np.asarray([37, 811, 500, 120], np.int32),
-        "context": rng.standard_normal((4, 9, 32)).astype(np.float32),
-    }
+    batch = parity_batch(3, [37, 811, 500, 120])  # 2 instance examples, then 2 class examples
     ref_loss, tensors = _diffusers_dreambooth_step(torch_sd1.unet, torch_sd1.scheduler.config, prediction_type, batch)
-    lora = lora_lib.init_lora(jax.random.PRNGKey(0), params, {"unet": lora_lib.UNET_TARGETS}, RANK)
-    for name in lora["unet"]:
-        module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
-        lora["unet"][name] = {
-            "down": tensors[f"{module}.lora_A.default.weight"].detach().numpy(),
-            "up": tensors[f"{module}.lora_B.default.weight"].detach().numpy(),
-        }
+    lora = lora_from_peft(params, tensors, RANK)
     assert len(lora["unet"]) * 2 == len(tensors)
     models = step_lib.Models(None, pipe.unet, pipe.vae, unet_scale=ALPHA / RANK)
     ac = jnp.asarray(pipe.scheduler.alphas_cumprod)
@@ -85,14 +53,7 @@ def test_prior_preservation_step_matches_diffusers(sd1_dir, torch_sd1, predictio
     loss_rel = abs(float(value) - ref_loss) / abs(ref_loss)
     plain, _ = loss_with(step_lib.Objective(prediction_type=prediction_type))  # the mean over all 4: not it
     assert abs(float(plain) - ref_loss) / ref_loss > 1e-3
-    worst = 0.0
-    for name, g in grads.items():
-        module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
-        for ours, theirs in (("down", "lora_A"), ("up", "lora_B")):
-            ref = tensors[f"{module}.{theirs}.default.weight"].grad.numpy()
-            err = np.linalg.norm(np.asarray(g[ours]) - ref) / np.linalg.norm(ref)
-            worst = max(worst, err)
-            assert err <= 1e-4, f"{module}.{theirs}: gradient relative error {err:.2e}"
+    worst = worst_grad_error(grads, tensors)
     print(f"{prediction_type}: loss relative error {loss_rel:.2e}, worst of {2 * len(grads)} gradients {worst:.2e}")
     assert loss_rel <= 1e-5
 

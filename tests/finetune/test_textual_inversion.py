@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from finetune_helpers import ddpm_forward, min_snr_loss
 from PIL import Image
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
@@ -37,8 +38,6 @@ def _torch_reference(torch_pipe, prediction_type, batch):
     """diffusers' textual_inversion.py: new tokens added and initialised from the init word, the whole embedding
     table trainable, everything else frozen; the loss with Min-SNR-gamma as the LoRA examples weight it."""
     import torch
-    from diffusers import DDPMScheduler
-    from diffusers.training_utils import compute_snr
 
     tokenizer = copy.deepcopy(torch_pipe.tokenizer)
     encoder = copy.deepcopy(torch_pipe.text_encoder)
@@ -57,17 +56,8 @@ def _torch_reference(torch_pipe, prediction_type, batch):
     prompts = [p.replace(TOKEN, " ".join(TOKENS)) for p in PROMPTS]  # diffusers' multi-vector prompts
     ids = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
     context = encoder(ids)[0]
-    sched = DDPMScheduler.from_config(torch_pipe.scheduler.config, prediction_type=prediction_type)
-    latents, noise = torch.from_numpy(batch["latents"]), torch.from_numpy(batch["noise"])
-    t = torch.from_numpy(batch["timesteps"]).long()
-    noisy = sched.add_noise(latents, noise, t)
-    target = noise if prediction_type == "epsilon" else sched.get_velocity(latents, noise, t)
-    pred = unet(noisy, t, context).sample
-    snr = compute_snr(sched, t)
-    weights = torch.stack([snr, GAMMA * torch.ones_like(t)], dim=1).min(dim=1)[0]
-    weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
-    mse = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=[1, 2, 3])
-    loss = (mse * weights).mean()
+    pred, target, sched, t = ddpm_forward(unet, torch_pipe.scheduler.config, prediction_type, batch, context)
+    loss = min_snr_loss(pred, target, sched, t, prediction_type, GAMMA)
     loss.backward()
     grad = table.grad.numpy()
     old_rows = np.delete(np.arange(len(tokenizer)), new_ids)

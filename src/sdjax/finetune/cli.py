@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import inspect
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -77,100 +78,35 @@ def _progress(label: str = "train lora"):
     )
 
 
-@train_app.command("lora")
-def lora(
-    data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
-    out: Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")],
-    model: Annotated[
-        str | None, typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded.")
-    ] = None,
-    steps: Annotated[int, typer.Option(help="Optimiser updates.")] = 300,
-    rank: Annotated[int, typer.Option(help="LoRA rank (network dim).")] = 8,
-    alpha: Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")] = None,
-    lora_dropout: Annotated[float, typer.Option(help="Dropout on the UNet LoRA's input (PEFT's).")] = 0.0,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
-    lr_schedule: Annotated[Schedule, typer.Option(help="After warm-up.")] = Schedule.constant,
-    warmup: Annotated[int, typer.Option(help="Linear warm-up updates.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")] = 1,
-    accumulation: Annotated[int, typer.Option(help="Micro-batches per optimiser update.")] = 1,
-    resolution: Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")] = None,
-    bucketing: Annotated[bool, typer.Option(help="Aspect-ratio buckets (multiples of --bucket-step).")] = True,
-    bucket_step: Annotated[int, typer.Option(help="Bucket side multiple in pixels.")] = 64,
-    random_crop: Annotated[bool, typer.Option(help="Random instead of center crops.")] = False,
-    flip: Annotated[bool, typer.Option(help="Random horizontal flips.")] = False,
-    caption_dropout: Annotated[float, typer.Option(help="Share of empty captions.")] = 0.0,
-    shuffle_tags: Annotated[bool, typer.Option(help="Shuffle comma-separated tags.")] = False,
-    keep_tokens: Annotated[int, typer.Option(help="Tags kept in front when shuffling.")] = 0,
-    on_bad_image: Annotated[OnBad, typer.Option(help="Unreadable images: skip (named) or stop.")] = OnBad.skip,
-    train_text_encoder: Annotated[bool, typer.Option(help="LoRA on the text encoder(s) too.")] = False,
-    prediction_type: Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")] = None,
-    min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma weighting (e.g. 5).")] = None,
-    noise_offset: Annotated[float, typer.Option(help="Noise offset (e.g. 0.05).")] = 0.0,
-    input_perturbation: Annotated[float, typer.Option(help="Input perturbation (e.g. 0.1).")] = 0.0,
-    mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 LoRA.")] = Precision.no,
-    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the LoRA init, data order and noise.")] = 0,
-    run_dir: Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")] = None,
-    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")] = 0,
-    resume: Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")] = True,
-    peft: Annotated[bool, typer.Option(help="Also write diffusers' pytorch_lora_weights.safetensors.")] = False,
-) -> None:
-    """Train a LoRA on a folder of captioned images; writes OUT (kohya/A1111) and a run directory."""
-    _require_train_extra()
-    from sdjax.finetune.run import LoraTrainConfig, train_lora
+def _plain(value):
+    """A command's option value as the trainer's keyword argument (enums by value, paths as strings)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    return value
 
-    options = dict(
-        model=model,
-        steps=steps,
-        rank=rank,
-        alpha=alpha,
-        lora_dropout=lora_dropout,
-        lr=lr,
-        lr_schedule=lr_schedule.value,
-        warmup=warmup,
-        batch_size=batch_size,
-        accumulation=accumulation,
-        resolution=resolution,
-        bucketing=bucketing,
-        bucket_step=bucket_step,
-        random_crop=random_crop,
-        flip=flip,
-        caption_dropout=caption_dropout,
-        shuffle_tags=shuffle_tags,
-        keep_tokens=keep_tokens,
-        on_bad_image=on_bad_image.value,
-        train_text_encoder=train_text_encoder,
-        prediction_type=prediction_type.value if prediction_type else None,
-        min_snr_gamma=min_snr_gamma,
-        noise_offset=noise_offset,
-        input_perturbation=input_perturbation,
-        mixed_precision=mixed_precision.value,
-        gradient_checkpointing=gradient_checkpointing,
-        seed=seed,
-        run_dir=str(run_dir) if run_dir else None,
-        save_every=save_every,
-        resume=resume,
-        peft=peft,
-    )
+
+def _run(label: str, config_cls, train, data: Path, out: Path, options: dict) -> None:
+    """Check the settings (exit 2 naming a bad one), then train with a progress bar on stderr; the run directory
+    and skipped images go to stderr, the written file to stdout."""
+    from sdjax.finetune.data import DataError
+
+    options = {k: _plain(v) for k, v in options.items()}
     try:
-        LoraTrainConfig(data=str(data), out=str(out), **options).check()
+        config_cls(data=str(data), out=str(out), **options).check()
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    progress = _progress()
-    task = progress.add_task("train", total=steps, loss="-", step_time="-")
+    progress = _progress(label)
+    task = progress.add_task("train", total=options["steps"], loss="-", step_time="-")
 
     def on_step(done: int, total: int, loss: float, seconds: float) -> None:
         progress.update(task, completed=done, loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s")
 
-    def log(message: str) -> None:
-        progress.console.print(message)
-
-    from sdjax.finetune.data import DataError
-
     with progress:
         try:
-            result = train_lora(data, out, on_step=on_step, log=log, **options)
+            result = train(data, out, on_step=on_step, log=progress.console.print, **options)
         except (DataError, FileNotFoundError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -180,100 +116,138 @@ def lora(
     typer.echo(str(result.out))
 
 
+# ------------------------------------------------------------------------------------------------ shared options
+# name -> (type with its option, default): the options of more than one command (a command states its own ones).
+SHARED: dict[str, tuple[Any, Any]] = {
+    "model": (
+        Annotated[
+            str | None,
+            typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded."),
+        ],
+        None,
+    ),
+    "steps": (Annotated[int, typer.Option(help="Optimiser updates.")], 300),
+    "rank": (Annotated[int, typer.Option(help="LoRA rank (network dim).")], 8),
+    "alpha": (Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")], None),
+    "lr": (Annotated[float, typer.Option(help="AdamW learning rate.")], 1e-4),
+    "lr_schedule": (Annotated[Schedule, typer.Option(help="After warm-up.")], Schedule.constant),
+    "warmup": (Annotated[int, typer.Option(help="Linear warm-up updates.")], 0),
+    "batch_size": (Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")], 1),
+    "accumulation": (Annotated[int, typer.Option(help="Micro-batches per optimiser update.")], 1),
+    "resolution": (Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")], None),
+    "bucketing": (Annotated[bool, typer.Option(help="Aspect-ratio buckets (multiples of --bucket-step).")], True),
+    "random_crop": (Annotated[bool, typer.Option(help="Random instead of center crops.")], False),
+    "flip": (Annotated[bool, typer.Option(help="Random horizontal flips.")], False),
+    "on_bad_image": (Annotated[OnBad, typer.Option(help="Unreadable images: skip (named) or stop.")], OnBad.skip),
+    "train_text_encoder": (Annotated[bool, typer.Option(help="LoRA on the text encoder(s) too.")], False),
+    "prediction_type": (Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")], None),
+    "min_snr_gamma": (Annotated[float | None, typer.Option(help="Min-SNR-gamma weighting (e.g. 5).")], None),
+    "noise_offset": (Annotated[float, typer.Option(help="Noise offset (e.g. 0.05).")], 0.0),
+    "mixed_precision": (
+        Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 LoRA.")],
+        Precision.no,
+    ),
+    "gradient_checkpointing": (
+        Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")],
+        False,
+    ),
+    "seed": (Annotated[int, typer.Option(help="Seed of the LoRA init, data order and noise.")], 0),
+    "run_dir": (
+        Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")],
+        None,
+    ),
+    "save_every": (Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")], 0),
+    "resume": (Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")], True),
+    "peft": (Annotated[bool, typer.Option(help="Also write diffusers' pytorch_lora_weights.safetensors.")], False),
+}
+LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]
+
+
+def _options(order: str):
+    """A command with the `SHARED` options besides its own parameters, all in `order` (the options' order in
+    `--help`); a shared option the command states itself (another help or default) is its own. The shared
+    options' values reach the command in its `**shared`."""
+
+    def wrap(func):
+        own = inspect.signature(func, eval_str=True).parameters
+        params = [
+            own[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            if name in own
+            else inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, annotation=SHARED[name][0], default=SHARED[name][1]
+            )
+            for name in order.split()
+        ]
+        func.__signature__ = inspect.Signature(params, return_annotation=None)
+        return func
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------------ the commands
+@train_app.command("lora")
+@_options(
+    "data out model steps rank alpha lora_dropout lr lr_schedule warmup batch_size accumulation resolution bucketing "
+    "bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image train_text_encoder "
+    "prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing seed "
+    "run_dir save_every resume peft"
+)
+def lora(
+    data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
+    out: LoraOut,
+    lora_dropout: Annotated[float, typer.Option(help="Dropout on the UNet LoRA's input (PEFT's).")] = 0.0,
+    bucket_step: Annotated[int, typer.Option(help="Bucket side multiple in pixels.")] = 64,
+    caption_dropout: Annotated[float, typer.Option(help="Share of empty captions.")] = 0.0,
+    shuffle_tags: Annotated[bool, typer.Option(help="Shuffle comma-separated tags.")] = False,
+    keep_tokens: Annotated[int, typer.Option(help="Tags kept in front when shuffling.")] = 0,
+    input_perturbation: Annotated[float, typer.Option(help="Input perturbation (e.g. 0.1).")] = 0.0,
+    **shared: Any,
+) -> None:
+    """Train a LoRA on a folder of captioned images; writes OUT (kohya/A1111) and a run directory."""
+    options = {k: v for k, v in locals().items() if k not in ("data", "out", "shared")} | shared
+    _require_train_extra()
+    from sdjax.finetune.run import LoraTrainConfig, train_lora
+
+    _run("train lora", LoraTrainConfig, train_lora, data, out, options)
+
+
 @train_app.command("textual-inversion")
+@_options(
+    "data token init_word out model vectors steps lr lr_schedule warmup batch_size accumulation resolution bucketing "
+    "random_crop flip on_bad_image prediction_type min_snr_gamma noise_offset mixed_precision gradient_checkpointing "
+    "seed run_dir save_every resume"
+)
 def textual_inversion(
     data: Annotated[Path, typer.Option(help="Images (.txt captions naming the token optional; else templates).")],
     token: Annotated[str, typer.Option(help="The new token, e.g. '<star>'.")],
     init_word: Annotated[str, typer.Option(help="Word whose embedding starts the token's rows, e.g. 'star'.")],
     out: Annotated[Path, typer.Option(help="The embedding to write (.safetensors, A1111 layout).")],
-    model: Annotated[
-        str | None, typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded.")
-    ] = None,
     vectors: Annotated[int, typer.Option(help="Embedding rows (tokens TOKEN, TOKEN_1, ...).")] = 1,
-    steps: Annotated[int, typer.Option(help="Optimiser updates.")] = 300,
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 5e-3,
-    lr_schedule: Annotated[Schedule, typer.Option(help="After warm-up.")] = Schedule.constant,
-    warmup: Annotated[int, typer.Option(help="Linear warm-up updates.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")] = 1,
-    accumulation: Annotated[int, typer.Option(help="Micro-batches per optimiser update.")] = 1,
-    resolution: Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")] = None,
-    bucketing: Annotated[bool, typer.Option(help="Aspect-ratio buckets (multiples of --bucket-step).")] = True,
-    random_crop: Annotated[bool, typer.Option(help="Random instead of center crops.")] = False,
-    flip: Annotated[bool, typer.Option(help="Random horizontal flips.")] = False,
-    on_bad_image: Annotated[OnBad, typer.Option(help="Unreadable images: skip (named) or stop.")] = OnBad.skip,
-    prediction_type: Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")] = None,
-    min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma weighting (e.g. 5).")] = None,
-    noise_offset: Annotated[float, typer.Option(help="Noise offset (e.g. 0.05).")] = 0.0,
     mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 rows.")] = Precision.no,
-    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")] = False,
     seed: Annotated[int, typer.Option(help="Seed of the data order, templates and noise.")] = 0,
-    run_dir: Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")] = None,
-    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")] = 0,
-    resume: Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")] = True,
+    **shared: Any,
 ) -> None:
     """Train a new token's embedding (textual inversion); writes OUT (A1111), learned_embeds.safetensors
     (diffusers, in the run directory) and a run directory."""
+    options = {k: v for k, v in locals().items() if k not in ("data", "out", "shared")} | shared
     _require_train_extra()
-    from sdjax.finetune.data import DataError
     from sdjax.finetune.textual_inversion import TextualInversionConfig, train_textual_inversion
 
-    options = dict(
-        token=token,
-        init_word=init_word,
-        model=model,
-        vectors=vectors,
-        steps=steps,
-        lr=lr,
-        lr_schedule=lr_schedule.value,
-        warmup=warmup,
-        batch_size=batch_size,
-        accumulation=accumulation,
-        resolution=resolution,
-        bucketing=bucketing,
-        random_crop=random_crop,
-        flip=flip,
-        on_bad_image=on_bad_image.value,
-        prediction_type=prediction_type.value if prediction_type else None,
-        min_snr_gamma=min_snr_gamma,
-        noise_offset=noise_offset,
-        mixed_precision=mixed_precision.value,
-        gradient_checkpointing=gradient_checkpointing,
-        seed=seed,
-        run_dir=str(run_dir) if run_dir else None,
-        save_every=save_every,
-        resume=resume,
-    )
-    try:
-        TextualInversionConfig(data=str(data), out=str(out), **options).check()
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    progress = _progress("train textual-inversion")
-    task = progress.add_task("train", total=steps, loss="-", step_time="-")
-
-    def on_step(done: int, total: int, loss: float, seconds: float) -> None:
-        progress.update(task, completed=done, loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s")
-
-    with progress:
-        try:
-            result = train_textual_inversion(data, out, on_step=on_step, log=progress.console.print, **options)
-        except (DataError, FileNotFoundError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-    for skipped in result.skipped_images:
-        typer.echo(f"skipped: {skipped}", err=True)
-    typer.echo(f"run directory: {result.run_dir}", err=True)
-    typer.echo(str(result.out))
+    _run("train textual-inversion", TextualInversionConfig, train_textual_inversion, data, out, options)
 
 
 @train_app.command("dreambooth")
+@_options(
+    "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
+    "prior_loss_weight class_steps steps rank alpha lr lr_schedule warmup batch_size accumulation resolution "
+    "random_crop flip train_text_encoder prediction_type min_snr_gamma mixed_precision gradient_checkpointing seed "
+    "run_dir save_every resume peft"
+)
 def dreambooth(
     instance_data: Annotated[Path, typer.Option(help="The subject's images (their captions are not read).")],
     instance_prompt: Annotated[str, typer.Option(help="Prompt of every instance image, e.g. 'a photo of sks dog'.")],
-    out: Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")],
-    model: Annotated[
-        str | None, typer.Option("--model", "-m", help="Diffusers folder, single file or Hub id. Default: embedded.")
-    ] = None,
+    out: LoraOut,
     with_prior_preservation: Annotated[
         bool | None, typer.Option(help="Train class images too (prior preservation). Default: on with --class-prompt.")
     ] = None,
@@ -282,84 +256,16 @@ def dreambooth(
     num_class_images: Annotated[int, typer.Option(help="Class images wanted (missing ones are generated).")] = 100,
     prior_loss_weight: Annotated[float, typer.Option(help="Weight of the class images' loss.")] = 1.0,
     class_steps: Annotated[int | None, typer.Option(help="Denoising steps of generated class images.")] = None,
-    steps: Annotated[int, typer.Option(help="Optimiser updates.")] = 300,
-    rank: Annotated[int, typer.Option(help="LoRA rank (network dim).")] = 8,
-    alpha: Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")] = None,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
-    lr_schedule: Annotated[Schedule, typer.Option(help="After warm-up.")] = Schedule.constant,
-    warmup: Annotated[int, typer.Option(help="Linear warm-up updates.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Instance images per micro-batch (as many class images).")] = 1,
-    accumulation: Annotated[int, typer.Option(help="Micro-batches per optimiser update.")] = 1,
-    resolution: Annotated[int | None, typer.Option(help="Training side length. Default: the model's.")] = None,
-    random_crop: Annotated[bool, typer.Option(help="Random instead of center crops.")] = False,
-    flip: Annotated[bool, typer.Option(help="Random horizontal flips.")] = False,
-    train_text_encoder: Annotated[bool, typer.Option(help="LoRA on the text encoder(s) too.")] = False,
-    prediction_type: Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")] = None,
     min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma (not with prior preservation).")] = None,
-    mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 LoRA.")] = Precision.no,
-    gradient_checkpointing: Annotated[bool, typer.Option(help="Recompute UNet activations (less memory).")] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the LoRA init, data order and noise.")] = 0,
-    run_dir: Annotated[Path | None, typer.Option(help="Run directory. Default: OUT without suffix + '-run'.")] = None,
-    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")] = 0,
-    resume: Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")] = True,
-    peft: Annotated[bool, typer.Option(help="Also write diffusers' pytorch_lora_weights.safetensors.")] = False,
+    **shared: Any,
 ) -> None:
     """Train a DreamBooth LoRA (instance prompt, class images with prior preservation); writes OUT
     (kohya/A1111) and a run directory."""
+    options = {k: v for k, v in locals().items() if k not in ("instance_data", "out", "shared")} | shared
+    if with_prior_preservation is None:
+        options["with_prior_preservation"] = class_prompt is not None
     _require_train_extra()
-    from sdjax.finetune.data import DataError
     from sdjax.finetune.dreambooth import DreamBoothConfig, train_dreambooth
 
-    prior = with_prior_preservation if with_prior_preservation is not None else class_prompt is not None
-    options = dict(
-        instance_prompt=instance_prompt,
-        model=model,
-        with_prior_preservation=prior,
-        class_data=str(class_data) if class_data else None,
-        class_prompt=class_prompt,
-        num_class_images=num_class_images,
-        prior_loss_weight=prior_loss_weight,
-        class_steps=class_steps,
-        steps=steps,
-        rank=rank,
-        alpha=alpha,
-        lr=lr,
-        lr_schedule=lr_schedule.value,
-        warmup=warmup,
-        batch_size=batch_size,
-        accumulation=accumulation,
-        resolution=resolution,
-        random_crop=random_crop,
-        flip=flip,
-        train_text_encoder=train_text_encoder,
-        prediction_type=prediction_type.value if prediction_type else None,
-        min_snr_gamma=min_snr_gamma,
-        mixed_precision=mixed_precision.value,
-        gradient_checkpointing=gradient_checkpointing,
-        seed=seed,
-        run_dir=str(run_dir) if run_dir else None,
-        save_every=save_every,
-        resume=resume,
-        peft=peft,
-    )
-    try:
-        DreamBoothConfig(data=str(instance_data), out=str(out), **options).check()
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    progress = _progress("train dreambooth")
-    task = progress.add_task("train", total=steps, loss="-", step_time="-")
-
-    def on_step(done: int, total: int, loss: float, seconds: float) -> None:
-        progress.update(task, completed=done, loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s")
-
-    with progress:
-        try:
-            result = train_dreambooth(instance_data, out, on_step=on_step, log=progress.console.print, **options)
-        except (DataError, FileNotFoundError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-    for skipped in result.skipped_images:
-        typer.echo(f"skipped: {skipped}", err=True)
-    typer.echo(f"run directory: {result.run_dir}", err=True)
-    typer.echo(str(result.out))
+    _run("train dreambooth", DreamBoothConfig, train_dreambooth, instance_data, out, options)

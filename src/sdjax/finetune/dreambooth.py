@@ -17,9 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from sdjax.finetune import data as data_lib
-from sdjax.finetune import lora as lora_lib
 from sdjax.finetune import run as run_lib
 
 CLASS_PREFIX = "sdjax-class-"
@@ -115,19 +112,6 @@ def fill_class_images(
     return written
 
 
-def _check_resume(run_dir: Path, cfg: DreamBoothConfig) -> None:
-    saved = run_dir / "config.json"
-    if not saved.is_file():
-        return
-    old, new = json.loads(saved.read_text()), dataclasses.asdict(cfg)
-    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in _RESUME_KEYS if old.get(k) != new[k]]
-    if diff:
-        raise ValueError(
-            f"{run_dir}: its checkpoints come from a DreamBooth run with other settings ({'; '.join(diff)}); use "
-            "another run_dir or resume=False"
-        )
-
-
 def _with_prompt(dataset: data_lib.Dataset, prompt: str) -> data_lib.Dataset:
     items = tuple(dataclasses.replace(item, caption=prompt) for item in dataset.items)
     return dataclasses.replace(dataset, items=items)
@@ -156,18 +140,13 @@ def train_dreambooth(
 ) -> run_lib.TrainResult:
     """Train a DreamBooth LoRA on the instance images of `data` (with `instance_prompt`) and write it to `out`
     (kohya `.safetensors`); `options` are the fields of `DreamBoothConfig`."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from sdjax.finetune import step as step_lib
-    from sdjax.parallel.sharding import batch_sharding
 
     cfg = DreamBoothConfig(data=str(data), out=str(out), **options)
     cfg.check()
     run_dir = cfg.run_path
     if cfg.resume:
         run_lib._check_resume(run_dir, cfg)
-        _check_resume(run_dir, cfg)
+        run_lib._check_resume(run_dir, cfg, _RESUME_KEYS, "a DreamBooth run")
     instances = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
     pipe, params, dtype = run_lib._load(cfg)
     resolution = cfg.resolution or pipe.default_size[0]
@@ -182,77 +161,24 @@ def train_dreambooth(
         samplers.append(data_lib.Sampler(classes, data_cfg, cfg.batch_size, cfg.seed + 1))
     mesh = run_lib._mesh(dataclasses.replace(cfg, batch_size=cfg.batch_size * len(samplers)), log)
     conditioning = pipe.generator.models.conditioning
-    prediction_type = cfg.prediction_type or pipe.scheduler.prediction_type
-    objective = step_lib.Objective(
-        prediction_type=prediction_type,
-        num_train_timesteps=int(pipe.scheduler.num_train_timesteps),
-        min_snr_gamma=cfg.min_snr_gamma,
-        noise_offset=cfg.noise_offset,
-        input_perturbation=cfg.input_perturbation,
-        prior_loss_weight=cfg.prior_loss_weight if cfg.with_prior_preservation else None,
-    )
-    scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
-    models = step_lib.Models(
-        conditioning,
-        pipe.unet,
-        pipe.vae,
-        dtype,
-        unet_scale=scale,
-        text_scale=scale,
-        remat=cfg.gradient_checkpointing,
-        lora_dropout=cfg.lora_dropout,
-    )
-    targets = {"unet": lora_lib.UNET_TARGETS}
-    if cfg.train_text_encoder:
-        targets.update({c: lora_lib.TEXT_TARGETS for c in conditioning.components})
-    frozen = {c: params[c] for c in ("unet", "vae", *conditioning.components)}
-    lora = lora_lib.init_lora(jax.random.PRNGKey(cfg.seed), frozen, targets, cfg.rank)
-    schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
-    optimizer = step_lib.make_optimizer(
-        schedule, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, accumulation=cfg.accumulation
-    )
-    state = step_lib.init_state(lora, optimizer)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    manager = run_lib._checkpoints(run_dir)
-    start = 0
-    if cfg.resume:
-        state, micro = run_lib._restore(manager, state)
-        start = micro // cfg.accumulation
-        if start:
-            log(f"resuming {run_dir} at update {start}")
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-    loss_log = run_dir / "loss.jsonl"
-    run_lib._log_lines(loss_log, start)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    state, frozen = jax.device_put(state, replicated), jax.device_put(frozen, replicated)
-    train_step = step_lib.make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
-    key = jax.random.PRNGKey(cfg.seed)
-    losses: list[float] = []
-    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    for update in range(start, end):
-        t0 = time.perf_counter()
-        micro_losses = []
-        for micro in range(update * cfg.accumulation, (update + 1) * cfg.accumulation):
-            batch = jax.device_put(_batch(samplers, conditioning, micro, cfg.clip_skip), batch_sharding(mesh))
-            state, loss = train_step(state, frozen, batch, key)
-            micro_losses.append(loss)
-        loss = float(np.mean([float(v) for v in micro_losses]))
-        seconds = time.perf_counter() - t0
-        losses.append(loss)
-        row = {"step": update, "loss": loss, "lr": float(schedule(update)), "seconds": round(seconds, 4)}
-        with loss_log.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at update {update}; lower lr ({cfg.lr}) or check the data")
-        done = update + 1
-        if (cfg.save_every and done % cfg.save_every == 0) or done == end:
-            manager.save(done * cfg.accumulation, args=run_lib._save_args(state), force=True)
-        if on_step is not None:
-            on_step(done, cfg.steps, loss, seconds)
-    manager.wait_until_finished()
-    manager.close()
-    if end == cfg.steps:
+    objective = run_lib._objective(cfg, pipe, cfg.prior_loss_weight if cfg.with_prior_preservation else None)
+    prediction_type = objective.prediction_type
+    frozen, state, train_step, schedule = run_lib._lora_step(cfg, pipe, params, dtype, objective)
+
+    def finish(state: dict) -> None:
         run_lib.write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(instances.items))
-        if loss_log.is_file():
-            run_lib.plot_losses(loss_log, run_dir / "loss.png")
+
+    losses, start, end = run_lib.run_loop(
+        cfg,
+        state,
+        frozen,
+        train_step,
+        lambda micro: _batch(samplers, conditioning, micro, cfg.clip_skip),
+        mesh=mesh,
+        schedule=schedule,
+        finish=finish,
+        on_step=on_step,
+        log=log,
+        stop_after=stop_after,
+    )
     return run_lib.TrainResult(Path(cfg.out), run_dir, losses, start, end, instances.skipped)

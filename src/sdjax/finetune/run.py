@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -28,17 +28,13 @@ _RESUME_KEYS = ("model", "rank", "alpha", "train_text_encoder", "batch_size", "a
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraTrainConfig:
-    """Every setting of a LoRA run (written to the run directory's config.json)."""
+class TrainConfig:
+    """The settings every trainer shares (written to the run directory's config.json with the trainer's own)."""
 
     data: str
     out: str
     model: str | None = None  # diffusers folder, single file, Hub id; None: the embedded model
     steps: int = 300  # optimiser updates
-    rank: int = 8
-    alpha: float | None = None  # default: rank (scale 1)
-    train_text_encoder: bool = False
-    lora_dropout: float = 0.0  # dropout on the UNet LoRA's input (PEFT's lora_dropout)
     lr: float = 1e-4
     lr_schedule: str = "constant"
     warmup: int = 0
@@ -51,7 +47,6 @@ class LoraTrainConfig:
     bucket_step: int = 64
     random_crop: bool = False
     flip: bool = False
-    caption_dropout: float = 0.0
     shuffle_tags: bool = False
     keep_tokens: int = 0
     on_bad_image: str = "skip"
@@ -59,7 +54,7 @@ class LoraTrainConfig:
     min_snr_gamma: float | None = None
     noise_offset: float = 0.0
     input_perturbation: float = 0.0
-    mixed_precision: str = "no"  # or "bf16": frozen weights and compute in bfloat16, LoRA in float32
+    mixed_precision: str = "no"  # or "bf16": frozen weights and compute in bfloat16, trained values in float32
     gradient_checkpointing: bool = False
     clip_skip: int = 1
     seed: int = 0
@@ -67,26 +62,20 @@ class LoraTrainConfig:
     run_dir: str | None = None  # default: <out without suffix>-run
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
     resume: bool = True  # continue from the run directory's latest checkpoint
-    peft: bool = False  # also write diffusers' pytorch_lora_weights.safetensors into the run directory
-    comment: str = ""
+
+    written: ClassVar[str] = "the LoRA"  # what `out` holds (in the error of a wrong suffix)
 
     def check(self) -> None:
-        """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
-        if int(self.rank) != self.rank or self.rank < 1:
-            raise ValueError(f"rank={self.rank!r}: a LoRA rank must be a positive integer")
-        for name in ("steps", "batch_size", "accumulation"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        """Bad settings fail here, naming the setting, before anything is loaded or compiled (the shared ones;
+        a trainer's config checks its own first)."""
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr={self.lr} must be a positive number")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
         if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
             raise ValueError(f"resolution={self.resolution} must be a positive multiple of 8")
         if not str(self.out).endswith(".safetensors"):
-            raise ValueError(f"out={self.out}: the LoRA is written as a .safetensors file")
+            raise ValueError(f"out={self.out}: {self.written} is written as a .safetensors file")
         if self.save_every < 0 or self.warmup < 0:
             raise ValueError("save_every and warmup must be 0 or more")
         self.data_config(self.resolution or 512).check()
@@ -100,7 +89,6 @@ class LoraTrainConfig:
             bucket_step=self.bucket_step,
             random_crop=self.random_crop,
             flip=self.flip,
-            caption_dropout=self.caption_dropout,
             shuffle_tags=self.shuffle_tags,
             keep_tokens=self.keep_tokens,
             on_bad_image=self.on_bad_image,
@@ -109,6 +97,33 @@ class LoraTrainConfig:
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path(str(self.out).removesuffix(".safetensors") + "-run")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraTrainConfig(TrainConfig):
+    """Every setting of a LoRA run (written to the run directory's config.json)."""
+
+    rank: int = 8
+    alpha: float | None = None  # default: rank (scale 1)
+    train_text_encoder: bool = False
+    lora_dropout: float = 0.0  # dropout on the UNet LoRA's input (PEFT's lora_dropout)
+    caption_dropout: float = 0.0
+    peft: bool = False  # also write diffusers' pytorch_lora_weights.safetensors into the run directory
+    comment: str = ""
+
+    def check(self) -> None:
+        """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
+        if int(self.rank) != self.rank or self.rank < 1:
+            raise ValueError(f"rank={self.rank!r}: a LoRA rank must be a positive integer")
+        for name in ("steps", "batch_size", "accumulation"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        super().check()
+
+    def data_config(self, resolution: int) -> data_lib.DataConfig:
+        return dataclasses.replace(super().data_config(resolution), caption_dropout=self.caption_dropout)
 
 
 @dataclasses.dataclass
@@ -170,16 +185,16 @@ def _restore(manager, state: dict) -> tuple[dict, int]:
     return manager.restore(step, args=ocp.args.StandardRestore(abstract)), int(step)
 
 
-def _check_resume(run_dir: Path, cfg: LoraTrainConfig) -> None:
+def _check_resume(run_dir: Path, cfg: Any, keys: tuple[str, ...] = _RESUME_KEYS, what: str = "a run") -> None:
+    """Refuse to resume from `run_dir` when its config.json differs from `cfg` in one of `keys`."""
     saved = run_dir / "config.json"
     if not saved.is_file():
         return
-    old = json.loads(saved.read_text())
-    new = dataclasses.asdict(cfg)
-    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in _RESUME_KEYS if old.get(k) != new[k]]
+    old, new = json.loads(saved.read_text()), dataclasses.asdict(cfg)
+    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in keys if old.get(k) != new[k]]
     if diff:
         raise ValueError(
-            f"{run_dir}: its checkpoints come from a run with other settings ({'; '.join(diff)}); use another "
+            f"{run_dir}: its checkpoints come from {what} with other settings ({'; '.join(diff)}); use another "
             "run_dir or resume=False"
         )
 
@@ -211,6 +226,61 @@ def plot_losses(log_path: Path, png: Path) -> bool:
     fig.savefig(png)
     plt.close(fig)
     return True
+
+
+def _objective(cfg: TrainConfig, pipe, prior_loss_weight: float | None = None):
+    """The training objective of `cfg` on `pipe`'s scheduler (`prediction_type`: `cfg`'s or the scheduler's)."""
+    from sdjax.finetune import step as step_lib
+
+    return step_lib.Objective(
+        prediction_type=cfg.prediction_type or pipe.scheduler.prediction_type,
+        num_train_timesteps=int(pipe.scheduler.num_train_timesteps),
+        min_snr_gamma=cfg.min_snr_gamma,
+        noise_offset=cfg.noise_offset,
+        input_perturbation=cfg.input_perturbation,
+        prior_loss_weight=prior_loss_weight,
+    )
+
+
+def _optimizer(cfg: TrainConfig):
+    """`(lr schedule, AdamW optimizer)` of `cfg`."""
+    from sdjax.finetune import step as step_lib
+
+    schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
+    optimizer = step_lib.make_optimizer(
+        schedule, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, accumulation=cfg.accumulation
+    )
+    return schedule, optimizer
+
+
+def _lora_step(cfg: LoraTrainConfig, pipe, params, dtype, objective):
+    """A LoRA run's frozen weights, initial state (the LoRA from `cfg.seed`, the optimiser), jitted step and lr
+    schedule."""
+    import jax
+
+    from sdjax.finetune import step as step_lib
+
+    conditioning = pipe.generator.models.conditioning
+    scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
+    models = step_lib.Models(
+        conditioning,
+        pipe.unet,
+        pipe.vae,
+        dtype,
+        unet_scale=scale,
+        text_scale=scale,
+        remat=cfg.gradient_checkpointing,
+        lora_dropout=cfg.lora_dropout,
+    )
+    targets = {"unet": lora_lib.UNET_TARGETS}
+    if cfg.train_text_encoder:
+        targets.update({c: lora_lib.TEXT_TARGETS for c in conditioning.components})
+    frozen = {c: params[c] for c in ("unet", "vae", *conditioning.components)}
+    lora = lora_lib.init_lora(jax.random.PRNGKey(cfg.seed), frozen, targets, cfg.rank)
+    schedule, optimizer = _optimizer(cfg)
+    state = step_lib.init_state(lora, optimizer)
+    train_step = step_lib.make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
+    return frozen, state, train_step, schedule
 
 
 def _inputs(conditioning, batch: dict, clip_skip: int) -> dict:
@@ -263,9 +333,6 @@ def train_lora(
     """Train a LoRA on the images of `data` and write it to `out` (kohya `.safetensors`); `options` are the
     fields of `LoraTrainConfig`. `stop_after` ends the run after that many updates of this call (checkpointed,
     without writing `out`): for tests of resuming and for time-boxed runs."""
-    import jax
-
-    from sdjax.finetune import step as step_lib
 
     cfg = LoraTrainConfig(data=str(data), out=str(out), **options)
     cfg.check()
@@ -279,36 +346,55 @@ def train_lora(
     log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
     mesh = _mesh(cfg, log)
     conditioning = pipe.generator.models.conditioning
-    prediction_type = cfg.prediction_type or pipe.scheduler.prediction_type
-    objective = step_lib.Objective(
-        prediction_type=prediction_type,
-        num_train_timesteps=int(pipe.scheduler.num_train_timesteps),
-        min_snr_gamma=cfg.min_snr_gamma,
-        noise_offset=cfg.noise_offset,
-        input_perturbation=cfg.input_perturbation,
+    objective = _objective(cfg, pipe)
+    prediction_type = objective.prediction_type
+    frozen, state, train_step, schedule = _lora_step(cfg, pipe, params, dtype, objective)
+    sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
+
+    def finish(state: dict) -> None:
+        write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(dataset.items))
+
+    losses, start, end = run_loop(
+        cfg,
+        state,
+        frozen,
+        train_step,
+        lambda micro: _inputs(conditioning, sampler.load(micro), cfg.clip_skip),
+        mesh=mesh,
+        schedule=schedule,
+        finish=finish,
+        on_step=on_step,
+        log=log,
+        stop_after=stop_after,
     )
-    alpha = float(cfg.alpha if cfg.alpha is not None else cfg.rank)
-    models = step_lib.Models(
-        conditioning,
-        pipe.unet,
-        pipe.vae,
-        dtype,
-        unet_scale=alpha / cfg.rank,
-        text_scale=alpha / cfg.rank,
-        remat=cfg.gradient_checkpointing,
-        lora_dropout=cfg.lora_dropout,
-    )
-    targets = {"unet": lora_lib.UNET_TARGETS}
-    if cfg.train_text_encoder:
-        targets.update({c: lora_lib.TEXT_TARGETS for c in conditioning.components})
-    frozen_names = ("unet", "vae", *conditioning.components)
-    frozen = {c: params[c] for c in frozen_names}
-    lora = lora_lib.init_lora(jax.random.PRNGKey(cfg.seed), frozen, targets, cfg.rank)
-    schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
-    optimizer = step_lib.make_optimizer(
-        schedule, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, accumulation=cfg.accumulation
-    )
-    state = step_lib.init_state(lora, optimizer)
+    return TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
+
+
+def run_loop(
+    cfg: Any,
+    state: dict,
+    frozen: dict,
+    train_step: Callable,
+    batches: Callable[[int], dict],
+    *,
+    mesh: Any,
+    schedule: Callable,
+    finish: Callable[[dict], None],
+    on_step: OnStep | None = None,
+    log: Callable[[str], None] = lambda s: None,
+    stop_after: int | None = None,
+) -> tuple[list[float], int, int]:
+    """The run loop every trainer shares: restore the run directory's latest checkpoint into `state` (with
+    `cfg.resume`), write config.json, then per update `cfg.accumulation` micro-batches `batches(micro)` (host
+    arrays) through `train_step(state, frozen, batch, key)`, the loss log, checkpoints and `on_step`; a finished
+    run (not cut short by `stop_after`) ends with `finish(state)` and `loss.png`. Returns the losses of this call,
+    the first update and the end."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sdjax.parallel.sharding import batch_sharding
+
+    run_dir = cfg.run_path
     run_dir.mkdir(parents=True, exist_ok=True)
     manager = _checkpoints(run_dir)
     start = 0
@@ -320,16 +406,8 @@ def train_lora(
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     loss_log = run_dir / "loss.jsonl"
     _log_lines(loss_log, start)
-
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from sdjax.parallel.sharding import batch_sharding
-
     replicated = NamedSharding(mesh, PartitionSpec())
-    state = jax.device_put(state, replicated)
-    frozen = jax.device_put(frozen, replicated)
-    train_step = step_lib.make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
-    sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
+    state, frozen = jax.device_put(state, replicated), jax.device_put(frozen, replicated)
     key = jax.random.PRNGKey(cfg.seed)
     losses: list[float] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -337,8 +415,7 @@ def train_lora(
         t0 = time.perf_counter()
         micro_losses = []
         for micro in range(update * cfg.accumulation, (update + 1) * cfg.accumulation):
-            host = _inputs(conditioning, sampler.load(micro), cfg.clip_skip)
-            batch = jax.device_put(host, batch_sharding(mesh))
+            batch = jax.device_put(batches(micro), batch_sharding(mesh))
             state, loss = train_step(state, frozen, batch, key)
             micro_losses.append(loss)
         loss = float(np.mean([float(v) for v in micro_losses]))
@@ -357,10 +434,10 @@ def train_lora(
     manager.wait_until_finished()
     manager.close()
     if end == cfg.steps:
-        write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(dataset.items))
+        finish(state)
         if loss_log.is_file():
             plot_losses(loss_log, run_dir / "loss.png")
-    return TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
+    return losses, start, end
 
 
 def _save_args(state):

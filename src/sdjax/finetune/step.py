@@ -158,18 +158,21 @@ def draw(key, latents_shape, objective: Objective) -> dict:
     return {"noise": noise, "timesteps": timesteps, "perturbation": perturbation}
 
 
+def encode_latents(models: Models, vae_params, pixels, key):
+    """The frozen VAE's latents of `pixels` (sampled with noise from `key`), without gradient."""
+    factor = 2 ** (len(models.vae.config.block_out_channels) - 1)
+    b, _, h, w = pixels.shape
+    eps = jax.random.normal(key, (b, models.vae.config.latent_channels, h // factor, w // factor))
+    return jax.lax.stop_gradient(autoencoder.encode(models.vae, vae_params, pixels, eps, models.dtype))
+
+
 def make_loss(models: Models, objective: Objective, alphas_cumprod: np.ndarray) -> Callable:
     """`loss(lora, frozen, batch, key)`: pixels -> latents (frozen VAE), text -> context, the diffusion loss."""
     ac = jnp.asarray(alphas_cumprod, jnp.float32)
-    factor = 2 ** (len(models.vae.config.block_out_channels) - 1)
 
     def loss(lora, frozen, batch, key):
         k_vae, k_draw, k_unet = jax.random.split(key, 3)
-        b, _, h, w = batch["pixels"].shape
-        eps = jax.random.normal(k_vae, (b, models.vae.config.latent_channels, h // factor, w // factor))
-        latents = jax.lax.stop_gradient(
-            autoencoder.encode(models.vae, frozen["vae"], batch["pixels"], eps, models.dtype)
-        )
+        latents = encode_latents(models, frozen["vae"], batch["pixels"], k_vae)
         text_inputs = {k: batch[k] for k in ("ids", "clip_skip", "time_ids")}
         context, kwargs = encode_text(lora, frozen, models, text_inputs)
         draws = draw(k_draw, latents.shape, objective)
@@ -215,14 +218,19 @@ def make_optimizer(
 def make_train_step(models: Models, objective: Objective, alphas_cumprod: np.ndarray, optimizer) -> Callable:
     """`step(state, frozen, batch, key) -> (state, loss)` (jitted; `state = {"lora", "opt_state", "step"}`, the
     batch's draws from `fold_in(key, state["step"])`)."""
-    loss_fn = make_loss(models, objective, alphas_cumprod)
+    return jit_step(make_loss(models, objective, alphas_cumprod), optimizer)
+
+
+def jit_step(loss_fn: Callable, optimizer, trained: str = "lora") -> Callable:
+    """`step(state, frozen, batch, key) -> (state, loss)` (jitted) of `loss_fn(state[trained], frozen, batch, k)`
+    with `k = fold_in(key, state["step"])`; `state = {trained, "opt_state", "step"}`."""
 
     def step(state, frozen, batch, key):
         k = jax.random.fold_in(key, state["step"])
-        loss, grads = jax.value_and_grad(loss_fn)(state["lora"], frozen, batch, k)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["lora"])
-        lora = optax.apply_updates(state["lora"], updates)
-        return {"lora": lora, "opt_state": opt_state, "step": state["step"] + 1}, loss
+        loss, grads = jax.value_and_grad(loss_fn)(state[trained], frozen, batch, k)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state[trained])
+        values = optax.apply_updates(state[trained], updates)
+        return {trained: values, "opt_state": opt_state, "step": state["step"] + 1}, loss
 
     return jax.jit(step, donate_argnums=(0,))
 

@@ -22,12 +22,9 @@ data folder to an A1111 `.safetensors` file and diffusers' `learned_embeds.safet
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -72,43 +69,16 @@ _RESUME_KEYS = ("model", "token", "init_word", "vectors", "batch_size", "accumul
 
 
 @dataclasses.dataclass(frozen=True)
-class TextualInversionConfig:
+class TextualInversionConfig(run_lib.TrainConfig):
     """Every setting of a textual-inversion run (written to the run directory's config.json)."""
 
-    data: str
-    out: str
-    token: str
-    init_word: str
+    token: str = dataclasses.field(kw_only=True)
+    init_word: str = dataclasses.field(kw_only=True)
     vectors: int = 1  # rows of the embedding (tokens token, token_1, ...)
-    model: str | None = None  # diffusers folder, single file, Hub id; None: the embedded model
-    steps: int = 300
     lr: float = 5e-3  # A1111's default; diffusers' example: 5e-4 x batch x accumulation
-    lr_schedule: str = "constant"
-    warmup: int = 0
-    weight_decay: float = 1e-2
     max_grad_norm: float | None = None  # diffusers' textual_inversion.py does not clip
-    batch_size: int = 1
-    accumulation: int = 1
-    resolution: int | None = None
-    bucketing: bool = True
-    bucket_step: int = 64
-    random_crop: bool = False
-    flip: bool = False
-    shuffle_tags: bool = False
-    keep_tokens: int = 0
-    on_bad_image: str = "skip"
-    prediction_type: str | None = None
-    min_snr_gamma: float | None = None
-    noise_offset: float = 0.0
-    input_perturbation: float = 0.0
-    mixed_precision: str = "no"
-    gradient_checkpointing: bool = False
-    clip_skip: int = 1
-    seed: int = 0
-    devices: int | None = None
-    run_dir: str | None = None
-    save_every: int = 0
-    resume: bool = True
+
+    written: ClassVar[str] = "the embedding"
 
     def check(self) -> None:
         """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
@@ -119,35 +89,7 @@ class TextualInversionConfig:
         for name in ("vectors", "steps", "batch_size", "accumulation"):
             if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ValueError(f"lr={self.lr} must be a positive number")
-        if self.mixed_precision not in ("no", "bf16"):
-            raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
-        if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
-            raise ValueError(f"resolution={self.resolution} must be a positive multiple of 8")
-        if not str(self.out).endswith(".safetensors"):
-            raise ValueError(f"out={self.out}: the embedding is written as a .safetensors file")
-        if self.save_every < 0 or self.warmup < 0:
-            raise ValueError("save_every and warmup must be 0 or more")
-        self.data_config(self.resolution or 512).check()
-        if not Path(self.data).expanduser().is_dir():
-            raise data_lib.DataError(f"data folder {self.data} does not exist or is not a folder")
-
-    def data_config(self, resolution: int) -> data_lib.DataConfig:
-        return data_lib.DataConfig(
-            resolution=resolution,
-            bucketing=self.bucketing,
-            bucket_step=self.bucket_step,
-            random_crop=self.random_crop,
-            flip=self.flip,
-            shuffle_tags=self.shuffle_tags,
-            keep_tokens=self.keep_tokens,
-            on_bad_image=self.on_bad_image,
-        )
-
-    @property
-    def run_path(self) -> Path:
-        return Path(self.run_dir) if self.run_dir else Path(str(self.out).removesuffix(".safetensors") + "-run")
+        super().check()
 
 
 # ------------------------------------------------------------------------------------------------ the token
@@ -234,32 +176,18 @@ def make_train_step(models, objective, alphas_cumprod, optimizer) -> Callable:
     latents, noise and timesteps as `step.make_loss` draws them from `fold_in(key, state["step"])`."""
     import jax
     import jax.numpy as jnp
-    import optax
 
-    from sdjax.core import autoencoder
     from sdjax.finetune import step as step_lib
 
     ac = jnp.asarray(alphas_cumprod, jnp.float32)
-    factor = 2 ** (len(models.vae.config.block_out_channels) - 1)
 
     def loss_fn(rows, frozen, batch, key):
         k_vae, k_draw, _ = jax.random.split(key, 3)
-        b, _, h, w = batch["pixels"].shape
-        eps = jax.random.normal(k_vae, (b, models.vae.config.latent_channels, h // factor, w // factor))
-        latents = jax.lax.stop_gradient(
-            autoencoder.encode(models.vae, frozen["vae"], batch["pixels"], eps, models.dtype)
-        )
+        latents = step_lib.encode_latents(models, frozen["vae"], batch["pixels"], k_vae)
         draws = step_lib.draw(k_draw, latents.shape, objective)
         return embedding_loss(rows, frozen, models, objective, ac, {**batch, "latents": latents, **draws})
 
-    def step(state, frozen, batch, key):
-        k = jax.random.fold_in(key, state["step"])
-        loss, grads = jax.value_and_grad(loss_fn)(state["rows"], frozen, batch, k)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["rows"])
-        rows = optax.apply_updates(state["rows"], updates)
-        return {"rows": rows, "opt_state": opt_state, "step": state["step"] + 1}, loss
-
-    return jax.jit(step, donate_argnums=(0,))
+    return step_lib.jit_step(loss_fn, optimizer, "rows")
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -287,19 +215,6 @@ def write_diffusers(run_dir: Path, token: str, rows: dict) -> list[Path]:
     return paths
 
 
-def _check_resume(run_dir: Path, cfg: TextualInversionConfig) -> None:
-    saved = run_dir / "config.json"
-    if not saved.is_file():
-        return
-    old, new = json.loads(saved.read_text()), dataclasses.asdict(cfg)
-    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in _RESUME_KEYS if old.get(k) != new[k]]
-    if diff:
-        raise ValueError(
-            f"{run_dir}: its checkpoints come from a run with other settings ({'; '.join(diff)}); use another "
-            "run_dir or resume=False"
-        )
-
-
 # ------------------------------------------------------------------------------------------------ the run
 def train_textual_inversion(
     data: str | Path,
@@ -314,16 +229,14 @@ def train_textual_inversion(
     directory's `learned_embeds.safetensors` (diffusers). `options` are `TextualInversionConfig`'s fields (`token`
     and `init_word` required)."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from sdjax.finetune import step as step_lib
-    from sdjax.parallel.sharding import batch_sharding
 
     cfg = TextualInversionConfig(data=str(data), out=str(out), **options)
     cfg.check()
     run_dir = cfg.run_path
     if cfg.resume:
-        _check_resume(run_dir, cfg)
+        run_lib._check_resume(run_dir, cfg, _RESUME_KEYS)
     dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))
     pipe, _, dtype = run_lib._load(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -334,66 +247,21 @@ def train_textual_inversion(
     dataset = data_lib.with_buckets(dataset, cfg.data_config(resolution))
     log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
     mesh = run_lib._mesh(cfg, log)
-    prediction_type = cfg.prediction_type or pipe.scheduler.prediction_type
-    objective = step_lib.Objective(
-        prediction_type=prediction_type,
-        num_train_timesteps=int(pipe.scheduler.num_train_timesteps),
-        min_snr_gamma=cfg.min_snr_gamma,
-        noise_offset=cfg.noise_offset,
-        input_perturbation=cfg.input_perturbation,
-    )
+    objective = run_lib._objective(cfg, pipe)
     models = step_lib.Models(conditioning, pipe.unet, pipe.vae, dtype, remat=cfg.gradient_checkpointing)
     frozen = {c: params[c] for c in ("unet", "vae", *conditioning.components)}
-    schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
-    optimizer = step_lib.make_optimizer(
-        schedule, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, accumulation=cfg.accumulation
-    )
+    schedule, optimizer = run_lib._optimizer(cfg)
     rows = jax.tree_util.tree_map(jax.numpy.asarray, rows)
     state = {"rows": rows, "opt_state": optimizer.init(rows), "step": jax.numpy.zeros((), jax.numpy.int32)}
-    manager = run_lib._checkpoints(run_dir)
-    start = 0
-    if cfg.resume:
-        state, micro = run_lib._restore(manager, state)
-        start = micro // cfg.accumulation
-        if start:
-            log(f"resuming {run_dir} at update {start}")
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
-    loss_log = run_dir / "loss.jsonl"
-    run_lib._log_lines(loss_log, start)
-
-    replicated = NamedSharding(mesh, PartitionSpec())
-    state = jax.device_put(state, replicated)
-    frozen = jax.device_put(frozen, replicated)
     train_step = make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
     sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
-    key = jax.random.PRNGKey(cfg.seed)
-    losses: list[float] = []
-    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    for update in range(start, end):
-        t0 = time.perf_counter()
-        micro_losses = []
-        for micro in range(update * cfg.accumulation, (update + 1) * cfg.accumulation):
-            loaded = sampler.load(micro)
-            loaded["captions"] = prompts(loaded["captions"], cfg.token, cfg.seed, micro)
-            host = run_lib._inputs(conditioning, loaded, cfg.clip_skip)
-            state, loss = train_step(state, frozen, jax.device_put(host, batch_sharding(mesh)), key)
-            micro_losses.append(loss)
-        loss = float(np.mean([float(v) for v in micro_losses]))
-        seconds = time.perf_counter() - t0
-        losses.append(loss)
-        row = {"step": update, "loss": loss, "lr": float(schedule(update)), "seconds": round(seconds, 4)}
-        with loss_log.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at update {update}; lower lr ({cfg.lr}) or check the data")
-        done = update + 1
-        if (cfg.save_every and done % cfg.save_every == 0) or done == end:
-            manager.save(done * cfg.accumulation, args=run_lib._save_args(state), force=True)
-        if on_step is not None:
-            on_step(done, cfg.steps, loss, seconds)
-    manager.wait_until_finished()
-    manager.close()
-    if end == cfg.steps:
+
+    def batches(micro: int) -> dict:
+        loaded = sampler.load(micro)
+        loaded["captions"] = prompts(loaded["captions"], cfg.token, cfg.seed, micro)
+        return run_lib._inputs(conditioning, loaded, cfg.clip_skip)
+
+    def finish(state: dict) -> None:
         trained = {c: np.asarray(v, np.float32) for c, v in state["rows"].items()}
         meta = {
             "sdjax_token": cfg.token,
@@ -403,6 +271,18 @@ def train_textual_inversion(
         }
         write_a1111(cfg.out, trained, meta)
         write_diffusers(run_dir, cfg.token, trained)
-        if loss_log.is_file():
-            run_lib.plot_losses(loss_log, run_dir / "loss.png")
+
+    losses, start, end = run_lib.run_loop(
+        cfg,
+        state,
+        frozen,
+        train_step,
+        batches,
+        mesh=mesh,
+        schedule=schedule,
+        finish=finish,
+        on_step=on_step,
+        log=log,
+        stop_after=stop_after,
+    )
     return run_lib.TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)

@@ -1,0 +1,104 @@
+"""Helpers of the LoRA step parity tests (imported by this unique name, as `tests/server`'s helpers are): the
+same peft LoRA on diffusers' UNet, the same random batch and the same gradient comparison."""
+
+import copy
+
+import jax
+import numpy as np
+
+from sdjax.finetune import lora as lora_lib
+from sdjax.models.convert import path_to_torch_key
+
+TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
+
+
+def peft_unet(torch_unet, rank: int, alpha: float):
+    """A frozen copy of `torch_unet` with a peft LoRA (gaussian A factors, nonzero B factors: the gradients of
+    both factors are then meaningful) on the attention projections."""
+    import torch
+    from peft import LoraConfig
+
+    unet = copy.deepcopy(torch_unet)
+    unet.requires_grad_(False)
+    torch.manual_seed(0)  # peft's gaussian init of the A factors
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=TARGETS))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return unet
+
+
+def ddpm_forward(unet, scheduler_config, prediction_type: str, batch: dict, context):
+    """diffusers' training forward: `batch`'s latents noised by DDPMScheduler, `unet`'s prediction with `context`
+    -> (prediction, target, scheduler, timesteps)."""
+    import torch
+    from diffusers import DDPMScheduler
+
+    sched = DDPMScheduler.from_config(scheduler_config, prediction_type=prediction_type)
+    latents, noise = torch.from_numpy(batch["latents"]), torch.from_numpy(batch["noise"])
+    t = torch.from_numpy(batch["timesteps"]).long()
+    noisy = sched.add_noise(latents, noise, t)
+    target = noise if prediction_type == "epsilon" else sched.get_velocity(latents, noise, t)
+    pred = unet(noisy, t, context).sample
+    return pred, target, sched, t
+
+
+def peft_forward(torch_unet, scheduler_config, prediction_type: str, batch: dict, rank: int, alpha: float):
+    """`ddpm_forward` of `peft_unet` on `batch` -> (unet, prediction, target, scheduler, timesteps) (the loss and
+    its backward pass are the caller's)."""
+    import torch
+
+    unet = peft_unet(torch_unet, rank, alpha)
+    context = torch.from_numpy(batch["context"])
+    return (unet, *ddpm_forward(unet, scheduler_config, prediction_type, batch, context))
+
+
+def min_snr_loss(pred, target, sched, t, prediction_type: str, gamma: float):
+    """diffusers' Min-SNR-gamma weighted MSE (`train_text_to_image_lora.py`)."""
+    import torch
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(sched, t)
+    weights = torch.stack([snr, gamma * torch.ones_like(t)], dim=1).min(dim=1)[0]
+    weights = weights / snr if prediction_type == "epsilon" else weights / (snr + 1)
+    mse = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=[1, 2, 3])
+    return (mse * weights).mean()
+
+
+def parity_batch(seed: int, timesteps: list[int]) -> dict:
+    """Random latents, noise and encoder hidden states of `len(timesteps)` examples (8x8 latents, 9 tokens)."""
+    rng = np.random.default_rng(seed)
+    n = len(timesteps)
+    return {
+        "latents": rng.standard_normal((n, 4, 8, 8)).astype(np.float32),
+        "noise": rng.standard_normal((n, 4, 8, 8)).astype(np.float32),
+        "timesteps": np.asarray(timesteps, np.int32),
+        "context": rng.standard_normal((n, 9, 32)).astype(np.float32),
+    }
+
+
+def lora_from_peft(params, tensors: dict, rank: int) -> dict:
+    """The sdjax UNet LoRA holding the peft LoRA `tensors`' weights."""
+    lora = lora_lib.init_lora(jax.random.PRNGKey(0), params, {"unet": lora_lib.UNET_TARGETS}, rank)
+    for name in lora["unet"]:
+        module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
+        lora["unet"][name] = {
+            "down": tensors[f"{module}.lora_A.default.weight"].detach().numpy(),
+            "up": tensors[f"{module}.lora_B.default.weight"].detach().numpy(),
+        }
+    return lora
+
+
+def worst_grad_error(grads: dict, tensors: dict, tol: float | None = 1e-4) -> float:
+    """The worst relative error of the sdjax LoRA gradients against peft's (each at most `tol` unless None)."""
+    worst = 0.0
+    for name, g in grads.items():
+        module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
+        for ours, theirs in (("down", "lora_A"), ("up", "lora_B")):
+            ref = tensors[f"{module}.{theirs}.default.weight"].grad.numpy()
+            err = np.linalg.norm(np.asarray(g[ours]) - ref) / np.linalg.norm(ref)
+            worst = max(worst, err)
+            assert tol is None or err <= tol, f"{module}.{theirs}: gradient relative error {err:.2e}"
+    return worst
