@@ -100,7 +100,7 @@ LONGEST_FIRST = (
     "tests/server/test_schemathesis.py",
     "tests/families/test_sd3_pipeline.py",
     "tests/server/test_comfy_real.py",
-    "tests/finetune/test_textual_inversion.py",
+    "tests/finetune/test_finetune_textual_inversion.py",
     "tests/quant/test_pipeline.py",
     "tests/finetune/test_step_parity.py",
 )
