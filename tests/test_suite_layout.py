@@ -1,0 +1,15 @@
+"""The suite's own layout: pytest imports test modules by basename (no packages under tests/), so two files of the
+same name in different folders make a collection error in the full run that a run of either folder alone never
+shows (it happened: tests/finetune/test_files.py beside tests/loading/test_files.py)."""
+
+from collections import Counter
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_test_module_basenames_are_unique():
+    names = Counter(p.name for p in TESTS.rglob("test_*.py"))
+    assert not [n for n, k in names.items() if k > 1], sorted(
+        str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if names[p.name] > 1
+    )
