@@ -106,7 +106,23 @@ LONGEST_FIRST = (
 )
 
 
+# What `--quick` leaves out besides LONGEST_FIRST: the folders and files of minutes-long model comparisons.
+QUICK_SKIPS = ("tests/families/", "tests/finetune/", "tests/aot/", "tests/quant/", "tests/training/", "_parity.py",
+               "tests/server/test_real_model.py", "tests/server/test_flux_server.py", "tests/server/test_web_page.py",
+               "tests/models/")  # fmt: skip
+
+
+def _long(path: str) -> bool:
+    return path in LONGEST_FIRST or any(part in path for part in QUICK_SKIPS)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("SDJAX_TEST_QUICK") == "1":  # `scripts/test.sh --quick`: leave out the long files and `slow`
+        slow = [i for i in items if _long(i.nodeid.split("::")[0]) or i.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            dropped = set(map(id, slow))
+            items[:] = [i for i in items if id(i) not in dropped]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
 
