@@ -22,8 +22,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-# openai/clip-vit-large-patch14's text model: FLUX.1's `text_encoder` is the same model as SD 1.x's.
-CLIP_L_CONFIG = Path(__file__).resolve().parents[2] / "assets" / "configs" / "sd15" / "text_encoder" / "config.json"
+# the released T5 v1.1 XXL and CLIP-L configs, as the single-file loader knows them
+from sdjax.families.flux.weights import CLIP_L_CONFIG, T5_XXL
 
 # black-forest-labs/FLUX.1-dev `transformer/config.json` (schnell: guidance_embeds false).
 FLUX_TRANSFORMER = dict(
@@ -38,21 +38,6 @@ FLUX_TRANSFORMER = dict(
     pooled_projection_dim=768,
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
-)
-# google/t5-v1_1-xxl's encoder, as FLUX.1's `text_encoder_2/config.json` holds it.
-T5_XXL = dict(
-    vocab_size=32128,
-    d_model=4096,
-    d_kv=64,
-    d_ff=10240,
-    num_layers=24,
-    num_heads=64,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    layer_norm_epsilon=1e-6,
-    feed_forward_proj="gated-gelu",
-    dense_act_fn="gelu_new",
-    is_gated_act=True,
 )
 # FLUX.1's `vae/config.json`: SD's VAE layout with 16 latent channels, no quant convs, a shift factor.
 FLUX_VAE = dict(
