@@ -27,15 +27,15 @@ import jax.numpy as jnp
 from sdjax.config import read_json
 from sdjax.loading import components as comp
 from sdjax.loading import ldm_keys
-from sdjax.loading.single_file import (
+from sdjax.loading.ldm_checkpoint import (
     Checkpoint,
     UnknownArchitectureError,
     _has_prefix,
     _PrefixView,
     key_families,
-    load_component,
     open_checkpoint,
 )
+from sdjax.loading.single_file import load_component
 
 _INPUT = re.compile(r"input_blocks\.(\d+)\.(\d+)\.")
 _HINT = re.compile(r"input_hint_block\.(\d+)\.weight")

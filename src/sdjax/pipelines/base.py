@@ -1,10 +1,13 @@
-"""What SD 1.x/2.x and SDXL pipelines share: loading, the user API and the guide API's plumbing, all over one
-`sdjax.core.Generator`.
+"""What SD 1.x/2.x and SDXL pipelines share: the user API over one `sdjax.core.Generator`, with loading, ahead-of-time
+compilation and the old Flax guide API's plumbing mixed in from sibling modules.
 
 The user API: `generate(prompt, ..., image=, mask_image=, strength=)` picks the task from its arguments
-(text-to-image, image-to-image, inpainting), `generate_arrays` is the batch call the CLI and the server make,
-`compile`/`warmup`/`aot_compile` compile ahead of time. The guide API (`prepare_inputs`, `__call__(..., jit=)`,
-`_generate`) lives in the family modules and the task subclasses; it runs the same program.
+(text-to-image, image-to-image, inpainting), `generate_arrays` is the batch call the CLI and the server make.
+Mixed in: `from_pretrained` / `from_single_file` (`pipelines.loading`), `compile` / `warmup` / `aot_compile`
+(`pipelines.compiling`), the LoRA, textual-inversion and VAE-tiling methods (`pipelines.lora`,
+`pipelines.textual_inversion`, `pipelines.vae_tiling`) and the guide API's shared plumbing (`pipelines.flax_api`).
+The guide API itself (`prepare_inputs`, `__call__(..., jit=)`, `_generate`) lives in the family modules and the task
+subclasses; it runs the same program.
 
 The sampler is read from `self.scheduler` at each call, so assigning `pipe.scheduler = ...` takes effect on the
 next call of either API (a different sampler is a different compiled program).
@@ -12,8 +15,6 @@ next call of either API (a different sampler is a different compiled program).
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,19 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from sdjax import rng
 from sdjax import samplers as sampler_lib
 from sdjax.core import Generator
 from sdjax.core.tasks import TaskRequest, img2img, inpaint, txt2img
 from sdjax.pipelines import common
-from sdjax.pipelines.common import PipelineOutput, Progress
+from sdjax.pipelines.common import Progress
+from sdjax.pipelines.compiling import CompileMixin
+from sdjax.pipelines.flax_api import FlaxGuideMixin
+from sdjax.pipelines.flax_api import GuideCall as GuideCall  # re-exported (importable from here as before)
 from sdjax.pipelines.images import make_image_grid, numpy_to_pil, to_uint8
+from sdjax.pipelines.loading import LoadingMixin
 from sdjax.pipelines.lora import LoraMixin
 from sdjax.pipelines.textual_inversion import TextualInversionMixin
 from sdjax.pipelines.vae_tiling import VaeTilingMixin
 
 
-class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
+class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, TextualInversionMixin, VaeTilingMixin):
     """Base of `StableDiffusionPipeline` and `StableDiffusionXLPipeline` (see the module docstring)."""
 
     model_index_classes: tuple[str, ...] = ()  # model_index.json `_class_name`s this family loads
@@ -43,7 +47,6 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
     pipeline_config_keys: tuple[str, ...] = ()  # model_index.json settings passed to __init__
     default_steps = 50
     default_guidance_scale = 7.5
-    returns_nsfw = False  # the old API's tuple output: (images, nsfw flags) for SD, (images,) for SDXL
     # Latents -> RGB by one linear map (A1111's "Approx cheap" preview): rows are latent channels. SD 1.x/2.x values;
     # SDXL overrides them. For previews only (e.g. the server's /sdapi/v1/progress current image).
     latent_rgb_factors = (
@@ -98,170 +101,6 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
     @mesh.setter
     def mesh(self, value: Mesh | None) -> None:
         self.generator.mesh = value
-
-    # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str,
-        *,
-        revision: str | None = None,
-        variant: str | None = None,
-        dtype=jnp.float32,
-        from_pt: bool = False,
-        split_head_dim: bool = False,
-        use_memory_efficient_attention: bool = False,
-        attention: str | None = None,
-        local_files_only: bool = False,
-        vae: Any = None,
-        quantize: str | None = None,
-        **components,
-    ):
-        """Load a diffusers folder or Hub repo id -> `(pipeline, params)` (a single `.safetensors` checkpoint
-        file goes to `from_single_file`).
-
-        `dtype` is the dtype of the stored params and of the computation (the scheduler state stays float32).
-        A keyword named like a component (`scheduler=`, `safety_checker=None`, ...) replaces or disables it;
-        `scheduler` may be a sampler object (`sdjax.samplers.get_sampler(...)`), a scheduler config dict, or a
-        sampler name such as `"euler_a"` or `"DPM++ 2M Karras"` (built from the model's own scheduler config, as
-        diffusers' `from_config`). `vae` replaces the VAE: a diffusers VAE folder or Hub repo, a single VAE file,
-        or a `(module, params)` pair. `"sdjax/embedded"` names the small model shipped with the package. `from_pt`
-        is accepted for compatibility and has no effect: PyTorch-format weights are always converted.
-        `quantize="int8"|"fp8"` (or a `sdjax.quant.QuantPolicy`) stores the denoiser's kernels quantized,
-        dequantized inside the program (`sdjax.quant`, docs/quantization.md).
-        """
-        from sdjax.loading.components import load_pipeline_components
-        from sdjax.loading.single_file import load_vae
-        from sdjax.models.presets import resolve_alias
-        from sdjax.quant import check_quantize
-
-        del from_pt
-        check_quantize(quantize)
-        pretrained_model_name_or_path = resolve_alias(pretrained_model_name_or_path)
-        if os.path.isfile(pretrained_model_name_or_path):
-            return cls.from_single_file(
-                pretrained_model_name_or_path,
-                dtype=dtype,
-                vae=vae,
-                split_head_dim=split_head_dim,
-                attention=attention or ("chunked" if use_memory_efficient_attention else None),
-                quantize=quantize,
-                **components,
-            )
-        scheduler = components.pop("scheduler", None)
-        loaded, params, model_index = load_pipeline_components(
-            pretrained_model_name_or_path,
-            expected_class=cls.model_index_classes,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            local_files_only=local_files_only,
-            overrides=components,
-            vae=vae,
-            vae_loader=load_vae,
-            loaders=cls.component_loaders,
-        )
-        return cls._assemble(
-            loaded,
-            params,
-            model_index,
-            dtype=dtype,
-            name=str(pretrained_model_name_or_path),
-            scheduler=scheduler,
-            split_head_dim=split_head_dim,
-            attention=attention or ("chunked" if use_memory_efficient_attention else None),
-            quantize=quantize,
-        )
-
-    @classmethod
-    def from_single_file(
-        cls,
-        path: str,
-        *,
-        dtype=jnp.float32,
-        prediction_type: str | None = None,
-        config: str | None = None,
-        vae: Any = None,
-        extract_ema: bool = False,
-        allow_pickle: bool = False,
-        split_head_dim: bool = False,
-        attention: str | None = None,
-        local_files_only: bool = False,
-        quantize: str | None = None,
-        **components,
-    ):
-        """Load an original-layout checkpoint file (as civitai ships them: SD 1.x, 2.x, XL base / refiner,
-        inpainting) -> `(pipeline, params)`. The architecture is inferred from the tensors; configs and tokenizers
-        come from sdjax's embedded config sets (or `config=`, a diffusers folder or Hub repo); `prediction_type`
-        overrides what the file says (SD 2.x 512 epsilon vs 768 v-prediction). `.ckpt` pickles are refused unless
-        `allow_pickle=True` (read by a restricted unpickler that executes no code). See
-        `sdjax.loading.single_file`. `quantize` as for `from_pretrained`."""
-        from sdjax.loading.single_file import load_single_file
-        from sdjax.quant import check_quantize
-
-        check_quantize(quantize)
-        scheduler = components.pop("scheduler", None)
-        loaded, params, model_index = load_single_file(
-            path,
-            dtype=dtype,
-            prediction_type=prediction_type,
-            config=config,
-            vae=vae,
-            extract_ema=extract_ema,
-            allow_pickle=allow_pickle,
-            overrides=components,
-            local_files_only=local_files_only,
-        )
-        found = model_index.get("_class_name", "")
-        if found not in cls.model_index_classes:
-            raise ValueError(
-                f"{path}: the checkpoint is a {found} model; load it with the matching pipeline class "
-                f"(or sdjax.load_pipeline, which picks it)"
-            )
-        return cls._assemble(
-            loaded,
-            params,
-            model_index,
-            dtype=dtype,
-            name=str(path),
-            scheduler=scheduler,
-            split_head_dim=split_head_dim,
-            attention=attention,
-            quantize=quantize,
-        )
-
-    @classmethod
-    def _assemble(
-        cls,
-        loaded: dict,
-        params: dict,
-        model_index: dict,
-        *,
-        dtype,
-        name: str,
-        scheduler=None,
-        split_head_dim: bool = False,
-        attention: str | None = None,
-        quantize: str | None = None,
-    ):
-        """The pipeline from loaded components: runtime options on the modules, the sampler override, the
-        quantized denoiser (`sdjax.quant.quantize_pipeline`)."""
-        from sdjax.quant import quantize_pipeline
-
-        runtime = {"split_head_dim": split_head_dim}
-        if attention:
-            runtime["attention"] = attention
-        for component in ("unet", "transformer", "text_encoder", "text_encoder_2", "vae"):
-            module = loaded.get(component)
-            if module is not None:
-                fields = {k: v for k, v in runtime.items() if hasattr(module, k)}
-                loaded[component] = module.clone(**fields) if fields else module
-        if scheduler is not None:
-            loaded["scheduler"] = sampler_lib.get_sampler(scheduler, base_config=loaded["scheduler"])
-            params["scheduler"] = loaded["scheduler"].create_state()
-        settings = {k: model_index[k] for k in cls.pipeline_config_keys if k in model_index}
-        pipe = cls(**loaded, **settings, dtype=dtype, name=name, params=params)
-        return quantize_pipeline(pipe, params, quantize)
 
     # ------------------------------------------------------------------ helpers of both APIs
     @property
@@ -652,374 +491,6 @@ class DiffusionPipeline(LoraMixin, TextualInversionMixin, VaeTilingMixin):
         if output_type != "pil":
             return out
         return numpy_to_pil(out)
-
-    # ------------------------------------------------------------------ ahead of time
-    def compile(
-        self,
-        *,
-        batch_size: int,
-        height: int | None = None,
-        width: int | None = None,
-        steps: int | None = None,
-        sampler=None,
-        task: str = "txt2img",
-        guidance: bool = True,
-        interactive: bool = False,
-        previews: bool = False,
-        guidance_rescale: float = 0.0,
-        output: str = "images",
-        controlnet=None,
-        guess_mode: bool = False,
-    ):
-        """Compile (or fetch from the cache) what `generate_arrays` runs for this setting, so the first request of
-        that shape does not wait for XLA. Returns `(main, decode)` (`Generator.executables`: the program up to the
-        latents and the VAE decode, or the whole program and None). `controlnet` (as for `generate`; True for the
-        pipeline's own net) and `guess_mode` compile the ControlNet program."""
-        from sdjax.core.tasks import TASKS
-
-        dh, dw = self.default_size
-        height, width = height or dh, width or dw
-        steps = self.default_steps if steps is None else steps
-        self.validate(steps=steps, height=height, width=width, sampler=sampler)
-        if task not in TASKS:
-            raise ValueError(f"task={task!r} must be one of {sorted(TASKS)}")
-        mesh = self.generator.get_mesh()
-        ndata = mesh.shape["data"]
-        total = -(-batch_size // ndata) * ndata
-        spec = self.generator.spec(
-            task=TASKS[task](),
-            batch=total,
-            height=height,
-            width=width,
-            steps=steps,
-            sampler=self._sampler(sampler),
-            cfg=guidance,
-            interactive=interactive,
-            previews=previews,
-            guidance_rescale=guidance_rescale,
-            output=output,
-        )
-        params = None
-        if controlnet is not None:
-            from sdjax.pipelines.controlnet import control_spec
-
-            control, trees = control_spec(self, None if controlnet is True else controlnet, None, guess_mode)
-            spec = dataclasses.replace(spec, control=control)
-            params = {**self.generator.check_params(self.params), "controlnet": trees}
-        return self.generator.executables(spec, params=params)
-
-    def warmup(
-        self, batch_size: int, height: int, width: int, steps: int, sampler=None, interactive: bool = False
-    ) -> None:
-        """Compile the text-to-image program of this shape ahead of time."""
-        self.compile(
-            batch_size=batch_size, height=height, width=width, steps=steps, sampler=sampler, interactive=interactive
-        )
-
-    def aot_compile(
-        self,
-        *,
-        batch_size: int,
-        height: int | None = None,
-        width: int | None = None,
-        steps: int | None = None,
-        sampler=None,
-        params: dict | None = None,
-        guidance_rescale: float = 0.0,
-    ):
-        """Compile text-to-image for one static setting ahead of time (`jit(...).lower(...).compile()`).
-
-        Returns `fn(prompt_ids, neg_prompt_ids, keys, guidance_scales, extra=None) -> images (B, H, W, 3)` float32
-        that runs the compiled executables (`fn.compiled`, and `fn.decode` for the VAE decode when the generator
-        splits it off; `Generator.executables`) with the params placed on the pipeline's mesh; `keys` are
-        per-image raw keys `(B, 2)`; `extra` overrides the family's micro-conditioning inputs (a dict; SDXL's
-        `time_ids`, `neg_time_ids`, `zero_neg`). `batch_size` must divide by the mesh's data axis.
-        """
-        from sdjax.parallel import sharding as sharding_lib
-
-        dh, dw = self.default_size
-        height, width = height or dh, width or dw
-        steps = self.default_steps if steps is None else steps
-        self.validate(steps=steps, height=height, width=width, sampler=sampler)
-        gen = self.generator
-        mesh = gen.get_mesh()
-        if batch_size % mesh.shape[sharding_lib.DATA]:
-            raise ValueError(
-                f"batch_size={batch_size} must be a multiple of the mesh's data axis "
-                f"({mesh.shape[sharding_lib.DATA]} devices)"
-            )
-        spec = gen.spec(
-            batch=batch_size,
-            height=height,
-            width=width,
-            steps=steps,
-            sampler=self._sampler(sampler),
-            guidance_rescale=guidance_rescale,
-        )
-        params = gen.check_params(self.params if params is None else params)
-        compiled, decode = gen.executables(spec, params=params)
-        placed = gen.place_params(params, mesh)
-        start, end = gen.window(spec, TaskRequest(spec.task))
-        defaults = gen.example_inputs(spec)
-
-        def run(prompt_ids, neg_prompt_ids, keys, guidance_scales, extra_values=None):
-            host = {
-                **defaults,
-                "ids": np.asarray(prompt_ids, np.int32),
-                "neg_ids": np.asarray(neg_prompt_ids, np.int32),
-                "keys": np.asarray(keys, np.uint32),
-                "guidance": np.asarray(guidance_scales, np.float32),
-                **(extra_values or {}),
-            }
-            inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}
-            win = {"start": np.int32(start), "end": np.int32(end), "run": np.int32(0)}
-            out, _ = compiled(placed, inputs, win)
-            return out if decode is None else decode(placed["vae"], out)
-
-        run.compiled = compiled
-        run.decode = decode
-        return run
-
-    # ------------------------------------------------------------------ the guide API's shared plumbing
-    def _guide(self, call: GuideCall):
-        """One old-Flax call, whatever the class's argument order: traced inside a user's `pmap` -> the program on
-        this device's slice; else checked, run (`pmap` with `jit=True`, the mesh otherwise), safety-checked."""
-        if call.traced:
-            out = self._traced(call)
-            return PipelineOutput(out) if call.return_dict else (out,)
-        self._validate_guide_call(call)
-        out = self._guide_run(call)
-        nsfw = self._run_safety_checker(out, call.params, call.jit) if call.output == "images" else None
-        if not call.return_dict:
-            return (out, nsfw) if self.returns_nsfw else (out,)
-        return PipelineOutput(out, nsfw)
-
-    def _run_safety_checker(self, images: np.ndarray, params, jit: bool):
-        """Per-image NSFW flags (blacking flagged images in place); None without a safety checker."""
-        return None
-
-    def _static_shape(self, steps, height, width) -> tuple[int, int, int]:
-        steps = common.check_static("num_inference_steps", steps)
-        dh, dw = self.default_size
-        height = dh if height is None else common.check_static("height", height)
-        width = dw if width is None else common.check_static("width", width)
-        return steps, height, width
-
-    def _guide_run(self, call: GuideCall) -> np.ndarray:
-        """`jit=True`: per-device inputs `(ndev, bs, ...)` under `pmap` (params replicated, one key per device);
-        else a global batch on the mesh, one key for the call."""
-        gen = self.generator
-        task, steps, height, width = call.task, call.steps, call.height, call.width
-        lead = np.shape(call.prompt_ids)[: 2 if call.jit else 1]
-        n = int(np.prod(lead))
-        keys = np.asarray(rng.as_key_array(call.prng_seed))
-        keys = np.stack([np.asarray(rng.image_keys(jnp.asarray(k), lead[-1])) for k in keys.reshape(-1, 2)])
-        negatives = [None if call.neg_prompt_ids is None else "ids"] * n
-        if not call.jit:
-            g = np.broadcast_to(np.asarray(call.guidance_scale, np.float32).reshape(-1), (n,))
-            out = gen.run(
-                prompts=[""] * n,
-                negative_prompts=negatives,
-                keys=keys.reshape(n, 2),
-                guidance_scales=g,
-                steps=steps,
-                height=height,
-                width=width,
-                sampler=self.scheduler,
-                task=task,
-                noise=call.noise,
-                params=call.params,
-                output=call.output,
-                ids=np.asarray(call.prompt_ids),
-                cfg=True,
-                neg_ids=None if call.neg_prompt_ids is None else np.asarray(call.neg_prompt_ids),
-                control=call.control,
-            )
-            return np.array(out)
-        ndev, bs = lead
-        flat = np.asarray(call.prompt_ids).reshape((n,) + self.ids_suffix)
-        host = {
-            "ids": flat,
-            "neg_ids": (
-                gen.models.conditioning.tokenize([""] * n)
-                if call.neg_prompt_ids is None
-                else np.asarray(call.neg_prompt_ids).reshape(flat.shape)
-            ),
-            "keys": keys.reshape(n, 2),
-            "guidance": np.broadcast_to(
-                np.asarray(common.per_device_guidance(call.guidance_scale, ndev, bs)), (ndev, bs)
-            )
-            .reshape(-1)
-            .astype(np.float32),
-            **gen.models.conditioning.host_inputs(
-                negative_prompts=negatives, height=height, width=width, task=task.spec.name
-            ),
-        }
-        for name in task.spec.inputs:
-            host[name] = np.asarray(task.arrays[name], np.float32).reshape((n,) + np.shape(task.arrays[name])[2:])
-        if call.noise is not None:
-            host["noise"] = np.asarray(call.noise, np.float32).reshape((n,) + np.shape(call.noise)[2:])
-        spec = gen.spec(
-            task=task.spec,
-            batch=bs,
-            height=height,
-            width=width,
-            steps=steps,
-            sampler=self.scheduler,
-            explicit_noise=call.noise is not None,
-            output=call.output,
-            control=None if call.control is None else call.control.spec,
-            vae_slice=1,  # a per-device program
-        )
-        start, end = gen.window(spec, task)
-        if call.control is not None:
-            host.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
-        inputs = {k: v.reshape((ndev, bs) + v.shape[1:]) for k, v in host.items()}
-        win = {"start": np.int32(start), "end": np.int32(end)}
-        params = gen.check_params(call.params, control=call.control is not None)
-        out, _ = gen.pmapped(spec)(params, inputs, win)
-        return np.array(out)
-
-    def _traced(self, call: GuideCall):
-        """The program traced inside a user's own `pmap` (the per-device `_generate`)."""
-        from sdjax.core import program
-
-        gen = self.generator
-        steps, height, width = self._static_shape(call.steps, call.height, call.width)
-        batch = call.prompt_ids.shape[0]
-        negatives = [None if call.neg_prompt_ids is None else "ids"] * batch
-        neg = (
-            jnp.broadcast_to(jnp.asarray(gen.models.conditioning.tokenize([""])), call.prompt_ids.shape)
-            if call.neg_prompt_ids is None
-            else call.neg_prompt_ids
-        )
-        host = gen.models.conditioning.host_inputs(
-            negative_prompts=negatives, height=height, width=width, task=call.task.spec.name
-        )
-        inputs = {
-            "ids": call.prompt_ids,
-            "neg_ids": neg,
-            "keys": rng.image_keys(rng.as_key_array(call.prng_seed), batch),
-            "guidance": common.guidance_per_image(call.guidance_scale, batch),
-            **{k: jnp.asarray(v) for k, v in host.items()},
-            **{k: jnp.asarray(v) for k, v in call.task.arrays.items()},
-        }
-        if call.noise is not None:
-            inputs["noise"] = call.noise
-        spec = gen.spec(
-            task=call.task.spec,
-            batch=batch,
-            height=height,
-            width=width,
-            steps=steps,
-            sampler=self.scheduler,
-            explicit_noise=call.noise is not None,
-            output=call.output,
-            control=None if call.control is None else call.control.spec,
-            vae_slice=1,  # a per-device program
-        )
-        start, end = gen.window(spec, call.task)
-        if call.start is not None:
-            start = call.start
-        if call.control is not None:
-            inputs.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
-        win = {"start": jnp.asarray(start, jnp.int32), "end": jnp.int32(end)}
-        out, _ = program(gen.models, spec, call.params, inputs, win)
-        return out
-
-    def _validate_guide_call(self, call: GuideCall) -> None:
-        jit, steps, height, width = call.jit, call.steps, call.height, call.width
-        for name, v in (("num_inference_steps", steps), ("height", height), ("width", width)):
-            common.check_static(name, v)
-        common.check_steps(steps)
-        common.check_size(height, width, self._size_multiple())
-        self.generator.check_params(call.params, control=call.control is not None)
-        if jit:
-            leaf = jax.tree_util.tree_leaves(call.params[self.denoiser.component])[0]
-            if leaf.ndim == 0 or leaf.shape[0] != jax.local_device_count():
-                raise ValueError("with jit=True params must be replicated per device: p_params = replicate(params)")
-        ids = tuple(np.shape(call.prompt_ids))
-        suffix = self.ids_suffix
-        lead = ids[: len(ids) - len(suffix)]
-        if ids[len(lead) :] != suffix or len(lead) != (2 if jit else 1):
-            want = (
-                f"(num_devices, batch_per_device, {', '.join(map(str, suffix))})"
-                if jit
-                else f"(N, {', '.join(map(str, suffix))})"
-            )
-            how = "shard(pipeline.prepare_inputs(prompts))" if jit else "pipeline.prepare_inputs(prompts)"
-            raise ValueError(
-                f"prompt_ids has shape {ids}; with jit={jit} {type(self).__name__} expects {want}, as made by {how}"
-            )
-        g = np.shape(call.guidance_scale)
-        if jit:
-            ndev = jax.local_device_count()
-            if lead[0] != ndev:
-                raise ValueError(
-                    f"prompt_ids has {lead[0]} device slices but there are {ndev} local devices: "
-                    f"the prompt count must be divisible by {ndev} (shard() splits it per device)"
-                )
-            if np.shape(call.prng_seed)[:1] != (ndev,):
-                raise ValueError(
-                    f"prng_seed has shape {np.shape(call.prng_seed)}; with jit=True pass one key per "
-                    f"device: jax.random.split(key, {ndev})"
-                )
-            if g not in ((), (ndev,), (ndev, 1), (ndev, lead[1])):
-                raise ValueError(
-                    f"guidance_scale has shape {g}; with jit=True use a float or an array of shape "
-                    f"({ndev},), ({ndev}, 1) or ({ndev}, {lead[1]})"
-                )
-        elif g not in ((), (1,), (lead[0],)):
-            raise ValueError(f"guidance_scale has shape {g}; use a float or one value per prompt ({lead[0]},)")
-        if call.neg_prompt_ids is not None and np.shape(call.neg_prompt_ids) != ids:
-            raise ValueError(
-                f"neg_prompt_ids has shape {np.shape(call.neg_prompt_ids)} but prompt_ids has shape "
-                f"{ids}: pass one negative prompt per prompt"
-            )
-        if call.noise is not None:
-            want = lead + (
-                self.vae.config.latent_channels,
-                height // self.vae_scale_factor,
-                width // self.vae_scale_factor,
-            )
-            if tuple(np.shape(call.noise)) != want:
-                raise ValueError(
-                    f"{call.noise_name} has shape {np.shape(call.noise)}; expected {want} for {height}x{width}"
-                )
-        for name, x in call.task.arrays.items():
-            if tuple(np.shape(x)[: len(lead)]) != tuple(lead):
-                label = {"image": call.image_name, "mask": "mask"}.get(name, name)
-                raise ValueError(
-                    f"{label} has shape {np.shape(x)}; its leading dimensions must match prompt_ids' {lead}"
-                )
-
-    @property
-    def ids_suffix(self) -> tuple[int, ...]:
-        return tuple(self.generator.models.conditioning.ids_suffix)
-
-
-@dataclasses.dataclass
-class GuideCall:
-    """One call of the old Flax API, whatever the class's argument order."""
-
-    prompt_ids: Any
-    params: Any
-    prng_seed: Any
-    steps: int
-    height: int
-    width: int
-    guidance_scale: Any
-    neg_prompt_ids: Any
-    task: TaskRequest
-    jit: bool = False
-    return_dict: bool = True
-    noise: Any = None
-    noise_name: str = "latents"
-    image_name: str = "image"
-    output: str = "images"
-    start: Any = None  # an explicit first model call (the traced `_generate(start_timestep)`)
-    traced: bool = False
-    control: Any = None  # a `core.controlnet.ControlRequest` (the ControlNet guide class)
 
 
 def seed_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:

@@ -25,7 +25,8 @@ from sdjax.core.tasks.inpaint import Inpaint
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.families.sd import SDConditioning, UNetDenoiser
 from sdjax.pipelines import common
-from sdjax.pipelines.base import DiffusionPipeline, GuideCall
+from sdjax.pipelines.base import DiffusionPipeline
+from sdjax.pipelines.flax_api import GuideCall
 
 SD_CLASSES = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
 

@@ -36,8 +36,8 @@ from sdjax.core.tasks import TaskRequest
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.models.controlnet import ControlNetModel
 from sdjax.pipelines import common
-from sdjax.pipelines.base import GuideCall
 from sdjax.pipelines.controlnet import is_pair
+from sdjax.pipelines.flax_api import GuideCall
 from sdjax.pipelines.stable_diffusion import SD_CLASSES, StableDiffusionPipeline
 
 _UNSET = object()

@@ -20,7 +20,8 @@ from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.families.sd import UNetDenoiser
 from sdjax.families.sdxl import SDXLConditioning
 from sdjax.pipelines import common
-from sdjax.pipelines.base import DiffusionPipeline, GuideCall
+from sdjax.pipelines.base import DiffusionPipeline
+from sdjax.pipelines.flax_api import GuideCall
 
 SDXL_CLASSES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
 
