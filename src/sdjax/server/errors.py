@@ -37,6 +37,10 @@ class APIError(Exception):
         return self.message
 
 
+class ClientGone(Exception):
+    """The client disconnected while its request waited (answered 499, which nobody reads)."""
+
+
 def is_a1111(path: str) -> bool:
     return path.startswith(A1111_PREFIX)
 
