@@ -35,7 +35,7 @@ def test_sdjax_compile_reports_a_compiler_crash(monkeypatch):
         raise isolated.ChildCrashed(what, -signal.SIGSEGV)
 
     monkeypatch.setattr(isolated, "call", crashed)
-    monkeypatch.setattr(cli, "_require_extra", lambda *a: None)  # libtpu or not: the compile is replaced
+    monkeypatch.setattr(cli.compile, "_require_extra", lambda *a: None)  # libtpu or not: the compile is replaced
     r = CliRunner().invoke(cli.app, ["compile", "--target", "v5e-1", "-m", "tiny", "--batch", "8"])
     assert r.exit_code == 3, r.output
     assert "compiler crashed" in r.output and "SIGSEGV" in r.output and "--vae-slicing" in r.output

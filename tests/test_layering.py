@@ -33,7 +33,6 @@ LAYERS = {
     "aot": 6,
     "finetune": 6,  # `sdjax train`: the CLI registers its sub-app; the runtime never imports it
     "cli": 7,
-    "cli_models": 7,
     "server": 7,
     "__init__": 8,
     # tooling outside the runtime path: may import the library, never imported by it

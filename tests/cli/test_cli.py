@@ -25,7 +25,7 @@ def fake(monkeypatch):
         loads.append((model, getattr(dtype, "value", dtype)))
         return pipe
 
-    monkeypatch.setattr(cli, "load_pipeline", load)
+    monkeypatch.setattr(cli.generate, "load_pipeline", load)
     pipe.loads = loads
     return pipe
 
@@ -207,7 +207,7 @@ def test_load_failure_is_a_message_not_a_traceback(monkeypatch, tmp_path):
     def fail(model, dtype):
         raise FileNotFoundError(f"{model}: no model_index.json")
 
-    monkeypatch.setattr(cli, "load_pipeline", fail)
+    monkeypatch.setattr(cli.generate, "load_pipeline", fail)
     r = run("generate", "x", "--model", "/nowhere", "-o", str(tmp_path))
     assert r.exit_code == 1
     assert "could not load /nowhere" in r.output and "Traceback" not in r.output

@@ -37,7 +37,7 @@ def test_cli_controlnet_image_matches_the_api(sd1_dir, net_dir, picture, tmp_pat
         return loaded[-1]
 
     real_load = cli.load_pipeline
-    monkeypatch.setattr(cli, "load_pipeline", load_pipeline)
+    monkeypatch.setattr(cli.generate, "load_pipeline", load_pipeline)
     args = ["generate", "a house", "-m", str(sd1_dir), "--steps", "2", "-W", "64", "-H", "64", "--seed", "5"]
     args += ["--controlnet", str(net_dir), "--control-image", str(path), "--control-preprocess", "invert"]
     r = runner.invoke(cli.app, [*args, "--control-scale", "0.7", "-o", str(tmp_path)])
@@ -76,7 +76,7 @@ def test_bad_control_options_are_named(extra, hint, picture, tmp_path, monkeypat
     def no_load(*a, **k):
         raise AssertionError("loaded a model before checking the options")
 
-    monkeypatch.setattr(cli, "load_pipeline", no_load)
+    monkeypatch.setattr(cli.generate, "load_pipeline", no_load)
     extra = [str(picture[0]) if x == "IMG" else str(tmp_path / x) if x == "missing.png" else x for x in extra]
     r = runner.invoke(cli.app, ["generate", "x", "-o", str(tmp_path), *extra])
     assert r.exit_code == 2 and hint in r.output, r.output

@@ -16,7 +16,8 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 import sdjax
-from sdjax import cli, cli_models, metadata
+from sdjax import cli, metadata
+from sdjax.cli import models as cli_models
 
 pytestmark = pytest.mark.skipif(
     not (Path(sdjax.EMBEDDED_MODEL) / "model_index.json").is_file(), reason="the embedded model is not in this checkout"
@@ -84,8 +85,8 @@ def test_bad_names_exit_2_naming_the_option_before_loading(models, tmp_path, mon
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(cli, "load_pipeline", no_load)
-    monkeypatch.setattr(cli, "_load_with_vae", no_load)
+    monkeypatch.setattr(cli.generate, "load_pipeline", no_load)
+    monkeypatch.setattr(cli.generate, "_load_with_vae", no_load)
     d = ["--models-dir", str(models)]
     for args, option, words in (
         ([*d, "-m", "sd/tny"], "--model", "did you mean ['sd/tiny']"),

@@ -21,7 +21,7 @@ def sd(sd1_dir):
 
 @pytest.fixture
 def tiny(sd, monkeypatch, sd1_dir):
-    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: sd)
+    monkeypatch.setattr(cli.generate, "load_pipeline", lambda model, dtype: sd)
     return str(sd1_dir)
 
 

@@ -21,8 +21,8 @@ def spied(sd1_dir, monkeypatch):
         seen.append(p.vae_tiling)
         return [np.zeros((r.height, r.width, 3), np.uint8) for r in batch]
 
-    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: pipe)
-    monkeypatch.setattr(cli.metadata, "generate_images", generate_images)
+    monkeypatch.setattr(cli.generate, "load_pipeline", lambda model, dtype: pipe)
+    monkeypatch.setattr(cli.generate.metadata, "generate_images", generate_images)
     return pipe, seen
 
 

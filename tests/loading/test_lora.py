@@ -660,7 +660,9 @@ def test_cli_lora_options_and_prompt_tags(sd1_dir, sd1_loras, tmp_path, monkeypa
     from sdjax import StableDiffusionPipeline, cli
 
     files, _ = sd1_loras
-    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: StableDiffusionPipeline.from_pretrained(model)[0])
+    monkeypatch.setattr(
+        cli.generate, "load_pipeline", lambda model, dtype: StableDiffusionPipeline.from_pretrained(model)[0]
+    )
     ref_pipe, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
     ref_pipe.load_lora(files["b"], scale=0.6)
     ref = np.asarray(ref_pipe.generate("a cat", seed=3, steps=2, height=64, width=64)[0], np.int16)

@@ -10,7 +10,7 @@ from sdjax import cli, server
 
 def invoke(monkeypatch, *args, env=None):
     seen = {}
-    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: FakePipeline())
+    monkeypatch.setattr(cli.serve, "load_pipeline", lambda model, dtype: FakePipeline())
     monkeypatch.setattr(server, "serve", lambda pipe, config, **kw: seen.update(config=config, **kw))
     r = CliRunner().invoke(cli.app, ["serve", *args], env=env)
     return r, seen

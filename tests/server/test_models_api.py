@@ -164,8 +164,10 @@ def test_serve_resolves_names_in_the_models_directory(models, monkeypatch):
     from sdjax import cli, server
 
     loads, seen = [], {}
-    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: loads.append(model) or FakePipeline())
-    monkeypatch.setattr(cli, "_load_with_vae", lambda model, dtype, vae: loads.append((model, vae)) or FakePipeline())
+    monkeypatch.setattr(cli.serve, "load_pipeline", lambda model, dtype: loads.append(model) or FakePipeline())
+    monkeypatch.setattr(
+        cli.serve, "_load_with_vae", lambda model, dtype, vae: loads.append((model, vae)) or FakePipeline()
+    )
     monkeypatch.setattr(server, "serve", lambda pipe, config, **kw: seen.update(config=config, **kw))
     r = CliRunner().invoke(cli.app, ["serve", "--models-dir", str(models), "-m", "anime/waifu", "--vae", "mse"])
     assert r.exit_code == 0, r.output

@@ -47,7 +47,7 @@ def pixels(png: bytes) -> np.ndarray:
 
 def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path, monkeypatch):
     loads = []
-    monkeypatch.setattr(cli, "load_pipeline", lambda model, dtype: loads.append((model, dtype.value)) or pipe)
+    monkeypatch.setattr(cli.generate, "load_pipeline", lambda model, dtype: loads.append((model, dtype.value)) or pipe)
     args = [
         "generate",
         "a red square",

@@ -1,0 +1,158 @@
+"""What the `sdjax` commands share: the option enums, the dtype and quantization options, loading a pipeline,
+extras' install hints, option parsers and output files."""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ResizeMode(str, enum.Enum):
+    """How an init image is fitted to the output size (A1111's resize modes)."""
+
+    resize = "resize"
+    crop = "crop"
+    fill = "fill"
+
+
+class Upscaler(str, enum.Enum):
+    """Hires-fix upscalers."""
+
+    latent = "latent"
+    latent_nearest = "latent-nearest"
+    lanczos = "lanczos"
+    nearest = "nearest"
+
+
+class PromptSyntax(str, enum.Enum):
+    """How the prompt is read."""
+
+    plain = "plain"
+    a1111 = "a1111"
+
+
+class DType(str, enum.Enum):
+    """Weights and compute dtype."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Quantize(str, enum.Enum):
+    """Weight-only quantization of the denoiser (`sdjax.quant`, docs/quantization.md)."""
+
+    int8 = "int8"
+    fp8 = "fp8"
+
+
+QUANTIZE_OPTION = typer.Option(
+    help="Store the denoiser's weights quantized (int8 or fp8 e4m3, per channel), dequantized inside the program.",
+    rich_help_panel="Weights",
+)
+
+
+DTypeOpt = Annotated[DType, typer.Option(help="Weights and compute dtype.")]
+QuantizeOpt = Annotated[Quantize | None, QUANTIZE_OPTION]
+
+
+def _require_extra(extra: str, *modules: str) -> None:
+    """Exit with an install hint when an optional extra's packages are missing."""
+    import importlib.util
+
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):
+            return True
+
+    missing = [m for m in modules if absent(m)]
+    if missing:
+        typer.echo(
+            f"error: this command needs the '{extra}' extra ({', '.join(missing)} not installed): "
+            f"pip install 'sdjax[{extra}]'",
+            err=True,
+        )
+        raise typer.Exit(2)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _jnp_dtype(name: str | DType):
+    import jax.numpy as jnp
+
+    name = getattr(name, "value", name)
+    if name not in DTYPES:
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(DTYPES)}", param_hint="--dtype")
+    return getattr(jnp, name)
+
+
+def load_pipeline(model: str | None, dtype: str | DType, **kwargs: Any) -> Any:
+    """The pipeline (its family from `model_index.json` or the file's tensors) for a folder, file or Hub id; None:
+    the embedded model. `kwargs` go to `sdjax.load_pipeline` (`config=`, Flux's `t5=`, `clip_l=`). Its `.params`
+    holds the weights."""
+    from sdjax.pipelines import load_pipeline as load
+
+    pipe, _ = load(model, dtype=_jnp_dtype(dtype), **kwargs)
+    return pipe
+
+
+def _load_with_vae(model: str | None, dtype, vae: str, **kwargs: Any) -> Any:
+    """The pipeline with its VAE replaced (`--vae`)."""
+    from sdjax.pipelines import load_pipeline as load
+
+    pipe, _ = load(model, dtype=_jnp_dtype(dtype), vae=vae, **kwargs)
+    return pipe
+
+
+def _quantize_kw(quantize: Quantize | None) -> dict[str, str]:
+    """`--quantize` as `load_pipeline`'s keyword (none when not given)."""
+    return {"quantize": quantize.value} if quantize is not None else {}
+
+
+# ---------------------------------------------------------------------------------------------- option parsers
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def _parse_size(text: str, option: str) -> tuple[int, int]:
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not WIDTHxHEIGHT, e.g. 512x512", param_hint=option)
+    return int(m.group(1)), int(m.group(2))
+
+
+def _parse_list(text: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+
+def _mega(value: float | None) -> int | None:
+    return None if value is None else int(value * 1_000_000)
+
+
+# ---------------------------------------------------------------------------------------------- files
+_NUMBERED = re.compile(r"^(\d{5})-")
+
+
+def _next_number(out: Path) -> int:
+    numbers = [int(m.group(1)) for p in out.glob("*.png") if (m := _NUMBERED.match(p.name))]
+    return max(numbers, default=-1) + 1
+
+
+def image_grid(arrays, cols: int | None = None):
+    """A grid of images, row-major, `cols = ceil(sqrt(n))` by default; empty cells stay black."""
+    from PIL import Image
+
+    n = len(arrays)
+    cols = cols or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    h, w = arrays[0].shape[:2]
+    grid = Image.new("RGB", (cols * w, rows * h))
+    for i, a in enumerate(arrays):
+        grid.paste(Image.fromarray(a), ((i % cols) * w, (i // cols) * h))
+    return grid
