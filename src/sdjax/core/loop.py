@@ -78,12 +78,25 @@ def step_noise(sampler, keys: jax.Array, step: jax.Array, state: Any, shape: tup
     return sampler.draw_noise(keys, step, state, shape)
 
 
-def _host(fn: Callable[..., bool], with_latents: bool) -> Callable[..., np.bool_]:
+# A host callback's operands reach Python through a copy onto the CPU device; jax makes a copy of 100 KiB or more
+# asynchronously, on a thread that, on a CPU mesh using every (simulated) device, the program's collectives all hold
+# while they wait for the callback: a deadlock (XLA aborts after 40 s). Latents therefore cross in pieces below that.
+_HOST_PIECE = 16384  # float32 elements: 64 KiB
+
+
+def _pieces(x: jax.Array) -> list[jax.Array]:
+    """`x` flattened into pieces of at most `_HOST_PIECE` elements (for a host callback; `_host` joins them)."""
+    flat = x.reshape(-1)
+    return [flat[i : i + _HOST_PIECE] for i in range(0, flat.shape[0], _HOST_PIECE)]
+
+
+def _host(fn: Callable[..., bool], n_scalars: int, latents_shape: tuple[int, ...] | None) -> Callable[..., np.bool_]:
     def call(*args):
-        if with_latents:
-            *scalars, latents = args
-            return np.bool_(fn(*(int(a) for a in scalars), latents=np.asarray(latents)))
-        return np.bool_(fn(*(int(a) for a in args)))
+        scalars = (int(a) for a in args[:n_scalars])
+        if latents_shape is None:
+            return np.bool_(fn(*scalars))
+        latents = np.concatenate([np.asarray(a) for a in args[n_scalars:]]).reshape(latents_shape)
+        return np.bool_(fn(*scalars, latents=latents))
 
     return call
 
@@ -145,12 +158,12 @@ def denoise(
         stop = jnp.zeros((), bool)
         if on_step is not None:
             stop = io_callback(
-                _host(on_step, on_step_latents),
+                _host(on_step, len(on_step_args) + 2, x.shape if on_step_latents else None),
                 jax.ShapeDtypeStruct((), jnp.bool_),
                 *on_step_args,
                 i - start + 1,
                 end - start,
-                *((x,) if on_step_latents else ()),
+                *(_pieces(x) if on_step_latents else ()),
                 ordered=False,
             )
         return i + 1, x, st, stop
