@@ -191,3 +191,42 @@ def test_files_of_the_other_family_are_refused_by_name(models, tmp_path):
         )
     with pytest.raises(weights.SD3WeightsError, match=r"t5xxl\.safetensors.*T5"):  # a T5 file given as CLIP-G
         StableDiffusion3Pipeline.from_single_file(str(files["mmdit"]), config=str(folders[0]), clip_g=str(files["t5"]))
+
+
+def test_load_pipeline_and_the_cli_tell_an_sd3_file_by_its_tensors(models, tmp_path):
+    """`sdjax.load_pipeline(file, config=folder)` (what `sdjax generate --model FILE --config FOLDER` calls) picks
+    SD 3 from the file's tensor names, as it picks Flux.1 (`families.FAMILIES` rows' `single_file`); without the
+    folder it is refused naming the file and what to give."""
+    from typer.testing import CliRunner
+
+    from sdjax import cli
+    from sdjax.families import family_of_file
+    from sdjax.pipelines import load_pipeline
+
+    folders, files = models
+    assert family_of_file(str(files["all"])).name == "sd3"
+    assert family_of_file(str(files["mmdit"])).name == "sd3"
+    assert family_of_file(str(files["t5"])) is None  # an encoder file is no model
+    with pytest.raises(
+        ValueError, match=r"sd3_tiny\.safetensors: a Stable Diffusion 3 / 3\.5 transformer file.*config="
+    ):
+        load_pipeline(str(files["all"]))
+    pipe, params = load_pipeline(str(files["all"]), config=str(folders[0]))
+    assert isinstance(pipe, StableDiffusion3Pipeline)
+    want = _image(*StableDiffusion3Pipeline.from_pretrained(str(folders[1])))
+    assert np.abs(_image(pipe, params) - want).max() <= 1e-6
+    args = [
+        "generate",
+        "a cat",
+        "--model",
+        str(files["all"]),
+        "--steps",
+        "2",
+        "--width",
+        str(SIZE),
+        "--height",
+        str(SIZE),
+    ]
+    ok = CliRunner().invoke(cli.app, [*args, "--config", str(folders[0]), "--out", str(tmp_path / "b")])
+    assert ok.exit_code == 0, ok.output
+    assert len(list((tmp_path / "b").glob("*.png"))) == 1

@@ -41,10 +41,23 @@ class Family:
     defaults: Defaults
     denoiser_component: str  # the params key of the denoiser's weights
     lora_prefixes: tuple[str, ...] = ()  # key prefixes of LoRA files made for this family
+    # "module:function" `(path) -> bool`: whether a checkpoint file is this family's own single file, which its
+    # pipeline class's `from_single_file(path, config=FOLDER, **parts)` loads (the SD 1.x/2.x/XL original layout
+    # is told apart by `loading.single_file` instead)
+    single_file: str = ""
+    single_file_parts: tuple[str, ...] = ()  # from_single_file's arguments naming separate component files
 
     def pipeline_class(self) -> type:
-        module, _, name = self.pipeline.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.pipeline)
+
+    def claims_file(self, path: str) -> bool:
+        """Whether `path` is a single file of this family (`single_file`)."""
+        return bool(self.single_file) and bool(_imported(self.single_file)(path))
+
+
+def _imported(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 FAMILIES: dict[str, Family] = {
@@ -82,6 +95,8 @@ FAMILIES: dict[str, Family] = {
         defaults=Defaults(size=(1024, 1024), steps=28, guidance_scale=3.5),
         denoiser_component="transformer",
         lora_prefixes=("lora_unet_double_blocks_", "lora_unet_single_blocks_", "transformer."),
+        single_file="sdjax.families.flux.weights:is_flux_file",
+        single_file_parts=("t5", "clip_l"),
     ),
     "sd3": Family(
         name="sd3",
@@ -94,6 +109,8 @@ FAMILIES: dict[str, Family] = {
         ),
         defaults=Defaults(size=(1024, 1024), steps=28, guidance_scale=7.0),
         denoiser_component="transformer",
+        single_file="sdjax.families.sd3.weights:is_sd3_file",
+        single_file_parts=("clip_l", "clip_g", "t5"),
     ),
 }
 
@@ -107,6 +124,15 @@ def family_of_pipeline_class(class_name: str) -> Family:
             return family
     known = sorted(c for f in FAMILIES.values() for c in f.model_index_classes)
     raise ValueError(f"pipeline class {class_name!r} belongs to no model family sdjax has (known: {known})")
+
+
+def family_of_file(path: str) -> Family | None:
+    """The family whose own single-file layout `path` has (Flux.1, SD 3), or None (an SD 1.x/2.x/XL checkpoint,
+    or no checkpoint: the single-file loader tells which)."""
+    for family in FAMILIES.values():
+        if family.claims_file(path):
+            return family
+    return None
 
 
 def pipeline_classes() -> dict[str, Any]:

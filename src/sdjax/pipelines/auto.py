@@ -30,23 +30,23 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
     `model` is a diffusers folder, a Hub repo id, or a single checkpoint file (`.safetensors`; see
     `from_single_file`). `dtype` may be a string ("bf16", "float32", ...) or a jnp dtype.
     """
-    from sdjax.families import family_of_pipeline_class, pipeline_classes
+    from sdjax.families import family_of_file, family_of_pipeline_class, pipeline_classes
     from sdjax.precision import resolve_dtype
     from sdjax.quant import check_quantize
 
     check_quantize(kwargs.get("quantize"))
     model = resolve_alias(model or EMBEDDED_MODEL)
-    if os.path.isfile(model) and _flux_file(model):
-        from sdjax.families.flux.pipeline import FluxPipeline
-
+    family = family_of_file(model) if os.path.isfile(model) else None
+    if family is not None:
         config = kwargs.pop("config", None)
         if config is None:
+            parts = ", ".join(f"{p}=" for p in family.single_file_parts)
             raise ValueError(
-                f"{model}: a Flux.1 transformer file; such files hold the transformer only: give config= a diffusers "
-                "Flux folder for the text encoders, tokenizers and VAE (FluxPipeline.from_single_file also takes "
-                "t5= and clip_l= files)"
+                f"{model}: a {family.title} transformer file (a single file, without tokenizers and configs): give "
+                f"config= a diffusers {family.title} folder for what the file lacks "
+                f"({family.pipeline_class().__name__}.from_single_file also takes {parts} files)"
             )
-        return FluxPipeline.from_single_file(model, config=config, dtype=resolve_dtype(dtype), **kwargs)
+        return family.pipeline_class().from_single_file(model, config=config, dtype=resolve_dtype(dtype), **kwargs)
     if os.path.isfile(model):
         from sdjax.loading.single_file import load_single_file
 
@@ -70,20 +70,3 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
     except ValueError as e:
         raise ValueError(f"{model}: model_index.json names pipeline class {name!r}; {e}") from None
     return family.pipeline_class().from_pretrained(model, dtype=resolve_dtype(dtype), **kwargs)
-
-
-def _flux_file(path: str) -> bool:
-    """Whether a checkpoint file holds a Flux.1 transformer (a `.gguf`, or safetensors keys that say so)."""
-    from sdjax.families.flux.weights import detect_flux
-
-    if path.endswith(".gguf"):
-        return True
-    if not path.endswith(".safetensors"):
-        return False
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, "np") as f:
-            return detect_flux(f.keys()) is not None
-    except Exception:  # not readable as safetensors: the single-file loader reports it
-        return False

@@ -230,6 +230,26 @@ def detect_flux(keys: Iterable[str]) -> str | None:
     return "dev" if any(k.startswith(marker) for k in keys) else "schnell"
 
 
+def safetensors_keys(path: str | Path) -> list[str] | None:
+    """The tensor names of a safetensors file (its header only), or None when it is no readable safetensors file
+    (the loader that reads it then says why)."""
+    if not str(path).endswith(".safetensors"):
+        return None
+    try:
+        infos, _ = files.read_safetensors_header(path)
+    except (OSError, ValueError):
+        return None
+    return list(infos)
+
+
+def is_flux_file(path: str) -> bool:
+    """Whether a file holds a Flux.1 transformer: a `.gguf`, or safetensors whose keys say so (`detect_flux`)."""
+    if str(path).endswith(".gguf"):
+        return True
+    keys = safetensors_keys(path)
+    return keys is not None and detect_flux(keys) is not None
+
+
 # ---------------------------------------------------------------------------------------------- the BFL table
 # A target's rows of its source tensor: "all"; ("third", i): the i-th of three equal blocks (fused qkv);
 # ("linear1", i): q, k, v (`inner` rows each), then the MLP (the rest); "swap": the two halves exchanged.

@@ -41,6 +41,7 @@ from sdjax.families.flux.weights import (
     describe_checkpoint,
     fp8_view,
     prefix_view,
+    safetensors_keys,
     tensor_shape,
     weight_cast,
 )
@@ -79,6 +80,12 @@ def detect_sd3(keys: Iterable[str]) -> bool:
             keys = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
             break
     return "x_embedder.proj.weight" in keys and "joint_blocks.0.x_block.attn.qkv.weight" in keys
+
+
+def is_sd3_file(path: str) -> bool:
+    """Whether a safetensors file holds an SD 3 / 3.5 MMDiT (`detect_sd3`)."""
+    keys = safetensors_keys(path)
+    return keys is not None and detect_sd3(keys)
 
 
 # ---------------------------------------------------------------------------------------------- the MMDiT table
