@@ -22,11 +22,8 @@ def flux_dev(tmp_path_factory):
     tok = t5_reference.write_t5_tokenizer(tmp_path_factory.mktemp("t5-tokenizer"))
     folder = tmp_path_factory.mktemp("flux") / "flux-dev"
     flux_reference.flux_pipeline("dev", tokenizer_dir=tok).save_pretrained(folder, safe_serialization=True)
-    pipe = cli.load_pipeline(str(folder), "float32")
-    # One device, as a user's CPU. With the suite's 8 simulated devices this server hung in its first denoising
-    # program (one device never joined an all-reduce; XLA aborted the process after 40 s): not understood yet.
-    pipe.devices = jax.devices()[:1]
-    return pipe
+    # On all 8 simulated devices: the progress previews once deadlocked such a program (core/loop.py).
+    return cli.load_pipeline(str(folder), "float32")
 
 
 def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev):
@@ -63,7 +60,9 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev):
             "a red fox", seed=3, steps=STEPS, guidance_scale=1.0, width=w, height=h, sampler=config["default_sampler"]
         ).images(),
     )[0]
-    np.testing.assert_array_equal(pixels, expected)
+    # The server's program also hands the latents to its progress previews, the library's does not: on 8 devices
+    # the two compile differently and a pixel may round the other way (a wrong default moves them by far more).
+    np.testing.assert_allclose(pixels, expected, atol=1)
     # Forge's field: the distilled guidance of the request, written back and run
     pixels5, text5 = decode_png(r5.json()["images"][0])
     assert float(metadata.parse_parameters(text5)["Distilled CFG Scale"]) == 5.0
@@ -74,8 +73,8 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev):
             sampler=config["default_sampler"], distilled_guidance=5.0,
         ).images(),
     )[0]  # fmt: skip
-    np.testing.assert_array_equal(pixels5, expected5)
-    assert np.abs(pixels5.astype(int) - pixels.astype(int)).max() > 0  # the guidance reached the model
+    np.testing.assert_allclose(pixels5, expected5, atol=1)
+    assert np.abs(pixels5.astype(int) - pixels.astype(int)).max() > 1  # the guidance reached the model
 
 
 def test_distilled_cfg_scale_on_a_model_without_it_is_a_422():
