@@ -1,6 +1,6 @@
-"""Off-device TPU compile of a quantized model (docs/quantization.md, table (d)): `sdjax.aot.compile_for` with the
-abstract params passed through `sdjax.quant.quantize_pipeline` (the denoiser's kernels int8 or fp8 with their
-per-channel scales, dequantized in the program), against the unquantized compile in the same settings.
+"""Off-device TPU compile of a quantized model (docs/quantization.md, table (d)): `sdjax.aot.compile_for(quantize=)`
+(what `sdjax compile --quantize` runs: the denoiser's kernels int8 or fp8 with their per-channel scales, dequantized
+in the program), against the unquantized compile in the same settings.
 
     python benchmarks/quant_tpu_memory.py --model sdxl --target v5e-4 --batch 4 --steps 30 --quantize none,int8
 
@@ -17,16 +17,7 @@ import sys
 
 def child(args) -> dict:
     from sdjax import aot
-    from sdjax.quant import quantize_pipeline
 
-    build = aot._abstract_pipeline
-    quantize = None if args.quantize == "none" else args.quantize
-
-    def quantized(*a, **k):
-        pipe, params = build(*a, **k)
-        return quantize_pipeline(pipe, params, quantize)
-
-    aot._abstract_pipeline = quantized
     report = aot.compile_for(
         args.target,
         model=args.model,
@@ -34,6 +25,7 @@ def child(args) -> dict:
         steps=args.steps,
         dtype=args.dtype,
         unet_cost=not args.no_unet_cost,
+        quantize=None if args.quantize == "none" else args.quantize,
     )
     return {"quantize": args.quantize, **report.to_dict()}
 

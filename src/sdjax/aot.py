@@ -266,6 +266,7 @@ class Report:
     weights_dtype: str | None = None  # the matmul kernels' storage dtype where it is not `dtype` (float8)
     fsdp: bool = False  # large weights also split over the data axis
     cfg: bool = True  # classifier-free guidance: two rows per image in each model call
+    quantize: str | None = None  # the denoiser's kernels quantized (`sdjax.quant`: int8, fp8), dequantized in it
 
     @property
     def total_bytes(self) -> int | None:
@@ -342,6 +343,7 @@ class Report:
             f"{'' if self.attention == 'auto' else f', {self.attention} attention'}"
             f"{f', {self.controlnets} ControlNet(s)' if self.controlnets else ''}"
             f"{f', {self.weights_dtype} weights' if self.weights_dtype else ''}{', FSDP' if self.fsdp else ''}"
+            f"{f', {self.quantize} denoiser weights' if self.quantize else ''}"
             f"{'' if self.cfg else ', no CFG'}; per device:"
         )
 
@@ -365,6 +367,7 @@ def compile_for(
     save_cache: str | os.PathLike | None = None,
     weights_dtype: str | None = None,
     fsdp: bool = False,
+    quantize: str | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Compile generation for `target` (a TPU slice such as `"v5e-4"` or `"v5e:2x2"`) and report memory, FLOPs
@@ -383,7 +386,8 @@ def compile_for(
     replica's weights under half a chip's HBM. `weights_dtype` ("float8_e4m3fn"; Flux and SD 3 models) stores
     the transformer's and T5's matmul kernels in that dtype, computed in `dtype`; `dtype="fp8"` is short for
     `dtype="bfloat16", weights_dtype="float8_e4m3fn"`. `fsdp` also splits the large weights over the data axis
-    (`sdjax.parallel.sharding.fsdp`)."""
+    (`sdjax.parallel.sharding.fsdp`). `quantize` ("int8", "fp8"; `sdjax.quant`, as `from_pretrained(quantize=)`)
+    stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program."""
     import contextlib
 
     import jax.numpy as jnp
@@ -392,7 +396,9 @@ def compile_for(
     from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
     from sdjax.parallel import sharding as sharding_lib
     from sdjax.precision import resolve_dtype
+    from sdjax.quant import check_quantize, quantize_pipeline
 
+    check_quantize(quantize)
     for name, value in (("batch", batch), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
@@ -412,6 +418,11 @@ def compile_for(
         raise ValueError(f"controlnets={controlnets}: sdjax has no ControlNet for {model!r}; compile it without")
     if wdtype is not None and family is None:
         raise ValueError(f"weights_dtype={weights_dtype!r}: float8 weights are implemented for Flux and SD 3 only")
+    if wdtype is not None and quantize:
+        raise ValueError(
+            f"quantize={quantize!r} with weights_dtype={weights_dtype!r} (or dtype='fp8'): both store the weights "
+            "in 8 bits; give one"
+        )
     kind, _ = parse_target(target)
     topology, devices = topology_devices(target)
     chip = CHIPS[kind]
@@ -421,6 +432,8 @@ def compile_for(
 
     log(f"building {model} with abstract params")
     pipe, params = _abstract_pipeline(arch, jdtype, wdtype)
+    if quantize:
+        pipe, params = quantize_pipeline(pipe, params, quantize)
     weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     if model_parallel is None:
         model_parallel = _default_model_parallel(n, batch, weights, chip.hbm_bytes // per_chip, fsdp=fsdp)
@@ -526,6 +539,7 @@ def compile_for(
         weights_dtype=None if wdtype is None else wdtype.name,
         fsdp=bool(fsdp),
         cfg=cfg,
+        quantize=quantize or None,
     )
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sdjax.cli.common import _parse_size, _require_extra
+from sdjax.cli.common import QuantizeOpt, _parse_size, _require_extra
 
 
 def compile_(
@@ -74,6 +74,7 @@ def compile_(
         bool,
         typer.Option(help="Also split the large weights over the data axis (FSDP; Flux / SD 3 on 16 GB chips)."),
     ] = False,
+    quantize: QuantizeOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
     isolate: Annotated[
         bool,
@@ -116,6 +117,7 @@ def compile_(
                 unet_cost=unet_cost,
                 save_cache=save_cache,
                 fsdp=fsdp,
+                quantize=None if quantize is None else quantize.value,
                 log=lambda s: status.update(s),
             )
     except (ValueError, FileNotFoundError) as e:
