@@ -230,3 +230,17 @@ def test_load_pipeline_and_the_cli_tell_an_sd3_file_by_its_tensors(models, tmp_p
     ok = CliRunner().invoke(cli.app, [*args, "--config", str(folders[0]), "--out", str(tmp_path / "b")])
     assert ok.exit_code == 0, ok.output
     assert len(list((tmp_path / "b").glob("*.png"))) == 1
+    # the MMDiT alone with the encoders as separate files (--clip-l, --clip-g, --t5): the same image as the folder
+    separate = ["--clip-l", str(files["clip_l"]), "--clip-g", str(files["clip_g"]), "--t5", str(files["t5"])]
+    args[3] = str(files["mmdit"])
+    for out, extra in (("c", []), ("d", separate)):
+        ok = CliRunner().invoke(cli.app, [*args, "--config", str(folders[1]), *extra, "--out", str(tmp_path / out)])
+        assert ok.exit_code == 0, ok.output
+    (c,), (d,) = (sorted((tmp_path / out).glob("*.png")) for out in "cd")
+    assert c.read_bytes() == d.read_bytes()
+    # an encoder file the family does not take is refused by name
+    flux = tmp_path / "flux1-tiny.safetensors"
+    names = ("img_in.weight", "double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
+    write(flux, {k: torch.zeros(4, 4) for k in names})
+    with pytest.raises(ValueError, match=r"clip_g=.*clip_g\.safetensors.*Flux\.1 model has no such encoder file"):
+        load_pipeline(str(flux), config=str(folders[0]), clip_g=str(files["clip_g"]))

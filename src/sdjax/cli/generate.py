@@ -46,6 +46,7 @@ def generate(
     config: opt.ConfigOpt = None,
     t5: opt.T5Opt = None,
     clip_l: opt.ClipLOpt = None,
+    clip_g: opt.ClipGOpt = None,
     sampler: opt.SamplerOpt = None,
     prompt_syntax: opt.PromptSyntaxOpt = PromptSyntax.plain,
     lora: opt.LoraOpt = None,
@@ -132,18 +133,21 @@ def _generate(o: GenerateOptions) -> None:
 
 
 def _load_model(o: GenerateOptions, weights, bars, err: Console, timings: Timings):
-    """The model (with --config/--t5/--clip-l, --vae, --quantize, its embeddings, VAE tiling/slicing) and its hash;
-    a model that does not load is a message naming what is at fault (exit 1), not a traceback."""
+    """The model (with --config and the encoder files, --vae, --quantize, its embeddings, VAE tiling/slicing) and its
+    hash; a model that does not load is a message naming what is at fault (exit 1), not a traceback."""
     from sdjax.cli import models as cli_models
 
     model = weights.model
     task = bars.add_task(f"Loading {model or 'the embedded model'}", total=None) if bars else None
     t0 = time.perf_counter()
     try:
-        files = {k: v for k, v in (("config", o.config), ("t5", o.t5), ("clip_l", o.clip_l)) if v is not None}
+        given = (("config", o.config), ("t5", o.t5), ("clip_l", o.clip_l), ("clip_g", o.clip_g))
+        files = {k: v for k, v in given if v is not None}
         if files:
             if weights.vae is not None:
-                raise typer.BadParameter("--vae with --config/--t5/--clip-l is not supported", param_hint="--vae")
+                raise typer.BadParameter(
+                    "--vae with --config/--t5/--clip-l/--clip-g is not supported", param_hint="--vae"
+                )
             pipe = load_pipeline(model, o.dtype, **{k: str(v) for k, v in files.items()}, **_quantize_kw(o.quantize))
         else:
             q = _quantize_kw(o.quantize)

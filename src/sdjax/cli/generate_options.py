@@ -26,18 +26,24 @@ ModelOpt = Annotated[
 ConfigOpt = Annotated[
     str | None,
     typer.Option(
-        help="For a single-file --model: a diffusers folder (or Hub id) giving its configs and, for a Flux.1 "
-        "transformer file, its text encoders, tokenizers and VAE.",
+        help="For a single-file --model: a diffusers folder (or Hub id) giving its configs and, for a Flux.1 or "
+        "SD 3 file, the text encoders, tokenizers and VAE it lacks.",
         rich_help_panel="Weights",
     ),
 ]
 T5Opt = Annotated[
     Path | None,
-    typer.Option(help="Flux: a separate T5 encoder file (t5xxl_fp16 / fp8).", rich_help_panel="Weights"),
+    typer.Option(help="Flux / SD 3: a separate T5 encoder file (t5xxl_fp16 / fp8).", rich_help_panel="Weights"),
 ]
 ClipLOpt = Annotated[
     Path | None,
-    typer.Option("--clip-l", help="Flux: a separate CLIP-L file (clip_l.safetensors).", rich_help_panel="Weights"),
+    typer.Option(
+        "--clip-l", help="Flux / SD 3: a separate CLIP-L file (clip_l.safetensors).", rich_help_panel="Weights"
+    ),
+]
+ClipGOpt = Annotated[
+    Path | None,
+    typer.Option("--clip-g", help="SD 3: a separate CLIP-G file (clip_g.safetensors).", rich_help_panel="Weights"),
 ]
 SamplerOpt = Annotated[
     str | None,
@@ -285,6 +291,7 @@ class GenerateOptions:
     config: str | None
     t5: Path | None
     clip_l: Path | None
+    clip_g: Path | None
     sampler: str | None
     prompt_syntax: PromptSyntax
     lora: list[str] | None

@@ -46,6 +46,12 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
                 f"config= a diffusers {family.title} folder for what the file lacks "
                 f"({family.pipeline_class().__name__}.from_single_file also takes {parts} files)"
             )
+        for part in ("t5", "clip_l", "clip_g"):
+            if kwargs.get(part) is not None and part not in family.single_file_parts:
+                raise ValueError(
+                    f"{part}={kwargs[part]!r}: a {family.title} model has no such encoder file (it takes "
+                    f"{', '.join(f'{p}=' for p in family.single_file_parts)})"
+                )
         return family.pipeline_class().from_single_file(model, config=config, dtype=resolve_dtype(dtype), **kwargs)
     if os.path.isfile(model):
         from sdjax.loading.single_file import load_single_file
