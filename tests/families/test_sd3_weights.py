@@ -197,9 +197,10 @@ def test_load_pipeline_and_the_cli_tell_an_sd3_file_by_its_tensors(models, tmp_p
     """`sdjax.load_pipeline(file, config=folder)` (what `sdjax generate --model FILE --config FOLDER` calls) picks
     SD 3 from the file's tensor names, as it picks Flux.1 (`families.FAMILIES` rows' `single_file`); without the
     folder it is refused naming the file and what to give."""
+    from PIL import Image
     from typer.testing import CliRunner
 
-    from sdjax import cli
+    from sdjax import cli, metadata
     from sdjax.families import family_of_file
     from sdjax.pipelines import load_pipeline
 
@@ -229,7 +230,9 @@ def test_load_pipeline_and_the_cli_tell_an_sd3_file_by_its_tensors(models, tmp_p
     ]
     ok = CliRunner().invoke(cli.app, [*args, "--config", str(folders[0]), "--out", str(tmp_path / "b")])
     assert ok.exit_code == 0, ok.output
-    assert len(list((tmp_path / "b").glob("*.png"))) == 1
+    (png,) = (tmp_path / "b").glob("*.png")
+    with Image.open(png) as im:  # the CLI's default CFG scale is the family's (7), not the UNet families' 7.5
+        assert float(metadata.parse_parameters(im.info["parameters"])["CFG scale"]) == 7.0
     # the MMDiT alone with the encoders as separate files (--clip-l, --clip-g, --t5): the same image as the folder
     separate = ["--clip-l", str(files["clip_l"]), "--clip-g", str(files["clip_g"]), "--t5", str(files["t5"])]
     args[3] = str(files["mmdit"])

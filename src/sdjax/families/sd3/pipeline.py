@@ -54,6 +54,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
     model_index_classes = FAMILY.model_index_classes
     default_steps = FAMILY.defaults.steps
     default_guidance_scale = FAMILY.defaults.guidance_scale
+    cfg_scale_default = FAMILY.defaults.guidance_scale  # the faces' CFG scale: the same true CFG (7, as diffusers)
     # The model classes only this family (and Flux, for T5) uses: (library, class) -> loader.
     component_loaders = {
         ("transformers", "T5EncoderModel"): model_loader(T5_ENCODER),

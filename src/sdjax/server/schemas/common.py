@@ -98,8 +98,8 @@ class Defaults:
             sampler=sampler_id(sampler or pipeline.default_sampler),
             width=int(width),
             height=int(height),
-            # the faces' CFG scale (A1111/Forge meaning): a family whose CFG is off by default says so (Flux: 1,
-            # its distilled guidance is apart); the UNet families keep the server's 7.5
+            # the faces' CFG scale (A1111/Forge meaning): a family with its own says so (Flux: 1, CFG off, its
+            # distilled guidance apart; SD 3: 7); the UNet families keep the server's 7.5
             guidance_scale=float(getattr(pipeline, "cfg_scale_default", 7.5)),
         )
 
