@@ -21,9 +21,18 @@ the PyTorch attributes (`models.convert`), so every kernel path has a dotted dif
 names kohya uses for SDXL (`input_blocks_4_1_transformer_blocks_0_attn1_to_q`, from `loading.ldm_keys`), and a
 text encoder to names with or without transformers' `text_model.` prefix.
 
+LyCORIS LoHa (`hada_w1_a`, `hada_w1_b`, `hada_w2_a`, `hada_w2_b`, optionally Tucker `hada_t1` / `hada_t2`) and
+LoKr (`lokr_w1` or `lokr_w1_a` / `lokr_w1_b`, `lokr_w2` or `lokr_w2_a` / `lokr_w2_b`, optionally Tucker `lokr_t2`)
+layers under kohya's names are read too (`loading.lycoris`: delta `(w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r` and
+`kron(w1, w2) * alpha / r`, as A1111 and ComfyUI apply them): the file's factors are kept (`LycorisFactor`) and,
+when applied, each layer's delta is built as an exact low-rank pair for its kernel alone, so LoHa / LoKr files are
+fused, weighted and switched as LoRAs are; a file may mix LoRA, LoHa and LoKr layers.
+
 Keys that match no layer are reported (count and examples) by a warning, or by an error when nothing matches; a
 LoRA made for another base model fails by name: text-encoder-2 keys on a model with one text encoder, or a layer
-whose shape differs. LoHa, LoKr, DoRA, Tucker (`lora_mid`) and full-weight diffs are refused by name.
+whose shape differs. DoRA (`dora_scale`, `lora_magnitude_vector`, also on LoHa / LoKr layers), LoCon with a Tucker
+core (`lora_mid`), LoHa / LoKr keys under diffusers / PEFT names or of other roles (`lokr_t1`), OFT, biases and
+full-weight diffs are refused by name.
 
 `apply_loras(params, [(lora, scale), ...])` returns params whose touched kernels are `base + sum of deltas` (float32
 arithmetic, stored in the kernel's dtype) and whose other leaves are the base leaves themselves; nothing about the
@@ -36,7 +45,7 @@ import dataclasses
 import json
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
-from sdjax.loading import files, ldm_keys
+from sdjax.loading import files, ldm_keys, lycoris
 from sdjax.models.convert import path_to_torch_key
 from sdjax.quant import params as quant_params
 
@@ -68,12 +77,12 @@ _SUFFIXES = (
     (".down.weight", "down"),  # diffusers' attention-processor names: `attn1.processor.to_q_lora.down.weight`
     (".up.weight", "up"),
 )
+# LyCORIS kinds that `group_layers(..., lycoris_layers=False)` refuses (Flux's reader has no LoHa / LoKr).
+_LYCORIS = tuple((re.compile(p), kind) for p, kind in ((r"\.hada_", "LoHa (hada_*)"), (r"\.lokr_", "LoKr (lokr_*)")))
 # Adapter kinds sdjax does not apply: marker in the key -> what it is.
 _UNSUPPORTED = tuple(
     (re.compile(pattern), kind)
     for pattern, kind in (
-        (r"\.hada_", "LoHa (hada_*)"),
-        (r"\.lokr_", "LoKr (lokr_*)"),
         (r"\.lora_mid\.", "LoCon with a Tucker core (lora_mid)"),
         (r"\.dora_scale$", "DoRA (dora_scale)"),
         (r"\.lora_magnitude_vector", "DoRA (lora_magnitude_vector)"),
@@ -115,20 +124,55 @@ class LoraFactor:
     def rank(self) -> int:
         return int(self.down.shape[0])
 
+    def pair(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(up, down)`: the delta before `alpha / r`."""
+        return self.up, self.down
+
     def delta(self, kernel_shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
         """`scale * alpha / r * up @ down` in the Flax layout of a kernel of `kernel_shape` (Dense `(in, out)`,
         Conv `(kh, kw, in, out)`), float32."""
-        w = (np.float32(scale * self.alpha_over_rank) * (self.up @ self.down)).reshape(self.torch_shape)
-        return to_flax_kernel(w, kernel_shape)
+        return _flax_delta(self, kernel_shape, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class LycorisFactor:
+    """One LoHa / LoKr layer (`lycoris.Layer`: the file's factors, checked against the weight) and the file's name
+    of the layer. Applied as a `LoraFactor` is: `pair()` builds the delta's exact low-rank pair (`up (out, R)`,
+    `down (R, in * kh * kw)`) when the delta is applied, and it is not kept."""
+
+    layer: lycoris.Layer
+    name: str
+
+    @property
+    def alpha_over_rank(self) -> float:
+        return self.layer.alpha_over_rank
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        return self.layer.weight_shape
+
+    def pair(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.layer.pair()
+
+    def delta(self, kernel_shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+        """As `LoraFactor.delta`."""
+        return _flax_delta(self, kernel_shape, scale)
+
+
+def _flax_delta(factor: LoraFactor | LycorisFactor, kernel_shape: tuple[int, ...], scale: float) -> np.ndarray:
+    up, down = factor.pair()
+    w = (np.float32(scale * factor.alpha_over_rank) * (up @ down)).reshape(factor.torch_shape)
+    return to_flax_kernel(w, kernel_shape)
 
 
 @dataclasses.dataclass(frozen=True)
 class Lora:
-    """A LoRA file resolved against one model: `factors` by (component, kernel path)."""
+    """A LoRA file resolved against one model: `factors` by (component, kernel path) (`LoraFactor`, or
+    `LycorisFactor` for LoHa / LoKr layers)."""
 
     name: str
     source: str
-    factors: Mapping[Target, LoraFactor]
+    factors: Mapping[Target, LoraFactor | LycorisFactor]
     unmatched: tuple[str, ...] = ()
 
     @property
@@ -194,8 +238,8 @@ class _Layer:
     keys: dict[str, str] = dataclasses.field(default_factory=dict)  # role ("down", "up", "alpha") -> file key
 
 
-def _split_key(key: str) -> tuple[str, str] | None:
-    for suffix, role in _SUFFIXES:
+def _split_key(key: str, lycoris_roles: bool = False) -> tuple[str, str] | None:
+    for suffix, role in _SUFFIXES + (lycoris.SUFFIXES if lycoris_roles else ()):
         if key.endswith(suffix):
             module = key[: -len(suffix)]
             if suffix in (".down.weight", ".up.weight") and not module.endswith("_lora"):
@@ -228,17 +272,29 @@ def _normalize_dotted(name: str, component: str) -> str:
     return ".".join(parts)
 
 
-def group_layers(keys: Sequence[str], *, source: str) -> tuple[dict[tuple[str, str, str], _Layer], list[str]]:
+def group_layers(
+    keys: Sequence[str], *, source: str, lycoris_layers: bool = False
+) -> tuple[dict[tuple[str, str, str], _Layer], list[str]]:
     """Group a file's keys into layers `(component, style, module)` -> `_Layer`; returns the keys that fit no
-    known layout. Refuses adapter kinds sdjax does not apply."""
+    known layout. Refuses adapter kinds sdjax does not apply; LyCORIS LoHa / LoKr layers (kohya names only) are
+    grouped with `lycoris_layers` (their roles: `lycoris.LOHA_ROLES`, `LOKR_ROLES`), refused without it."""
     layers: dict[tuple[str, str, str], _Layer] = {}
     unknown: list[str] = []
+    only = "only LoRA / LoCon, LoHa, LoKr" if lycoris_layers else "only LoRA / LoCon"
     for key in keys:
-        for marker, kind in _UNSUPPORTED:
+        for marker, kind in _UNSUPPORTED + (() if lycoris_layers else _LYCORIS):
             if marker.search(key):
-                raise LoraError(f"{source}: {kind} adapters are not supported (key {key!r}); only LoRA / LoCon")
-        split = _split_key(key)
+                raise LoraError(f"{source}: {kind} adapters are not supported (key {key!r}); {only}")
+        split = _split_key(key, lycoris_layers)
         where = _classify(split[0]) if split else None
+        if lycoris_layers and lycoris.MARKER.search(key):
+            if split is None:
+                raise LoraError(f"{source}: a LoHa / LoKr key of a kind sdjax does not apply (key {key!r}); {only}")
+            if where is None or where[1] != "kohya":
+                raise LoraError(
+                    f"{source}: LoHa / LoKr layers are read under kohya / LyCORIS names (lora_unet_*, lora_te_*), "
+                    f"not under diffusers / PEFT names (key {key!r})"
+                )
         if where is None:
             unknown.append(key)
             continue
@@ -307,12 +363,13 @@ def resolve_lora(
             adapter_meta = json.loads(metadata[METADATA_KEY])
         except ValueError as e:
             raise LoraError(f"{source}: unreadable {METADATA_KEY} metadata ({e})") from e
-    layers, unknown = group_layers(list(tensors), source=source)
+    layers, unknown = group_layers(list(tensors), source=source, lycoris_layers=True)
     if not layers:
         shown = ", ".join(unknown[:5])
         raise LoraError(
             f"{source}: not a LoRA file sdjax can read: no key has a LoRA layout (kohya `lora_unet_*.lora_down.weight`"
-            f", diffusers/PEFT `unet.*.lora_A.weight`); {len(unknown)} keys such as {shown}"
+            f", LyCORIS `lora_unet_*.hada_w1_a` / `.lokr_w1`, diffusers/PEFT `unet.*.lora_A.weight`); {len(unknown)} "
+            f"keys such as {shown}"
         )
     absent = sorted({c for c, _, _ in layers if c not in params})
     if absent:
@@ -330,48 +387,26 @@ def resolve_lora(
     unmatched = list(unknown)
     misfit: list[str] = []
     for (component, style, module), layer in layers.items():
-        if "down" not in layer.keys or "up" not in layer.keys:
-            have = ", ".join(sorted(layer.keys.values()))
-            raise LoraError(f"{source}: layer {module!r} of {component} lacks its down or up weight (has {have})")
+        kind = _layer_kind(layer, source)
         path = indexes[component].get((style, module))
         if path is None:
             unmatched.extend(sorted(layer.keys.values()))
             continue
-        down = np.asarray(tensors[layer.keys["down"]], np.float32)
-        up = np.asarray(tensors[layer.keys["up"]], np.float32)
-        rank = down.shape[0]
-        if down.ndim not in (2, 4) or up.ndim not in (2, 4) or up.shape[1] != rank or up.shape[2:] not in ((), (1, 1)):
-            raise LoraError(
-                f"{source}: {layer.keys['down']} {tuple(down.shape)} and {layer.keys['up']} {tuple(up.shape)} "
-                f"are not a LoRA pair (down (r, in[, kh, kw]), up (out, r[, 1, 1]))"
-            )
-        if "alpha" in layer.keys:
-            alpha_over_rank = float(np.asarray(tensors[layer.keys["alpha"]], np.float32).reshape(())) / rank
-        else:
-            peft = _peft_alpha(adapter_meta, component, module, rank)
-            alpha_over_rank = 1.0 if peft is None else peft
-        torch_shape = (up.shape[0],) + tuple(down.shape[1:])
         kernel_shape = shapes[component][path]
         try:
-            to_flax_kernel(np.zeros(torch_shape, np.float32), kernel_shape)
-        except ValueError:
-            misfit.append(
-                f"{layer.keys['down']}: LoRA weight {torch_shape} vs model {'/'.join((component,) + path)} "
-                f"{kernel_shape}"
-            )
+            if kind is None:
+                factor = _lora_factor(tensors, layer, kernel_shape, adapter_meta, source)
+            else:
+                factor = _lycoris_factor(tensors, layer, kind, kernel_shape, source)
+        except _Misfit as e:
+            misfit.append(f"{e} vs model {'/'.join((component,) + path)} {kernel_shape}")
             continue
         if (component, path) in factors:
             raise LoraError(
                 f"{source}: two LoRA layers adapt {component} {'/'.join(path)}: {factors[(component, path)].name} "
-                f"and {layer.keys['down']}"
+                f"and {factor.name}"
             )
-        factors[(component, path)] = LoraFactor(
-            up=up.reshape(up.shape[0], rank),
-            down=down.reshape(rank, -1),
-            alpha_over_rank=alpha_over_rank,
-            torch_shape=torch_shape,
-            name=layer.keys["down"],
-        )
+        factors[(component, path)] = factor
     if misfit:
         shown = "; ".join(misfit[:5]) + (f"; ... and {len(misfit) - 5} more" if len(misfit) > 5 else "")
         raise LoraError(
@@ -391,6 +426,68 @@ def resolve_lora(
             stacklevel=2,
         )
     return Lora(name=name or Path(source).stem, source=str(source), factors=factors, unmatched=tuple(sorted(unmatched)))
+
+
+class _Misfit(Exception):
+    """A layer whose weight shape differs from the model's (the message names the layer and its shape)."""
+
+
+def _layer_kind(layer: _Layer, source: str) -> str | None:
+    """None for a LoRA layer, "LoHa" / "LoKr" for a LyCORIS one; LoraError for a layer of no one kind or a LoRA
+    layer without its down or up weight."""
+    where = f"layer {layer.module!r} of {layer.component}"
+    try:
+        kind = lycoris.kind(layer.keys)
+    except lycoris.LayerError as e:
+        raise LoraError(f"{source}: {where} {e}") from None
+    if kind is not None and ("down" in layer.keys or "up" in layer.keys):
+        have = ", ".join(sorted(layer.keys.values()))
+        raise LoraError(f"{source}: {where} has both LoRA (down / up) and {kind} tensors ({have})")
+    if kind is None and ("down" not in layer.keys or "up" not in layer.keys):
+        have = ", ".join(sorted(layer.keys.values()))
+        raise LoraError(f"{source}: {where} lacks its down or up weight (has {have})")
+    return kind
+
+
+def _lora_factor(tensors, layer: _Layer, kernel_shape, adapter_meta: Mapping[str, Any], source: str) -> LoraFactor:
+    """A LoRA layer's `LoraFactor`; `_Misfit` when its weight shape does not fit `kernel_shape`."""
+    down = np.asarray(tensors[layer.keys["down"]], np.float32)
+    up = np.asarray(tensors[layer.keys["up"]], np.float32)
+    rank = down.shape[0]
+    if down.ndim not in (2, 4) or up.ndim not in (2, 4) or up.shape[1] != rank or up.shape[2:] not in ((), (1, 1)):
+        raise LoraError(
+            f"{source}: {layer.keys['down']} {tuple(down.shape)} and {layer.keys['up']} {tuple(up.shape)} "
+            f"are not a LoRA pair (down (r, in[, kh, kw]), up (out, r[, 1, 1]))"
+        )
+    if "alpha" in layer.keys:
+        alpha_over_rank = float(np.asarray(tensors[layer.keys["alpha"]], np.float32).reshape(())) / rank
+    else:
+        peft = _peft_alpha(adapter_meta, layer.component, layer.module, rank)
+        alpha_over_rank = 1.0 if peft is None else peft
+    torch_shape = (up.shape[0],) + tuple(down.shape[1:])
+    try:
+        to_flax_kernel(np.zeros(torch_shape, np.float32), kernel_shape)
+    except ValueError:
+        raise _Misfit(f"{layer.keys['down']}: LoRA weight {torch_shape}") from None
+    return LoraFactor(
+        up=up.reshape(up.shape[0], rank),
+        down=down.reshape(rank, -1),
+        alpha_over_rank=alpha_over_rank,
+        torch_shape=torch_shape,
+        name=layer.keys["down"],
+    )
+
+
+def _lycoris_factor(tensors, layer: _Layer, kind: str, kernel_shape, source: str) -> LycorisFactor:
+    """A LoHa / LoKr layer on a kernel of `kernel_shape` (`lycoris.read_layer`); `_Misfit` when its delta's size
+    differs from the kernel's."""
+    name = next(layer.keys[r] for r in lycoris.LOHA_ROLES + lycoris.LOKR_ROLES if r in layer.keys)
+    try:
+        return LycorisFactor(lycoris.read_layer(tensors, layer.keys, lycoris.torch_shape(kernel_shape)), name)
+    except lycoris.Misfit as e:
+        raise _Misfit(f"{name}: {kind} {e}") from None
+    except lycoris.LayerError as e:
+        raise LoraError(f"{source}: {kind} layer {layer.module!r} of {layer.component} {e}") from None
 
 
 def load_lora(path: str | Path, params: Mapping[str, Any], *, name: str | None = None, unet_config: Any = None) -> Lora:
@@ -450,23 +547,24 @@ def component_scale(scale: Scale, component: str) -> float:
     return scale
 
 
-def stacked_factors(loras: Sequence[tuple[Lora, Scale]]) -> dict[Target, tuple[np.ndarray, np.ndarray]]:
+def stacked_factors(loras: Sequence[tuple[Lora, Scale]]) -> Iterator[tuple[Target, tuple[np.ndarray, np.ndarray]]]:
     """Per touched kernel, the weighted LoRAs as one low-rank pair `(up (out, R), down (R, K))` float32 whose product
     is the summed delta in PyTorch layout: the factors side by side, each `up` times `scale * alpha / r`, R padded
-    with zeros (`_rank_bucket`). A scale of 0 (in a component) touches nothing (there)."""
-    parts: dict[Target, list[tuple[np.ndarray, np.ndarray]]] = {}
+    with zeros (`_rank_bucket`). A scale of 0 (in a component) touches nothing (there). Yielded one kernel at a
+    time: a LoHa / LoKr layer's pair is built for its kernel only."""
+    parts: dict[Target, list[tuple[LoraFactor | LycorisFactor, float]]] = {}
     for lora, scale in loras:
         for target, f in lora.factors.items():
             s = component_scale(scale, target[0])
             if s != 0:
-                parts.setdefault(target, []).append((f.up * np.float32(s * f.alpha_over_rank), f.down))
-    out: dict[Target, tuple[np.ndarray, np.ndarray]] = {}
-    for target, pairs in parts.items():
-        up = np.concatenate([u for u, _ in pairs], axis=1)
+                parts.setdefault(target, []).append((f, s))
+    for target, weighted in parts.items():
+        pairs = [f.pair() for f, _ in weighted]
+        up = np.concatenate([u * np.float32(s * f.alpha_over_rank) for (u, _), (f, s) in zip(pairs, weighted)], axis=1)
         down = np.concatenate([d for _, d in pairs], axis=0)
+        del pairs
         pad = _rank_bucket(up.shape[1]) - up.shape[1]
-        out[target] = (np.pad(up, ((0, 0), (0, pad))), np.pad(down, ((0, pad), (0, 0))))
-    return out
+        yield target, (np.pad(up, ((0, 0), (0, pad))), np.pad(down, ((0, pad), (0, 0))))
 
 
 def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, Scale]]) -> dict[str, Any]:
@@ -482,7 +580,7 @@ def apply_loras(params: Mapping[str, Any], loras: Sequence[tuple[Lora, Scale]]) 
             raise LoraError(f"LoRA {lora.name!r} adapts {missing}, which params does not have")
     out = dict(params)
     copied: set[tuple[str, ...]] = set()
-    for (component, path), (up, down) in stacked_factors(loras).items():
+    for (component, path), (up, down) in stacked_factors(loras):
         node_path = (component,) + path[:-1]
         parent = out
         for depth in range(len(node_path)):  # copy each dict on the way down once, so `params` is never mutated
