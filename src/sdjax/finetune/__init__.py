@@ -8,6 +8,7 @@ inversion (`train_textual_inversion`, `sdjax train textual-inversion`), DreamBoo
 - `textual_inversion`: a new token's embedding rows trained in the frozen text encoder(s); A1111 / diffusers files.
 - `dreambooth`: instance + class images (drawn by the base model when missing), the prior-preservation loss.
 - `run`: a run (run directory, loss log, orbax checkpoints, resuming); `cli`: the `sdjax train` commands.
+- `ema`: the EMA of the trained values (diffusers' `EMAModel` rule); `validation`: images drawn during a run.
 """
 
 from __future__ import annotations

@@ -159,7 +159,39 @@ SHARED: dict[str, tuple[Any, Any]] = {
     "save_every": (Annotated[int, typer.Option(help="Checkpoint every N updates (0: at the end).")], 0),
     "resume": (Annotated[bool, typer.Option(help="Continue from the run directory's latest checkpoint.")], True),
     "peft": (Annotated[bool, typer.Option(help="Also write diffusers' pytorch_lora_weights.safetensors.")], False),
+    "ema_decay": (
+        Annotated[
+            float | None,
+            typer.Option(
+                help="EMA of the trained weights (diffusers' EMAModel warm-up), e.g. 0.999; written at the "
+                "end. Default: off."
+            ),
+        ],
+        None,
+    ),
+    "validation_prompts": (
+        Annotated[
+            list[str] | None,
+            typer.Option(
+                "--validation-prompt",
+                metavar="TEXT",
+                help="Draw an image of this prompt into RUN_DIR/validation/ (repeatable): before the first update, "
+                "every --validation-every updates and at the end.",
+            ),
+        ],
+        None,
+    ),
+    "validation_every": (
+        Annotated[int, typer.Option(help="Updates between validation images (0: at the start and end only).")],
+        0,
+    ),
+    "validation_seed": (Annotated[int, typer.Option(help="Seed of every validation image.")], 0),
+    "validation_steps": (
+        Annotated[int | None, typer.Option(help="Denoising steps of validation images. Default: the pipeline's.")],
+        None,
+    ),
 }
+EXTRAS = " ema_decay validation_prompts validation_every validation_seed validation_steps"
 LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]
 
 
@@ -190,7 +222,7 @@ def _options(order: str):
     "data out model steps rank alpha lora_dropout lr lr_schedule warmup batch_size accumulation resolution bucketing "
     "bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image train_text_encoder "
     "prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft"
+    "run_dir save_every resume peft" + EXTRAS
 )
 def lora(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
@@ -215,7 +247,7 @@ def lora(
 @_options(
     "data token init_word out model vectors steps lr lr_schedule warmup batch_size accumulation resolution bucketing "
     "random_crop flip on_bad_image prediction_type min_snr_gamma noise_offset mixed_precision gradient_checkpointing "
-    "seed run_dir save_every resume"
+    "seed run_dir save_every resume" + EXTRAS
 )
 def textual_inversion(
     data: Annotated[Path, typer.Option(help="Images (.txt captions naming the token optional; else templates).")],
@@ -242,7 +274,7 @@ def textual_inversion(
     "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
     "prior_loss_weight class_steps steps rank alpha lr lr_schedule warmup batch_size accumulation resolution "
     "random_crop flip train_text_encoder prediction_type min_snr_gamma mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft"
+    "run_dir save_every resume peft" + EXTRAS
 )
 def dreambooth(
     instance_data: Annotated[Path, typer.Option(help="The subject's images (their captions are not read).")],

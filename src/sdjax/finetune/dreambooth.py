@@ -180,5 +180,6 @@ def train_dreambooth(
         on_step=on_step,
         log=log,
         stop_after=stop_after,
+        validate=run_lib.lora_validator(cfg, pipe, params, resolution, log),
     )
     return run_lib.TrainResult(Path(cfg.out), run_dir, losses, start, end, instances.skipped)

@@ -3,8 +3,9 @@
 A run directory holds `config.json` (every setting), `loss.jsonl` (one line per optimiser update: step, loss,
 learning rate, seconds), `checkpoints/` (orbax: the LoRA, the optimiser state and the step; the data order and
 noise are functions of the seed and the step, so a resumed run repeats the unbroken one's losses), `loss.png`
-(when matplotlib is installed) and, with `peft=True`, `pytorch_lora_weights.safetensors`. The LoRA itself goes to
-`out` as a kohya / A1111 `.safetensors` file.
+(when matplotlib is installed), with `peft=True` `pytorch_lora_weights.safetensors`, and with validation prompts
+`validation/step-NNNNNN-i.png` (`finetune.validation`). The LoRA itself goes to `out` as a kohya / A1111
+`.safetensors` file; with `ema_decay` the EMA of the LoRA (`finetune.ema`, checkpointed too) is what is written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from sdjax.finetune import lora as lora_lib
 
 OnStep = Callable[[int, int, float, float], None]  # (update, total updates, loss, seconds of the update)
 # Settings a resumed run must share with the run that wrote the checkpoint.
-_RESUME_KEYS = ("model", "rank", "alpha", "train_text_encoder", "batch_size", "accumulation", "seed", "lr")
+_RESUME_KEYS = ("model", "rank", "alpha", "train_text_encoder", "batch_size", "accumulation", "seed", "lr", "ema_decay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,18 @@ class TrainConfig:
     run_dir: str | None = None  # default: <out without suffix>-run
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
     resume: bool = True  # continue from the run directory's latest checkpoint
+    ema_decay: float | None = None  # EMA of the trained values (diffusers' EMAModel rule, `finetune.ema`); None: off
+    validation_prompts: tuple[str, ...] = ()  # images drawn with the current values (`finetune.validation`)
+    validation_every: int = 0  # updates between validation images (0: before the first update and at the end only)
+    validation_seed: int = 0
+    validation_steps: int | None = None  # denoising steps of validation images (default: the pipeline's)
 
     written: ClassVar[str] = "the LoRA"  # what `out` holds (in the error of a wrong suffix)
+
+    def __post_init__(self):
+        prompts = self.validation_prompts
+        prompts = (prompts,) if isinstance(prompts, str) else tuple(prompts or ())
+        object.__setattr__(self, "validation_prompts", prompts)
 
     def check(self) -> None:
         """Bad settings fail here, naming the setting, before anything is loaded or compiled (the shared ones;
@@ -78,9 +89,28 @@ class TrainConfig:
             raise ValueError(f"out={self.out}: {self.written} is written as a .safetensors file")
         if self.save_every < 0 or self.warmup < 0:
             raise ValueError("save_every and warmup must be 0 or more")
+        self._check_extras()
         self.data_config(self.resolution or 512).check()
         if not Path(self.data).expanduser().is_dir():
             raise data_lib.DataError(f"data folder {self.data} does not exist or is not a folder")
+
+    def _check_extras(self) -> None:
+        """EMA and validation images (the CLI flag is named beside the setting)."""
+        d = self.ema_decay
+        if d is not None and not (isinstance(d, int | float) and 0.0 < d < 1.0):
+            raise ValueError(f"ema_decay={d!r} (--ema-decay) must be a number in (0, 1), e.g. 0.999 (None: no EMA)")
+        if not all(isinstance(p, str) for p in self.validation_prompts):
+            raise ValueError(f"validation_prompts={self.validation_prompts!r} (--validation-prompt) must be strings")
+        every = self.validation_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise ValueError(f"validation_every={every!r} (--validation-every) must be 0 or a positive integer")
+        if every and not self.validation_prompts:
+            raise ValueError(
+                f"validation_every={every} (--validation-every) needs a validation prompt (--validation-prompt)"
+            )
+        steps = self.validation_steps
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"validation_steps={steps!r} (--validation-steps) must be a positive integer")
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
         return data_lib.DataConfig(
@@ -283,6 +313,17 @@ def _lora_step(cfg: LoraTrainConfig, pipe, params, dtype, objective):
     return frozen, state, train_step, schedule
 
 
+def lora_validator(cfg: LoraTrainConfig, pipe, params: dict, resolution: int, log: Callable[[str], None]):
+    """`run_loop`'s `validate` of a LoRA run: images with the LoRA merged into a copy of `params` (None: no
+    validation prompts)."""
+    from sdjax.finetune import validation as validation_lib
+
+    scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
+    return validation_lib.make_validator(
+        cfg, pipe, lambda lora: validation_lib.lora_params(params, lora, scale), (resolution, resolution), log
+    )
+
+
 def _inputs(conditioning, batch: dict, clip_skip: int) -> dict:
     ids = np.asarray(conditioning.tokenize(batch["captions"]), np.int32)
     n = len(batch["captions"])
@@ -366,6 +407,7 @@ def train_lora(
         on_step=on_step,
         log=log,
         stop_after=stop_after,
+        validate=lora_validator(cfg, pipe, params, resolution, log),
     )
     return TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
 
@@ -383,23 +425,31 @@ def run_loop(
     on_step: OnStep | None = None,
     log: Callable[[str], None] = lambda s: None,
     stop_after: int | None = None,
+    trained: str = "lora",
+    validate: Callable[[Any, int], Any] | None = None,
 ) -> tuple[list[float], int, int]:
     """The run loop every trainer shares: restore the run directory's latest checkpoint into `state` (with
     `cfg.resume`), write config.json, then per update `cfg.accumulation` micro-batches `batches(micro)` (host
-    arrays) through `train_step(state, frozen, batch, key)`, the loss log, checkpoints and `on_step`; a finished
-    run (not cut short by `stop_after`) ends with `finish(state)` and `loss.png`. Returns the losses of this call,
-    the first update and the end."""
+    arrays) through `train_step(state, frozen, batch, key)`, the EMA of `state[trained]` (with `cfg.ema_decay`;
+    checkpointed as `ema` beside the state), the loss log, checkpoints, `validate(values, update)` (before the
+    first update, every `cfg.validation_every` and at the last; the EMA values when on) and `on_step`; a finished
+    run (not cut short by `stop_after`) ends with `finish(state)` (`state[trained]` the EMA values when on) and
+    `loss.png`. Returns the losses of this call, the first update and the end."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from sdjax.finetune import ema as ema_lib
+    from sdjax.finetune import validation as validation_lib
     from sdjax.parallel.sharding import batch_sharding
 
     run_dir = cfg.run_path
     run_dir.mkdir(parents=True, exist_ok=True)
     manager = _checkpoints(run_dir)
+    ema = ema_lib.init(state[trained]) if cfg.ema_decay else None
     start = 0
     if cfg.resume:
-        state, micro = _restore(manager, state)
+        saved, micro = _restore(manager, _with_ema(state, ema))
+        state, ema = _without_ema(saved)
         start = micro // cfg.accumulation
         if start:
             log(f"resuming {run_dir} at update {start}")
@@ -407,10 +457,12 @@ def run_loop(
     loss_log = run_dir / "loss.jsonl"
     _log_lines(loss_log, start)
     replicated = NamedSharding(mesh, PartitionSpec())
-    state, frozen = jax.device_put(state, replicated), jax.device_put(frozen, replicated)
+    state, frozen, ema = jax.device_put((state, frozen, ema), replicated)
     key = jax.random.PRNGKey(cfg.seed)
     losses: list[float] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    if validate is not None and start == 0:
+        validate(state[trained] if ema is None else ema, 0)
     for update in range(start, end):
         t0 = time.perf_counter()
         micro_losses = []
@@ -418,6 +470,9 @@ def run_loop(
             batch = jax.device_put(batches(micro), batch_sharding(mesh))
             state, loss = train_step(state, frozen, batch, key)
             micro_losses.append(loss)
+        done = update + 1
+        if ema is not None:  # once per optimiser update, as diffusers' examples step their EMAModel
+            ema = ema_lib.update(ema, state[trained], done, cfg.ema_decay)
         loss = float(np.mean([float(v) for v in micro_losses]))
         seconds = time.perf_counter() - t0
         losses.append(loss)
@@ -426,18 +481,29 @@ def run_loop(
             f.write(json.dumps(row) + "\n")
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at update {update}; lower lr ({cfg.lr}) or check the data")
-        done = update + 1
         if (cfg.save_every and done % cfg.save_every == 0) or done == end:
-            manager.save(done * cfg.accumulation, args=_save_args(state), force=True)
+            manager.save(done * cfg.accumulation, args=_save_args(_with_ema(state, ema)), force=True)
+        if validate is not None and validation_lib.due(done, cfg.validation_every, cfg.steps):
+            validate(state[trained] if ema is None else ema, done)
         if on_step is not None:
             on_step(done, cfg.steps, loss, seconds)
     manager.wait_until_finished()
     manager.close()
     if end == cfg.steps:
-        finish(state)
+        finish(state if ema is None else {**state, trained: ema})
         if loss_log.is_file():
             plot_losses(loss_log, run_dir / "loss.png")
     return losses, start, end
+
+
+def _with_ema(state: dict, ema: Any) -> dict:
+    """The checkpointed tree: the state, and the EMA values under `ema` when on."""
+    return state if ema is None else {**state, "ema": ema}
+
+
+def _without_ema(saved: dict) -> tuple[dict, Any]:
+    state = {k: v for k, v in saved.items() if k != "ema"}
+    return state, saved.get("ema")
 
 
 def _save_args(state):

@@ -65,7 +65,7 @@ OBJECT_TEMPLATES = (
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 A1111_SDXL_KEYS = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
 DIFFUSERS_FILES = {"text_encoder": "learned_embeds.safetensors", "text_encoder_2": "learned_embeds_2.safetensors"}
-_RESUME_KEYS = ("model", "token", "init_word", "vectors", "batch_size", "accumulation", "seed", "lr")
+_RESUME_KEYS = ("model", "token", "init_word", "vectors", "batch_size", "accumulation", "seed", "lr", "ema_decay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,14 @@ def with_rows(text_params: dict, rows) -> dict:
     table = _table(text_params)
     grown = jnp.concatenate([table[: table.shape[0] - rows.shape[0]], rows.astype(table.dtype)])
     return _replace(text_params, TOKEN_EMBEDDING, grown)
+
+
+def rows_params(params: dict, rows: dict) -> dict:
+    """`params` with the token rows `rows` `{component: (n, D)}` in their text encoders' tables (a new dict)."""
+    import jax
+
+    host = jax.device_get(rows)  # the run's values live on its mesh; the pipeline's params may not
+    return {**params, **{c: with_rows(params[c], v) for c, v in host.items()}}
 
 
 def _replace(tree, path: Sequence[str], value) -> dict:
@@ -231,6 +239,7 @@ def train_textual_inversion(
     import jax
 
     from sdjax.finetune import step as step_lib
+    from sdjax.finetune import validation as validation_lib
 
     cfg = TextualInversionConfig(data=str(data), out=str(out), **options)
     cfg.check()
@@ -284,5 +293,9 @@ def train_textual_inversion(
         on_step=on_step,
         log=log,
         stop_after=stop_after,
+        trained="rows",
+        validate=validation_lib.make_validator(
+            cfg, pipe, lambda rows: rows_params(params, rows), (resolution, resolution), log
+        ),
     )
     return run_lib.TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)

@@ -1,0 +1,103 @@
+"""Validation images (`validation_prompts`, `validation_every`): written to `validation/step-NNNNNN-i.png` before the
+first update, every N updates and at the end; the step-0 images are the base pipeline's images of the same prompt
+and seed (a fresh LoRA's up factors are zero; a textual-inversion run's rows are the init word's), and the last
+ones are what `generate` draws with the written file loaded through sdjax's inference loaders."""
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from sdjax.cli import app
+from sdjax.finetune import train_lora, train_textual_inversion
+
+PROMPTS = ("sks", "a red square")
+GEN = dict(seed=7, steps=3, height=64, width=64)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("validation-images")
+    rng = np.random.default_rng(5)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), np.uint8)).save(root / f"v{i}.png")
+        (root / f"v{i}.txt").write_text("sks")
+    return root
+
+
+def _png(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def test_lora_validation_images(sd1_dir, images, tmp_path):
+    from sdjax.pipelines import load_pipeline
+
+    out = tmp_path / "val.safetensors"
+    train_lora(
+        images,
+        out,
+        model=str(sd1_dir),
+        steps=3,
+        rank=4,
+        lr=3e-2,
+        batch_size=2,
+        resolution=64,
+        validation_prompts=PROMPTS,
+        validation_every=2,
+        validation_seed=GEN["seed"],
+        validation_steps=GEN["steps"],
+    )
+    folder = tmp_path / "val-run" / "validation"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [f"step-{s:06d}-{i}.png" for s in (0, 2, 3) for i in range(2)]
+
+    pipe, _ = load_pipeline(str(sd1_dir))
+    for i, prompt in enumerate(PROMPTS):
+        base = np.asarray(pipe.generate(prompt, **GEN)[0])
+        np.testing.assert_array_equal(_png(folder / f"step-000000-{i}.png"), base, err_msg=prompt)
+    pipe.load_lora(out)
+    for i, prompt in enumerate(PROMPTS):
+        with_lora = np.asarray(pipe.generate(prompt, **GEN)[0]).astype(int)
+        last = _png(folder / f"step-000003-{i}.png").astype(int)
+        assert np.abs(last - with_lora).max() <= 1, prompt  # the training merge vs the inference loader's fusion
+        assert not np.array_equal(last, _png(folder / f"step-000000-{i}.png")), prompt
+
+
+def test_textual_inversion_validation_images(sd1_dir, images, tmp_path):
+    from sdjax.pipelines import load_pipeline
+
+    out = tmp_path / "ti-emb.safetensors"
+    train_textual_inversion(
+        images,
+        out,
+        model=str(sd1_dir),
+        token="<v>",
+        init_word="red",
+        steps=1,
+        resolution=64,
+        validation_prompts=["a photo of <v>"],
+        validation_seed=GEN["seed"],
+        validation_steps=GEN["steps"],
+        ema_decay=0.5,
+    )
+    folder = tmp_path / "ti-emb-run" / "validation"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000000-0.png", "step-000001-0.png"]
+    pipe, _ = load_pipeline(str(sd1_dir))
+    pipe.load_textual_inversion(tmp_path / "ti-emb-run" / "init.safetensors", token="<v>")
+    base = np.asarray(pipe.generate("a photo of <v>", **GEN)[0])
+    np.testing.assert_array_equal(_png(folder / "step-000000-0.png"), base)
+
+
+def test_bad_validation_settings_fail_before_loading(images, tmp_path):
+    no_model = str(tmp_path / "no-model")
+    with pytest.raises(ValueError, match="validation_every"):
+        train_lora(images, tmp_path / "x.safetensors", model=no_model, validation_every=5)
+    with pytest.raises(ValueError, match="validation_every"):
+        train_lora(images, tmp_path / "x.safetensors", model=no_model, validation_prompts=["a"], validation_every=-1)
+    with pytest.raises(ValueError, match="validation_steps"):
+        train_lora(images, tmp_path / "x.safetensors", model=no_model, validation_prompts=["a"], validation_steps=0)
+    cli = ["train", "lora", "--data", str(images), "--out", str(tmp_path / "x.safetensors")]
+    result = CliRunner().invoke(app, [*cli, "--validation-every", "10"])
+    assert result.exit_code == 2 and "--validation-prompt" in result.output
+    result = CliRunner().invoke(app, [*cli, "--ema-decay", "1"])
+    assert result.exit_code == 2 and "--ema-decay" in result.output
