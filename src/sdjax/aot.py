@@ -616,7 +616,7 @@ def _abstract_controlnets(arch, dtype, count: int):
     """`count` ControlNets made from the architecture's UNet config -> (ControlSpec, abstract param trees)."""
     import jax
 
-    from sdjax.core.controlnet import ControlSpec
+    from sdjax.families.sd.controlnet import ControlSpec
     from sdjax.models.controlnet import ControlNetConfig, ControlNetModel, config_from_unet
 
     config = config_from_unet(arch.unet)

@@ -20,8 +20,8 @@ import torch
 from controlnet_cases import control_images, one_torch_thread, torch_controlnet
 
 from sdjax import StableDiffusionPipeline, rng
-from sdjax.core.controlnet import keep_table
 from sdjax.core.tasks import window
+from sdjax.families.sd.controlnet import keep_table
 from sdjax.loading.controlnet import FlaxControlNetModel
 
 ATOL = 1e-3

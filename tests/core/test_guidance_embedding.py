@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdjax.core.guidance_embedding import guidance_embedding
+from sdjax.families.sd.guidance_embedding import guidance_embedding
 
 
 @pytest.mark.parametrize("dim", [32, 33])

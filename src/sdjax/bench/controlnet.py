@@ -3,7 +3,7 @@ diffusers side by side.
 
 One step is one model call of the loop with classifier-free guidance (a `2B` batch): with K > 0 nets, the K
 ControlNets on the doubled batch (the control image repeated for both halves) and then the UNet with the summed
-residuals -- in sdjax `core.controlnet.ControlSpec(...).hook(...).model_kwargs` followed by the UNet, as
+residuals -- in sdjax `families.sd.controlnet.ControlSpec(...).hook(...).model_kwargs` followed by the UNet, as
 `core.loop` runs it (the UNet's params prepared once outside the step, `ops.conv.prepare`); in PyTorch what
 `StableDiffusionControlNetPipeline` runs per step (`ControlNetModel`, or `MultiControlNetModel` for K > 1, then
 `UNet2DConditionModel` with `down_block_additional_residuals` / `mid_block_additional_residual`).
@@ -99,7 +99,7 @@ def run(cfg: ControlNetBenchConfig, log: Callable[[str], None] = lambda s: None)
     import jax
     import jax.numpy as jnp
 
-    from sdjax.core.controlnet import ControlSpec
+    from sdjax.families.sd.controlnet import ControlSpec
     from sdjax.models.controlnet import ControlNetConfig, ControlNetModel
     from sdjax.models.unet import UNet2DConditionConfig, UNet2DConditionModel
     from sdjax.ops import conv as ops_conv

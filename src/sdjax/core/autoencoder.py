@@ -1,4 +1,4 @@
-"""Pixels <-> UNet latents through the VAE, with the scaling rules of diffusers' pipelines.
+"""Pixels <-> the denoiser's latents through the VAE, with the scaling rules of diffusers' pipelines.
 
 - encode: images NCHW in [-1, 1] -> a sample of the VAE posterior `mean + std * eps` (diffusers'
   `retrieve_latents(..., sample_mode="sample")`; `eps` is a given standard normal array, drawn by the caller from
@@ -6,8 +6,8 @@
   statistics, else `(z - shift_factor) * scaling_factor`.
 - decode: the inverse scaling, the decoder, then `images / 2 + 0.5` clipped to [0, 1], NHWC float32.
 
-A VAE whose config says `force_upcast` runs in float32 when the pipeline computes in float16 (SDXL's VAE
-overflows in float16), as diffusers does. `tiling` (a `models.vae_tiling.VaeTiling`) runs the encoder/decoder
+A VAE whose config says `force_upcast` runs in float32 when the pipeline computes in float16 (such VAEs
+overflow in float16), as diffusers does. `tiling` (a `models.vae_tiling.VaeTiling`) runs the encoder/decoder
 tile by tile as diffusers' `enable_vae_tiling()` does; None runs it on the whole image. `slicing` (images per slice,
 0: the whole batch) runs it over the batch a slice at a time as `enable_vae_slicing()` does (`models.vae_slicing`).
 """
@@ -37,16 +37,16 @@ def _stats(cfg, ndim: int):
     return mean, std
 
 
-def to_unet_latents(cfg, z: jax.Array) -> jax.Array:
-    """VAE latents -> the UNet's latent space."""
+def to_model_latents(cfg, z: jax.Array) -> jax.Array:
+    """VAE latents -> the denoiser's latent space (scaled, shifted or normalized per channel)."""
     mean, std = _stats(cfg, z.ndim)
     if mean is not None and std is not None:
         return (z - mean) * cfg.scaling_factor / std
     return (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
 
 
-def from_unet_latents(cfg, latents: jax.Array) -> jax.Array:
-    """The UNet's latent space -> VAE latents."""
+def from_model_latents(cfg, latents: jax.Array) -> jax.Array:
+    """The denoiser's latent space -> VAE latents."""
     mean, std = _stats(cfg, latents.ndim)
     if mean is not None and std is not None:
         return latents * std / cfg.scaling_factor + mean
@@ -56,7 +56,7 @@ def from_unet_latents(cfg, latents: jax.Array) -> jax.Array:
 def encode(
     vae, vae_params: Any, images_nchw: jax.Array, eps: jax.Array | None, dtype, tiling=None, slicing: int = 0
 ) -> jax.Array:
-    """Images NCHW in [-1, 1] -> UNet latents NCHW float32 (the posterior sample with `eps`, or its mean when
+    """Images NCHW in [-1, 1] -> the denoiser's latents NCHW float32 (the posterior sample with `eps`, or its mean when
     `eps` is None)."""
     module, p = _runtime(vae, vae_params, dtype)
     p = ops_conv.prepare(p)
@@ -70,11 +70,11 @@ def encode(
 
     mean, std = _batched(moments, images_nchw.astype(module.dtype), slicing)
     z = mean if eps is None else mean + std * eps.astype(jnp.float32)
-    return to_unet_latents(vae.config, z.astype(jnp.float32))
+    return to_model_latents(vae.config, z.astype(jnp.float32))
 
 
 def decode(vae, vae_params: Any, latents: jax.Array, dtype, tiling=None, slicing: int = 0) -> jax.Array:
-    """UNet latents NCHW -> images NHWC float32 in [0, 1]."""
+    """The denoiser's latents NCHW -> images NHWC float32 in [0, 1]."""
     module, p = _runtime(vae, vae_params, dtype)
     p = ops_conv.prepare(p)
 
@@ -83,7 +83,7 @@ def decode(vae, vae_params: Any, latents: jax.Array, dtype, tiling=None, slicing
             return vae_tiling.tiled_decode(module, p, z, tiling)
         return module.apply({"params": p}, z, method=module.decode)
 
-    z = from_unet_latents(vae.config, latents.astype(jnp.float32)).astype(module.dtype)
+    z = from_model_latents(vae.config, latents.astype(jnp.float32)).astype(module.dtype)
     images = _batched(run, z, slicing)
     images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
     return images.transpose(0, 2, 3, 1)

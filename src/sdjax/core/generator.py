@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sdjax import rng
 from sdjax.core import autoencoder, loop
-from sdjax.core.protocols import Conditioning, Denoiser
+from sdjax.core.protocols import PROMPT_SYNTAXES, Conditioning, Control, Denoiser
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.ops import attention as ops_attention
@@ -76,7 +76,7 @@ class ProgramSpec:
     previews: bool = False  # ... that also receives the current latents (progress(..., latents=))
     explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
     text_chunks: int = 0  # A1111 prompt syntax: that many 77-token chunks per prompt, with token weights (0: plain)
-    control: Any = None  # a `core.controlnet.ControlSpec` (the nets and guess mode) or None
+    control: Control | None = None  # a conditioning feature run as a loop hook (e.g. ControlNets), or None
     vae_tiling: Any = None  # a `models.vae_tiling.VaeTiling`: encode/decode tile by tile (diffusers' VAE tiling)
     vae_slicing: int = 0  # encode/decode this many images at a time (`models.vae_slicing`); 0: the whole batch
 
@@ -186,7 +186,7 @@ class DecodeSpec:
 
 
 def decode_program(models: Models, spec: DecodeSpec, vae_params: dict, latents: jax.Array) -> jax.Array:
-    """UNet latents -> images NHWC float32 in [0, 1] (the decode of `program`, as its own function)."""
+    """The denoiser's latents -> images NHWC float32 in [0, 1] (the decode of `program`, as its own function)."""
     return autoencoder.decode(models.vae, vae_params, latents, models.dtype, spec.vae_tiling, spec.vae_slicing)
 
 
@@ -322,13 +322,14 @@ class Generator:
         # Encode/decode a slice of the batch at a time (`models.vae_slicing`; `spec()` makes a slice one image per
         # device of the mesh's data axis).
         self.vae_slicing = False
-        # How a strength becomes the first step (`tasks.base.window`): "int" as the SD pipelines, "float" as the
-        # Flux and SD 3 pipelines; the family's pipeline sets it.
+        # How a strength becomes the first step (`tasks.base.window`): "int" or "float", as the family's diffusers
+        # pipeline rounds it; the family's pipeline sets it.
         self.strength_rule = "int"
         self.split_decode = True  # `run` decodes with a second executable (module docstring); False: one program
-        # On CPU, keep the Winograd-transformed kernels of the UNet and VAE between runs (`ops.conv.PreparedKernels`:
-        # about 2 s less per SD 1.5 float32 generation, 3.8 GB held); False: each program computes them (less memory
-        # held between runs, a lower peak during the decode).
+        # On CPU, keep the Winograd-transformed kernels of the denoiser and VAE between runs
+        # (`ops.conv.PreparedKernels`: about 2 s less per 512 px float32 generation of an 860M-parameter denoiser,
+        # 3.8 GB held); False: each program computes them (less memory held between runs, a lower peak during the
+        # decode).
         self.keep_winograd_kernels = True
         self.kernels = ops_conv.PreparedKernels()
         self.mesh = mesh
@@ -342,7 +343,7 @@ class Generator:
         self._decoders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def set_attention(self, attention: str) -> None:
-        """Trace the UNet's and VAE's attention as `attention` (`sdjax.ops.attention.IMPLEMENTATIONS`) from now
+        """Trace the denoiser's and VAE's attention as `attention` (`sdjax.ops.attention.IMPLEMENTATIONS`) from now
         on; programs compiled with the previous one are dropped (the attention is not part of a `ProgramSpec`)."""
         if attention not in ops_attention.IMPLEMENTATIONS:
             raise ValueError(f"attention={attention!r}: expected one of {ops_attention.IMPLEMENTATIONS}")
@@ -559,10 +560,8 @@ class Generator:
         if spec.explicit_noise:
             out["noise"] = np.zeros((n, self.models.latent_channels, spec.height // f, spec.width // f), np.float32)
         if spec.control is not None:
-            k = len(spec.control.nets)
-            channels = int(spec.control.nets[0].config.conditioning_channels)
-            out["control_image"] = np.zeros((n, k, channels, spec.height, spec.width), np.float32)
-            out["control_scales"] = np.zeros((n, int(spec.sampler.num_model_calls(spec.steps)), k), np.float32)
+            calls = int(spec.sampler.num_model_calls(spec.steps))
+            out.update(spec.control.example_inputs(batch=n, height=spec.height, width=spec.width, calls=calls))
         return out
 
     # ------------------------------------------------------------------ running
@@ -597,13 +596,14 @@ class Generator:
 
         `keys` `(N, 2)` uint32: image `i` draws all of its noise from `keys[i]` (`sdjax.rng`). The batch is padded
         to `pad_to` (or the next multiple of the mesh's data axis) and split over the `data` axis; padding images
-        are dropped. A negative prompt of None means "none given" (the empty prompt; SDXL zeroes its embeddings
-        under `force_zeros_for_empty_prompt`). `ids`/`neg_ids` (already tokenized) replace the tokenization of
-        `prompts`/`negative_prompts`. `cfg` (default: whether any guidance scale exceeds 1) computes the
-        unconditional branch. `prompt_syntax="a1111"` reads prompts as AUTOMATIC1111 does (emphasis, BREAK,
-        chunks of 75 tokens; `sdjax.text.prompt_syntax`). `control` (a `core.controlnet.ControlRequest`) adds
-        ControlNet conditioning; its params go in as `params["controlnet"]`. Raises `Cancelled` when
-        `should_stop()` returned True between two model calls.
+        are dropped. A negative prompt of None means "none given" (the empty prompt; a conditioning may treat it
+        apart, e.g. zero embeddings under `force_zeros_for_empty_prompt`). `ids`/`neg_ids` (already tokenized)
+        replace the tokenization of `prompts`/`negative_prompts`. `cfg` (default: whether any guidance scale exceeds
+        1) computes the unconditional branch. `prompt_syntax="a1111"` reads prompts as AUTOMATIC1111 does
+        (emphasis, BREAK, chunks of 75 tokens; `sdjax.text.prompt_syntax`) where the conditioning accepts it
+        (`Conditioning.accepts_prompt_syntax`). `control` (a request whose `spec` is a `protocols.Control`, e.g.
+        `families.sd.controlnet.ControlRequest`) adds its loop hook; its params go in as `params["controlnet"]`.
+        Raises `Cancelled` when `should_stop()` returned True between two model calls.
         """
         task = task or TaskRequest(Txt2Img())
         n = len(prompts) if ids is None else int(np.shape(ids)[0])
@@ -619,22 +619,19 @@ class Generator:
         if len(negative_prompts) != n:
             raise ValueError(f"negative_prompts: got {len(negative_prompts)} for {n} images")
         neg_texts = [p if isinstance(p, str) else "" for p in negs]
-        skip = (conditioning or {}).get("clip_skip")
-        if pad and isinstance(skip, (list, tuple, np.ndarray)) and len(skip) == n:  # per-image: padding takes 1
-            conditioning = {**conditioning, "clip_skip": [*skip, *[1] * pad]}
-        # Other per-image options a family declares (Flux's guidance): padding images repeat the last value.
-        for key in getattr(self.models.conditioning, "per_image_options", ()):
+        # Options the conditioning takes one value per image: padding images repeat the last value.
+        for key in self.models.conditioning.per_image_options:
             value = (conditioning or {}).get(key)
             if pad and isinstance(value, (list, tuple, np.ndarray)) and len(value) == n and n:
                 conditioning = {**conditioning, key: [*value, *[value[-1]] * pad]}
-        if prompt_syntax not in (None, "plain", "a1111"):
+        if prompt_syntax not in (None, *PROMPT_SYNTAXES):
             raise ValueError(f"prompt_syntax={prompt_syntax!r} must be 'plain' or 'a1111'")
         chunks = 0
         if prompt_syntax == "a1111":
-            if not hasattr(self.models.conditioning, "tokenizers"):
+            if not self.models.conditioning.accepts_prompt_syntax("a1111"):
                 raise ValueError(
-                    "prompt_syntax='a1111' (weights, BREAK, 75-token chunks) is read for CLIP-only conditioning "
-                    "(SD 1.x/2.x, SDXL); this model's conditioning does not take it: use prompt_syntax='plain'"
+                    "prompt_syntax='a1111' (weights, BREAK, 75-token chunks) is not read by this model's "
+                    f"conditioning ({self.models.conditioning.name}): use prompt_syntax='plain'"
                 )
             if ids is not None or neg_ids is not None:
                 raise ValueError("prompt_syntax='a1111' reads prompt text; pass prompts instead of ids")

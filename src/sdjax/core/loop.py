@@ -5,17 +5,17 @@
 
     for i in [start, end):
         x_in   = scale_model_input(x, i), doubled for classifier-free guidance (uncond first)
-        x_in   = hook.model_input(i, x_in)          # e.g. concatenate mask + masked-image latents (9-channel UNet)
+        x_in   = hook.model_input(i, x_in)          # e.g. concatenate mask + masked-image latents (inpainting models)
         extra  = hook.model_kwargs(i, x_in, t)      # e.g. ControlNet residuals
         out    = model(x_in, t, **extra)
         guided = uncond + g (cond - uncond), optionally rescaled (Lin et al. 2023, sec. 3.4)
         x      = sampler.step(x, guided, noise of step i)
-        x      = hook.after_step(i, x, state)       # e.g. inpainting's latent blending for 4-channel UNets
+        x      = hook.after_step(i, x, state)       # e.g. inpainting's latent blending for plain models
 
 Step indices are absolute (img2img starts at a later index of the full schedule, as diffusers does after
 `set_begin_index`), and `start`/`end` may be traced: changing the strength does not recompile. Guidance follows
 diffusers: an image whose scale is <= 1 gets the conditional prediction alone. With `cfg=False` (every scale of the
-batch <= 1: SDXL Turbo, LCM) the unconditional half is not computed at all.
+batch <= 1: few-step distilled models) the unconditional half is not computed at all.
 
 A host callback (`on_step(step, total) -> stop`) can report progress and stop the loop between two model calls;
 it is fixed at trace time.

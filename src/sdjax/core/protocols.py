@@ -1,10 +1,13 @@
-"""The two contracts the generation core speaks to: a family's `Denoiser` and its `Conditioning`.
+"""The contracts the generation core speaks to: a family's `Denoiser` and its `Conditioning`, and a `Control`
+feature (a conditioning feature that joins the loop as a hook).
 
 The core (`generator.program`, `loop.denoise`, the tasks) never names a model architecture. A model family
 (`sdjax.families`) supplies:
 
 - a `Conditioning`: prompts -> host arrays (`text_inputs`, `host_inputs`), and inside the program those arrays ->
-  an opaque conditioning value `cond` (`encode`), which only the family's own denoiser reads;
+  an opaque conditioning value `cond` (`encode`), which only the family's own denoiser (and its own features, such
+  as a `Control`) reads. It also says which prompt syntaxes it reads (`accepts_prompt_syntax`) and which options
+  take one value per image (`per_image_options`, padded with the batch by the generator);
 - a `Denoiser`: the network that predicts from noisy latents, behind one call. `bind(params, cond, inputs, cfg=)`
   runs once per program, outside the loop (preparing kernels, embeddings, packing ids), and returns
   `model(x_in, t, **kwargs)`: latents `(rows, in_channels, h, w)` in the sampler's layout (NCHW, unpacked) and the
@@ -13,22 +16,39 @@ The core (`generator.program`, `loop.denoise`, the tasks) never names a model ar
 
 This is k-diffusion's "one denoiser contract" for a jitted world: everything family-specific is decided when the
 program is traced, nothing at run time.
+
+A conditioning that reads `prompt_syntax="a1111"` (`accepts_prompt_syntax("a1111")`) also has `tokenizers` (one
+per text encoder, chunked at their `model_max_length`) and `ids_suffix` (the shape of one prompt's ids after the
+batch dimension): `generator.text_inputs_a1111` tokenizes the weighted chunks with them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from sdjax.core.loop import Hook
+
+PROMPT_SYNTAXES = ("plain", "a1111")  # how prompt text is read: as it is, or with AUTOMATIC1111's weights and BREAK
 
 
 @runtime_checkable
 class Conditioning(Protocol):
     """Text (and family micro-) conditioning of one model."""
 
+    name: str  # the family's name (its key in `sdjax.families.FAMILIES`), for messages
     components: tuple[str, ...]  # the params keys `encode` reads (e.g. ("text_encoder", "text_encoder_2"))
+    # `host_inputs` options that may be given as one value per image (a list of N); the generator pads such a list
+    # to the padded batch by repeating its last value (padding images are dropped, so any valid value does)
+    per_image_options: tuple[str, ...]
+
+    def accepts_prompt_syntax(self, syntax: str) -> bool:
+        """Whether prompts may be read with `syntax` (one of `PROMPT_SYNTAXES`; every conditioning reads "plain")."""
+        ...
 
     def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
         """Host arrays of the prompts and negative prompts (token ids), each with a leading batch dimension."""
@@ -49,7 +69,7 @@ class Conditioning(Protocol):
 class Denoiser(Protocol):
     """The network of a family behind one call (see the module docstring)."""
 
-    component: str  # the params key of its weights ("unet", "transformer")
+    component: str  # the params key of its weights (e.g. "transformer")
     in_channels: int  # channels of the latents it takes (more than the VAE's for inpainting models)
     distilled_guidance: bool  # the guidance scale is an input of the network (one branch, no CFG)
 
@@ -59,4 +79,22 @@ class Denoiser(Protocol):
 
     def with_attention(self, attention: str) -> Denoiser:
         """The same denoiser traced with another attention implementation (`sdjax.ops.attention`)."""
+        ...
+
+
+@runtime_checkable
+class Control(Protocol):
+    """A conditioning feature that joins the program as a loop hook (ControlNet: `families.sd.controlnet`).
+
+    Hashable and static: it is part of the compile key (`ProgramSpec.control`). Its params go in as
+    `params["controlnet"]`; its per-image arrays are program inputs (the request object's `arrays`), of the shapes
+    `example_inputs` gives."""
+
+    def hook(self, params: Any, inputs: dict, *, cond: Any, cfg: bool, latent_channels: int) -> Hook:
+        """Inside the program: the loop hook, from the feature's params, the program inputs and the family's
+        `cond` (which the feature, made for that family, reads)."""
+        ...
+
+    def example_inputs(self, *, batch: int, height: int, width: int, calls: int) -> dict[str, np.ndarray]:
+        """Zero program inputs of the shapes a program of `calls` model calls takes (for compiling ahead)."""
         ...

@@ -1,4 +1,4 @@
-"""The user API's ControlNet arguments -> a `core.controlnet.ControlRequest` (what `generate(control_image=,
+"""The user API's ControlNet arguments -> a `families.sd.controlnet.ControlRequest` (what `generate(control_image=,
 controlnet=, controlnet_conditioning_scale=, control_guidance_start=, control_guidance_end=, guess_mode=)` runs).
 
 Arguments as diffusers' ControlNet pipelines take them:
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sdjax.core.controlnet import ControlRequest, ControlSpec, check_nets
+from sdjax.families.sd.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.models.controlnet import ControlNetModel
 
 DEFAULT_SCALES = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}  # SD; SDXL inpainting: 1.0

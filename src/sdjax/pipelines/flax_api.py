@@ -263,4 +263,4 @@ class GuideCall:
     output: str = "images"
     start: Any = None  # an explicit first model call (the traced `_generate(start_timestep)`)
     traced: bool = False
-    control: Any = None  # a `core.controlnet.ControlRequest` (the ControlNet guide class)
+    control: Any = None  # a `families.sd.controlnet.ControlRequest` (the ControlNet guide class)

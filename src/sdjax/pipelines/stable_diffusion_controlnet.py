@@ -1,5 +1,5 @@
 """Stable Diffusion 1.x / 2.x with a ControlNet, with the API of Diffusers' `FlaxStableDiffusionControlNetPipeline`
-(diffusers <= 0.39), over the same generation program as everything else (`core.controlnet`).
+(diffusers <= 0.39), over the same generation program as everything else (`families.sd.controlnet`).
 
     controlnet, controlnet_params = FlaxControlNetModel.from_pretrained(repo, from_pt=True, dtype=jnp.float32)
     pipe, params = FlaxStableDiffusionControlNetPipeline.from_pretrained(sd_repo, controlnet=controlnet, ...)
@@ -31,9 +31,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax.core.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.core.tasks import TaskRequest
 from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax.families.sd.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.models.controlnet import ControlNetModel
 from sdjax.pipelines import common
 from sdjax.pipelines.controlnet import is_pair

@@ -124,13 +124,14 @@ def window(
     - `strength` (img2img, inpainting): with `strength_rule="int"` (the SD pipelines) `init = min(int(steps *
       strength), steps)` and the loop starts at step `steps - init`, i.e. model call `(steps - init) *
       sampler.order`; when `init` is 0 (strength 0, or below `1 / steps`) no model call runs and the result is the
-      VAE round trip of the input (diffusers refuses). With `"float"` (the Flux and SD 3 pipelines) the start step
+      VAE round trip of the input (diffusers refuses). With `"float"` (the flow-matching pipelines) the start step
       is `int(steps - min(steps * strength, steps))`: the fraction is dropped after the subtraction, so 4 steps at
       strength 0.6 start at step 1, not 2.
-    - `denoising_start` (the SDXL refiner hand-off; overrides `strength`): the calls whose timestep is below
-      `round(T - denoising_start * T)`, one more for a second-order sampler when the count is even.
+    - `denoising_start` (a refiner hand-off: a second model finishes; overrides `strength`): the calls whose
+      timestep is below `round(T - denoising_start * T)`, one more for a second-order sampler when the count is
+      even.
     - `start_step`: the loop starts at that step (model call `start_step * order`), whatever the strength.
-    - `denoising_end` (the SDXL base hand-off): the leading calls of the window whose timestep is at least
+    - `denoising_end` (a base model's hand-off to a refiner): the leading calls of the window whose timestep is at least
       `round(T - denoising_end * T)`.
     """
     if strength_rule not in STRENGTH_RULES:

@@ -3,7 +3,7 @@
 The init image is encoded by the VAE (a posterior sample, drawn from the image's key), then noised to the level
 of the window's first model call with the sampler's own `add_noise` (for sigma-space samplers x0 + sigma eps: the
 old Flax pipeline multiplied that by `init_noise_sigma` again, which is wrong, and is not repeated here). With
-`denoising_start` (the SDXL refiner's hand-off) the given latents continue as they are, without new noise.
+`denoising_start` (a refiner's hand-off) the given latents continue as they are, without new noise.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec
 
 @dataclasses.dataclass(frozen=True)
 class Img2Img(TaskSpec):
-    """`add_noise`: False for the `denoising_start` hand-off; `latents_input`: the image is given as UNet latents
-    `(B, C, h, w)` (as diffusers accepts 4-channel `image` tensors) instead of pixels."""
+    """`add_noise`: False for the `denoising_start` hand-off; `latents_input`: the image is given as the denoiser's
+    latents `(B, C, h, w)` (as diffusers accepts 4-channel `image` tensors) instead of pixels."""
 
     add_noise: bool = True
     latents_input: bool = False
@@ -37,7 +37,7 @@ class Img2Img(TaskSpec):
         if ctx.model_in_channels != ctx.shape[1]:
             raise ValueError(
                 f"this model takes {ctx.model_in_channels} input channels (an inpainting model): "
-                f"image-to-image needs a plain {ctx.shape[1]}-channel UNet; give mask_image= to inpaint"
+                f"image-to-image needs a plain {ctx.shape[1]}-channel model; give mask_image= to inpaint"
             )
         x0 = inputs["image_latents"] if self.latents_input else ctx.encode(inputs["image"], rng.ENCODE_IMAGE)
         return (ctx.noised_start(x0) if self.add_noise else x0), []
@@ -79,7 +79,7 @@ def request(
     start_step: int | None = None,
 ) -> TaskRequest:
     """Image-to-image for `images` (PIL, numpy, paths or bytes; resized to `width` x `height` by `resize_mode`),
-    or for UNet `latents` `(N, C, h, w)` (e.g. the SDXL base's output before the refiner). `start_step` starts at
+    or for the denoiser's `latents` `(N, C, h, w)` (e.g. a base model's output before a refiner). `start_step` starts at
     that step instead of the one `strength` gives (A1111's rule, see `sdjax.metadata`)."""
     if latents is not None:
         arrays = {"image_latents": np.asarray(latents, np.float32)}

@@ -1,11 +1,11 @@
 """Inpainting (diffusers `StableDiffusionInpaintPipeline` / `StableDiffusionXLInpaintPipeline`): white mask pixels
 are repainted, black ones kept.
 
-- A 9-channel inpainting UNet (SD 1.5 / 2 inpainting, SDXL inpainting) sees, after the scaled latents, the mask
-  at latent resolution and the VAE latents of the masked image (`image * (mask < 0.5)`), concatenated along
-  channels: a `model_input` hook.
-- Any ordinary 4-channel UNet inpaints by latent blending: after each step the kept region is replaced by the
-  init image's latents noised to the next step's level (clean after the last step): an `after_step` hook.
+- An inpainting model (whose input has 2C + 1 channels for C latent channels: 9 with a 4-channel VAE) sees,
+  after the scaled latents, the mask at latent resolution and the VAE latents of the masked image
+  (`image * (mask < 0.5)`), concatenated along channels: a `model_input` hook.
+- Any plain model (C input channels) inpaints by latent blending: after each step the kept region is replaced by
+  the init image's latents noised to the next step's level (clean after the last step): an `after_step` hook.
 - Strength 1 starts from pure noise (times `init_noise_sigma`), lower strengths from the noised init image.
 - `padding_mask_crop` (A1111's "inpaint only masked"): the region around the mask, widened to the output's aspect
   ratio, is cropped, repainted at full resolution and pasted back; `paste_back` composites the original over the
@@ -49,7 +49,7 @@ class Inpaint(TaskSpec):
         nine = ctx.model_in_channels == 2 * channels + 1
         if not nine and ctx.model_in_channels != channels:
             raise ValueError(
-                f"inpainting needs a UNet with {channels} (latent blending) or {2 * channels + 1} "
+                f"inpainting needs a model with {channels} (latent blending) or {2 * channels + 1} "
                 f"(inpainting model) input channels, this one has {ctx.model_in_channels}"
             )
         f = image.shape[-1] // ctx.shape[-1]
@@ -79,7 +79,8 @@ LATENT_FILLS = ("original", "latent noise", "latent nothing")
 
 @dataclasses.dataclass(frozen=True)
 class MaskedImageInput(Hook):
-    """9-channel UNets: concatenate the latent mask and the masked image's latents after the model input."""
+    """Inpainting models (2C + 1 input channels): concatenate the latent mask and the masked image's latents after
+    the model input."""
 
     mask: jax.Array
     masked_latents: jax.Array
@@ -94,7 +95,8 @@ class MaskedImageInput(Hook):
 
 @dataclasses.dataclass(frozen=True)
 class LatentBlend(Hook):
-    """4-channel UNets: keep the init image's latents, noised to the next step's level, outside the mask."""
+    """Plain models (C input channels): keep the init image's latents, noised to the next step's level, outside
+    the mask."""
 
     ctx: Context
     image_latents: jax.Array

@@ -15,12 +15,12 @@ class Txt2Img(TaskSpec):
         if ctx.model_in_channels != ctx.shape[1]:
             raise ValueError(
                 f"this model takes {ctx.model_in_channels} input channels (an inpainting model): "
-                f"text-to-image needs a plain {ctx.shape[1]}-channel UNet; give image= and mask_image= "
+                f"text-to-image needs a plain {ctx.shape[1]}-channel model; give image= and mask_image= "
                 f"to inpaint"
             )
         return ctx.noise * ctx.sampler.init_noise_sigma(ctx.state), []
 
 
 def request(*, denoising_end: float | None = None) -> TaskRequest:
-    """Text to image; `denoising_end` stops early (the SDXL base -> refiner hand-off returns latents there)."""
+    """Text to image; `denoising_end` stops early (a base -> refiner hand-off returns latents there)."""
     return TaskRequest(Txt2Img(), denoising_end=denoising_end)

@@ -37,6 +37,10 @@ class FluxConditioning:
     components = ("text_encoder", "text_encoder_2")
     per_image_options = ("guidance",)  # lists of one value per image (the generator pads them with the batch)
 
+    def accepts_prompt_syntax(self, syntax: str) -> bool:
+        """Only "plain": A1111's syntax (weights, BREAK, 75-token chunks) is not read for Flux's T5 stream."""
+        return syntax == "plain"
+
     def __post_init__(self):
         check_max_sequence_length(self.max_sequence_length)
 

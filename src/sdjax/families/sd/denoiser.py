@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sdjax.core import guidance_embedding
+from sdjax.families.sd import guidance_embedding
 from sdjax.ops import conv as ops_conv
 
 

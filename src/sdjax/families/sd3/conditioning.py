@@ -54,6 +54,11 @@ class SD3Conditioning:
     max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH
 
     name = "sd3"
+    per_image_options = ()  # (`prompt_2` / `prompt_3` lists are padded by `host_inputs` itself)
+
+    def accepts_prompt_syntax(self, syntax: str) -> bool:
+        """Only "plain": A1111's syntax (weights, BREAK, 75-token chunks) is not read for SD 3's three encoders."""
+        return syntax == "plain"
 
     def __post_init__(self):
         check_max_sequence_length(self.max_sequence_length)

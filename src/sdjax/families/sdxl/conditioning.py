@@ -84,6 +84,11 @@ class SDXLConditioning:
     requires_aesthetics_score: bool = False
 
     name = "sdxl"
+    per_image_options = ("clip_skip",)  # lists of one value per image (the generator pads them with the batch)
+
+    def accepts_prompt_syntax(self, syntax: str) -> bool:
+        """Both "plain" and "a1111" (weights, BREAK, 75-token chunks: `core.generator.text_inputs_a1111`)."""
+        return syntax in ("plain", "a1111")
 
     @property
     def _pairs(self) -> list[tuple[str, Any, Any]]:

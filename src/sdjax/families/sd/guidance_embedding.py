@@ -1,6 +1,7 @@
 """Guidance-distilled UNets (LCM checkpoints: `time_cond_proj_dim` in the UNet config) take the guidance scale as
 an embedding added to the time embedding instead of running classifier-free guidance; the pipeline then runs one
-branch only. As diffusers' `get_guidance_scale_embedding`: `w = guidance - 1` scaled by 1000, sinusoids over
+branch only (the core reads that from `Denoiser.distilled_guidance`, which `UNetDenoiser` answers with
+`distilled`). As diffusers' `get_guidance_scale_embedding`: `w = guidance - 1` scaled by 1000, sinusoids over
 `dim // 2` log-spaced frequencies, sines then cosines (a zero column when `dim` is odd)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""ControlNet in the shared loop: a `Hook` that runs one or several ControlNets before each UNet call and hands
-the UNet the sum of their residuals (diffusers `StableDiffusionControlNetPipeline`, `...Img2ImgPipeline`,
-`...InpaintPipeline`, `StableDiffusionXLControlNetPipeline` with `MultiControlNetModel`, in diffusers 0.42.1).
+"""ControlNet for the UNet families (SD 1.x/2.x and SDXL share it): a `core.loop.Hook` that runs one or several
+ControlNets before each UNet call and hands the UNet the sum of their residuals (diffusers
+`StableDiffusionControlNetPipeline`, `...Img2ImgPipeline`, `...InpaintPipeline`,
+`StableDiffusionXLControlNetPipeline` with `MultiControlNetModel`, in diffusers 0.42.1).
 
 Per model call `i` of the window `[start, end)` (n = calls - start, j = i - start) and per net k:
 
@@ -20,6 +21,9 @@ Per model call `i` of the window `[start, end)` (n = calls - start, j = i - star
 - A net whose scale is 0 for every image at a step (outside its start/end range) is skipped with `lax.cond`:
   its residuals are exactly 0 then, as diffusers' multiplied ones.
 - SDXL ControlNets (`addition_embed_type="text_time"`) take the UNet's pooled text embedding and time ids.
+
+The core sees a `ControlSpec` through `core.protocols.Control` only (`ProgramSpec.control`: `hook`,
+`example_inputs`) and a `ControlRequest` in `Generator.run(control=)`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,15 @@ class ControlSpec:
         object.__setattr__(self, "nets", tuple(self.nets))
         if not self.nets:
             raise ValueError("ControlSpec: give at least one ControlNet")
+
+    def example_inputs(self, *, batch: int, height: int, width: int, calls: int) -> dict[str, np.ndarray]:
+        """Zero program inputs (`INPUTS`) of the shapes a program of `calls` model calls takes."""
+        k = len(self.nets)
+        channels = int(self.nets[0].config.conditioning_channels)
+        return {
+            "control_image": np.zeros((batch, k, channels, height, width), np.float32),
+            "control_scales": np.zeros((batch, calls, k), np.float32),
+        }
 
     def hook(self, params: Any, inputs: dict, *, cond: Any, cfg: bool, latent_channels: int) -> Hook:
         """The loop hook; `cond` is the UNet families' conditioning `(context, added UNet arguments)`."""
