@@ -5,6 +5,7 @@ import gc
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,6 +33,23 @@ def test_params_edited_in_place_are_the_params_used(sd):
     fresh = pipe.generate("a cat", steps=2, params=dict(p), output_type="np")
     np.testing.assert_array_equal(edited, fresh)
     assert np.abs(edited - first).max() > 1e-2
+
+
+def test_params_in_another_dtype_get_their_own_program(sd1_dir):
+    """Regression: the program cache was keyed by shapes and mesh only, so `params=` in bfloat16 after a float32
+    call reused the float32 program and failed ("input pytree does not match"). Each dtype gets its program, and
+    the bfloat16 image is the one a fresh pipeline makes from those params."""
+    pipe, params = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    half = jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+    )
+    kw = dict(steps=2, height=64, width=64, output_type="np")
+    full = pipe.generate("a cat", params=params, **kw)
+    got = pipe.generate("a cat", params=half, **kw)
+    fresh, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    np.testing.assert_array_equal(got, fresh.generate("a cat", params=half, **kw))
+    assert 0 < np.abs(got - full).max() < 0.05  # bfloat16 rounding, not another image
+    np.testing.assert_array_equal(pipe.generate("a cat", params=params, **kw), full)  # the float32 one still serves
 
 
 def test_assigning_params_on_the_pipeline_is_used(sd):

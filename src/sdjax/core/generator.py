@@ -393,6 +393,12 @@ class Generator:
         """What fixes the params' layout in a compiled program: the mesh, and whether kept kernels are inputs."""
         return _mesh_key(mesh), self._keeps_kernels(mesh)
 
+    def _params_key(self, params: Any, spec: ProgramSpec):
+        """What a compiled program fixes of the params it reads: their tree, shapes and dtypes (params passed with
+        `params=` in another dtype, or quantized, get their own program instead of failing the cached one's)."""
+        checked = self.check_params(self.params if params is None else params, control=spec.control is not None)
+        return _tree_key(checked)
+
     def _with_kernels(self, placed: dict, mesh: Mesh) -> dict:
         """Placed (or abstract) params with the prepared Winograd kernels, where they are kept (CPU meshes)."""
         return self.kernels.add(placed) if self._keeps_kernels(mesh) else placed
@@ -495,7 +501,7 @@ class Generator:
 
         `inputs` are example host arrays (default: zeros of the right shapes), used only for their shapes."""
         mesh = self.get_mesh()
-        key = (spec, self._layout_key(mesh))
+        key = (spec, self._layout_key(mesh), self._params_key(params, spec))
         return self.cache.get(key, lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs).compile())
 
     def executables(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
@@ -515,12 +521,12 @@ class Generator:
             decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling, spec.vae_slicing)
             return main, self._decoder(decode, vae, main.output_shardings[0], mesh)
 
-        return self.cache.get(("split", spec, self._layout_key(mesh)), build)
+        return self.cache.get(("split", spec, self._layout_key(mesh), self._params_key(params, spec)), build)
 
     def _decoder(self, spec: DecodeSpec, vae_params: dict, latents_sharding: NamedSharding, mesh: Mesh):
         """The VAE decode executable for `spec` (latents laid out as `latents_sharding`, the main program's output),
         shared while any cached program pair holds it."""
-        key = (spec, self._layout_key(mesh), latents_sharding)
+        key = (spec, self._layout_key(mesh), latents_sharding, _tree_key(vae_params))
         with self._place_lock:
             decoder = self._decoders.get(key)
         if decoder is None:
@@ -725,6 +731,12 @@ class Generator:
                 self._pmapped.pop(next(iter(self._pmapped)))
             self._pmapped[spec] = fn
         return fn
+
+
+def _tree_key(tree: Any) -> tuple:
+    """A pytree's structure, shapes and dtypes (hashable): what a compiled program fixes of an argument."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
 def wants_latents(progress) -> bool:
