@@ -12,6 +12,7 @@ LAYERS = {
     "config": 0,
     "rng": 0,
     "precision": 0,
+    "policy": 0,  # the faces' (A1111) defaults, apart from diffusers' per-pipeline ones
     "quant": 1,  # weight quantization: a params transformation and a module wrapper (jax, flax, qwix)
     "runtime": 0,
     "compilation_cache": 0,

@@ -38,6 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image, PngImagePlugin
 
+from sdjax.policy import A1111
+
 PARAMETERS_KEY = "parameters"  # the PNG text chunk keyword AUTOMATIC1111 writes and reads
 SEED_MAX = 2**32 - 1  # seeds are unsigned 32-bit, as in AUTOMATIC1111; seed + i wraps around
 EMBEDDED_MODEL_NAME = "sdjax/embedded"
@@ -329,7 +331,7 @@ def generate_images(
     if p.init_image is not None:
         from sdjax.core.tasks import img2img, inpaint
 
-        strength = 0.75 if p.denoising_strength is None else p.denoising_strength
+        strength = A1111.strength if p.denoising_strength is None else p.denoising_strength
         start = a1111_start_step(p.steps, strength)
         inits = [im.init_image for im in images]
         if p.mask_image is None:

@@ -37,6 +37,7 @@ from sdjax.cli.common import (
 from sdjax.cli.generate_options import GenerateOptions
 from sdjax.cli.generate_request import _a1111_sampler, _control_units, _request, _task_options
 from sdjax.cli.progress import Timings, _CompileClock, _Null, _progress_bars, _Reporter, _summary
+from sdjax.policy import A1111
 
 
 def generate(
@@ -73,14 +74,14 @@ def generate(
     vae_tiling: opt.VaeTilingOpt = False,
     vae_slicing: opt.VaeSlicingOpt = False,
     image: opt.ImageOpt = None,
-    strength: opt.StrengthOpt = 0.75,
+    strength: opt.StrengthOpt = A1111.strength,
     mask: opt.MaskOpt = None,
     mask_blur: opt.MaskBlurOpt = 4.0,
     only_masked: opt.OnlyMaskedOpt = None,
     outpaint: opt.OutpaintOpt = None,
     resize_mode: opt.ResizeModeOpt = ResizeMode.resize,
     hires_scale: opt.HiresScaleOpt = None,
-    hires_strength: opt.HiresStrengthOpt = 0.7,
+    hires_strength: opt.HiresStrengthOpt = A1111.hires_strength,
     hires_steps: opt.HiresStepsOpt = 0,
     hires_upscaler: opt.HiresUpscalerOpt = Upscaler.latent,
     refiner: opt.RefinerOpt = None,

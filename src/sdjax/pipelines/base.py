@@ -46,6 +46,8 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
     component_loaders: dict = {}
     pipeline_config_keys: tuple[str, ...] = ()  # model_index.json settings passed to __init__
     default_steps = 50
+    # diffusers' defaults of the pipeline classes mirrored (`sdjax.policy`; the faces use A1111's instead)
+    default_strength = {"img2img": 0.8, "inpaint": 1.0}  # StableDiffusionImg2ImgPipeline, ...InpaintPipeline
     default_guidance_scale = 7.5
     # Latents -> RGB by one linear map (A1111's "Approx cheap" preview): rows are latent channels. SD 1.x/2.x values;
     # SDXL overrides them. For previews only (e.g. the server's /sdapi/v1/progress current image).
@@ -225,7 +227,7 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
                 images,
                 width=width,
                 height=height,
-                strength=0.8 if strength is None else strength,
+                strength=self.default_strength["img2img"] if strength is None else strength,
                 resize_mode=resize_mode,
                 denoising_start=denoising_start,
                 denoising_end=denoising_end,
@@ -236,7 +238,7 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
             masks,
             width=width,
             height=height,
-            strength=1.0 if strength is None else strength,
+            strength=self.default_strength["inpaint"] if strength is None else strength,
             resize_mode=resize_mode,
             mask_blur=mask_blur,
             padding_mask_crop=padding_mask_crop,
@@ -400,8 +402,10 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         `(N, H, W, 3)` in [0, 1] (as diffusers), `"latent"` the final latents `(N, C, h, w)`. Image `i` of the
         call uses `fold_in(PRNGKey(seed), i)`, whatever the device count.
 
-        - image-to-image: `image` (PIL, numpy HWC, a path, or a list of one per image) and `strength` (0.8);
-        - inpainting: `image` and `mask_image` (white = repaint), `strength` (1.0), `mask_blur`,
+        - image-to-image: `image` (PIL, numpy HWC, a path, or a list of one per image) and `strength` (default:
+          the class's `default_strength`, diffusers' own: SD 0.8, SDXL 0.3, Flux and SD 3 0.6);
+        - inpainting: `image` and `mask_image` (white = repaint), `strength` (SD 1.0, SDXL 0.9999, Flux/SD 3 0.6),
+          `mask_blur`,
           `padding_mask_crop` (repaint the masked region at full resolution), `paste_back`;
         - `denoising_end` / `denoising_start`: the SDXL base -> refiner hand-off (see `pipelines.recipes`);
         - `noise`: the initial noise `(N, C, h, w)` instead of noise drawn from the seed;

@@ -24,6 +24,7 @@ from sdjax.core.tasks import TaskRequest
 from sdjax.core.tasks.img2img import Img2Img
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.pipelines.images import numpy_to_pil, to_uint8
+from sdjax.policy import A1111
 
 UPSCALERS = ("latent", "latent-nearest", "lanczos", "nearest")
 
@@ -37,7 +38,7 @@ class Hires:
     resize: tuple[int, int] | None = None
     upscaler: str = "latent"
     steps: int = 0
-    strength: float = 0.7
+    strength: float = A1111.hires_strength
     sampler: str | None = None
 
     def __post_init__(self):

@@ -31,6 +31,7 @@ class StableDiffusionXLPipeline(DiffusionPipeline):
 
     model_index_classes = SDXL_CLASSES
     pipeline_config_keys = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
+    default_strength = {"img2img": 0.3, "inpaint": 0.9999}  # StableDiffusionXLImg2ImgPipeline, ...InpaintPipeline
     latent_rgb_factors = (
         (0.3920, 0.4054, 0.4549),
         (-0.2634, -0.0196, 0.0653),

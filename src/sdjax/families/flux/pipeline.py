@@ -51,6 +51,7 @@ class FluxPipeline(DiffusionPipeline):
 
     model_index_classes = FAMILY.model_index_classes
     default_steps = FAMILY.defaults.steps
+    default_strength = {"img2img": 0.6, "inpaint": 0.6}  # FluxImg2ImgPipeline, FluxInpaintPipeline
     default_guidance_scale = FAMILY.defaults.guidance_scale
     # The model classes only this family uses: (library, class) -> loader, consulted before the shared table.
     component_loaders = {
@@ -240,8 +241,6 @@ class FluxPipeline(DiffusionPipeline):
         true_cfg = negative_prompt is not None or negative_prompt_2 is not None
         if max_sequence_length is not None:
             self.max_sequence_length = max_sequence_length
-        if image is not None and strength is None:
-            strength = 0.6  # FluxImg2ImgPipeline's and FluxInpaintPipeline's default
         conditioning = {"guidance": guidance}
         for key, texts in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)):
             if texts is not None:

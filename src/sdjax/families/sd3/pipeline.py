@@ -45,7 +45,6 @@ FAMILY = FAMILIES["sd3"]
 SD3_TRANSFORMER = ModelSpec(
     "sdjax.models.sd3", "SD3TransformerConfig", "SD3Transformer2DModel", "convert_sd3_transformer", "sd3"
 )
-STRENGTH = 0.6  # StableDiffusion3Img2ImgPipeline's and StableDiffusion3InpaintPipeline's default
 
 
 class StableDiffusion3Pipeline(DiffusionPipeline):
@@ -54,6 +53,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
     model_index_classes = FAMILY.model_index_classes
     default_steps = FAMILY.defaults.steps
     default_guidance_scale = FAMILY.defaults.guidance_scale
+    default_strength = {"img2img": 0.6, "inpaint": 0.6}  # StableDiffusion3Img2ImgPipeline, ...InpaintPipeline
     cfg_scale_default = FAMILY.defaults.guidance_scale  # the faces' CFG scale: the same true CFG (7, as diffusers)
     # The model classes only this family (and Flux, for T5) uses: (library, class) -> loader.
     component_loaders = {
@@ -222,8 +222,6 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if max_sequence_length is not None:
             self.max_sequence_length = max_sequence_length
-        if image is not None and strength is None:
-            strength = STRENGTH
         # CLIP-L reads (negative_)prompt; CLIP-G and T5 read it too unless given texts of their own (diffusers:
         # `prompt_2 or prompt`, `negative_prompt_2 or negative_prompt`: an empty text means "the prompt's").
         conditioning: dict[str, Any] = {}

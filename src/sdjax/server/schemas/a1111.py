@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_display_name, sampler_id
+from sdjax.policy import A1111
 from sdjax.server.errors import APIError
 from sdjax.server.schemas.common import (
     Defaults,
@@ -305,7 +306,7 @@ def _hires(body: A1111Txt2ImgRequest):
                 raise FieldError("hr_resize_x", "give both hr_resize_x and hr_resize_y, or width and height")
             rx, ry = (rx, rx * height // width) if rx else (ry * width // height, ry)
         resize = (rx - rx % 8, ry - ry % 8)
-    strength = 0.7 if body.denoising_strength is None else body.denoising_strength
+    strength = A1111.hires_strength if body.denoising_strength is None else body.denoising_strength
     if strength <= 0:
         raise FieldError("denoising_strength", "the hires pass needs a strength above 0")
     try:
@@ -355,7 +356,7 @@ def resolve_a1111_img2img(
             "mask", f"the mask is {mask.size[0]}x{mask.size[1]} but init_images[0] is {image.size[0]}x{image.size[1]}"
         )
     base = resolve_a1111(body, pipeline, limits, defaults, model_name)
-    strength = 0.75 if body.denoising_strength is None else body.denoising_strength
+    strength = A1111.strength if body.denoising_strength is None else body.denoising_strength
     extra: dict[str, Any] = dict(
         init_image=image, denoising_strength=strength, resize_mode=RESIZE_MODES[body.resize_mode]
     )
