@@ -29,6 +29,7 @@ LAYERS = {
     "families": 5,
     "pipelines": 5,
     "metadata": 6,
+    "infotext": 6,  # the A1111 text format and PNG chunk (metadata's requests write and read it)
     "models_dir": 6,
     "bench": 6,
     "aot": 6,

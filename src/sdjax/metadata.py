@@ -6,48 +6,35 @@ compiled shape through `pipeline.generate_arrays`. Every image of the CLI and th
 `i` of a request uses `seed + i`, with fold-in index 0, AUTOMATIC1111's convention), so the `Seed:` written in a
 file reproduces that image alone, whatever the batch it was made in.
 
-The text format is the one the AUTOMATIC1111 web UI writes and reads (`modules/infotext_utils.py`,
-`create_infotext` / `parse_generation_parameters`), also read by ComfyUI, InvokeAI and image hosts::
-
-    a photo of an astronaut
-    Negative prompt: blurry
-    Steps: 20, Sampler: Euler a, CFG scale: 7.5, Seed: 0, Size: 512x512, Model: stable-diffusion-v1-5
-
-The last line is `key: value` pairs separated by ", "; a value holding ",", ":" or a line break is JSON-quoted.
-`Size` is width x height.
-
-Escaping (`format_parameters`): AUTOMATIC1111 writes prompts as they are, so a multi-line prompt takes several
-lines, and its reader moves every line that starts with "Negative prompt:" into the negative prompt. sdjax keeps
-the multi-line layout (as A1111 does) but lets no prompt text change the structure: every line break (`\r\n`,
-`\r`, and the separators `str.splitlines` knows, such as U+2028) is written as `\n`, and a prompt line starting
-with "Negative prompt:" is written with that marker in lower case. The CLIP tokenizer collapses whitespace and
-lower-cases, so the tokens (and the image) of what is read back are those of the prompt asked for. Quoted values
-also escape U+0085, U+2028 and U+2029 (JSON leaves them raw).
+The infotext format itself (writing, reading, the PNG chunk) is `sdjax.infotext`; its names are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from PIL import Image, PngImagePlugin
 
+from sdjax.infotext import (  # noqa: F401  (re-exported: the faces and tests read them from here)
+    EMBEDDED_MODEL_NAME,
+    PARAMETERS_KEY,
+    format_parameters,
+    lora_hashes,
+    model_label,
+    number,
+    parse_parameters,
+    png_bytes,
+    read_parameters,
+    sampler_display_name,
+    sampler_id,
+    ti_hashes,
+)
 from sdjax.policy import A1111
 
-PARAMETERS_KEY = "parameters"  # the PNG text chunk keyword AUTOMATIC1111 writes and reads
 SEED_MAX = 2**32 - 1  # seeds are unsigned 32-bit, as in AUTOMATIC1111; seed + i wraps around
-EMBEDDED_MODEL_NAME = "sdjax/embedded"
-
-# From AUTOMATIC1111's infotext_utils.py: a key starts with a word character; a value is a JSON string or runs
-# to the next comma.
-_PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
-_SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
 
 
 class Progress(Protocol):
@@ -141,16 +128,16 @@ class ImageParameters:
         """The infotext fields beyond the text-to-image ones, in A1111's names."""
         out: dict[str, Any] = {}
         if self.denoising_strength is not None:
-            out["Denoising strength"] = _number(self.denoising_strength)
+            out["Denoising strength"] = number(self.denoising_strength)
         if self.task == "inpaint":
-            out["Mask blur"] = _number(self.mask_blur) if self.mask_blur else None
+            out["Mask blur"] = number(self.mask_blur) if self.mask_blur else None
             if self.inpaint_full_res_padding is not None:
                 out["Inpaint area"] = "Only masked"
                 out["Masked area padding"] = self.inpaint_full_res_padding
         if self.hires is not None:
             h = self.hires
-            out["Denoising strength"] = _number(h.strength)
-            out["Hires upscale"] = None if h.resize else _number(h.scale).removesuffix(".0")
+            out["Denoising strength"] = number(h.strength)
+            out["Hires upscale"] = None if h.resize else number(h.scale).removesuffix(".0")
             out["Hires resize"] = f"{h.resize[0]}x{h.resize[1]}" if h.resize else None
             out["Hires steps"] = h.steps or None
             out["Hires upscaler"] = UPSCALER_NAMES[h.upscaler]
@@ -158,7 +145,7 @@ class ImageParameters:
         if self.clip_skip > 1:
             out["Clip skip"] = self.clip_skip
         if self.distilled_guidance is not None:
-            out["Distilled CFG Scale"] = _number(self.distilled_guidance)
+            out["Distilled CFG Scale"] = number(self.distilled_guidance)
         if self.lora_hashes:
             out["Lora hashes"] = self.lora_hashes
         if self.ti_hashes:
@@ -167,7 +154,7 @@ class ImageParameters:
             out[f"ControlNet {i}"] = unit.infotext()
         if self.refiner:
             out["Refiner"] = self.refiner
-            out["Refiner switch at"] = _number(self.refiner_switch) if self.refiner_switch is not None else None
+            out["Refiner switch at"] = number(self.refiner_switch) if self.refiner_switch is not None else None
         return out
 
     def infotext(self) -> str:
@@ -189,8 +176,8 @@ class ControlUnit:
 
     def infotext(self) -> str:
         return (
-            f"Module: {self.module}, Model: {Path(self.model).name or self.model}, Weight: {_number(self.weight)}, "
-            f"Guidance Start: {_number(self.guidance_start)}, Guidance End: {_number(self.guidance_end)}"
+            f"Module: {self.module}, Model: {Path(self.model).name or self.model}, Weight: {number(self.weight)}, "
+            f"Guidance Start: {number(self.guidance_start)}, Guidance End: {number(self.guidance_end)}"
         )
 
 
@@ -376,31 +363,6 @@ def generate_images(
     return pipeline.generate_arrays(*args, **common)
 
 
-def lora_hashes(named_files: Sequence[tuple[str, str | Path]], hashes: Any = None) -> str:
-    """A1111's `Lora hashes` value, "name: hash12, ...", for (name as written in the prompt, file) pairs; `hashes`:
-    a `models_dir.HashCache` (default: a new one)."""
-    from sdjax.models_dir import HashCache
-
-    cache = hashes or HashCache()
-    clean = str.maketrans("", "", ":,")  # A1111 takes these out of the names
-    return ", ".join(f"{name.translate(clean)}: {cache.network_hash(path)[:12]}" for name, path in named_files)
-
-
-def ti_hashes(texts: Sequence[str], named_files: Sequence[tuple[str, str | Path]], hashes: Any = None) -> str:
-    """A1111's `TI hashes` value, "name: hash12, ...", for the embeddings (trigger word, file) that `texts` use: a
-    trigger word counts where it stands as a word of its own. The hash is the file's SHA-256, as A1111's."""
-    from sdjax.models_dir import HashCache
-
-    cache = hashes or HashCache()
-    clean = str.maketrans("", "", ":,")
-    used = [
-        (name, path)
-        for name, path in named_files
-        if any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", t or "") for t in texts)
-    ]
-    return ", ".join(f"{name.translate(clean)}: {cache.sha256(path)[:12]}" for name, path in used)
-
-
 def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float | tuple[float, float]], ...]) -> list[str]:
     """The texts without their `<lora:...>` tags, each of which must name one of `loras` (those applied)."""
     from sdjax.text import prompt_syntax
@@ -416,155 +378,7 @@ def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float | tuple[floa
     return out
 
 
-# ---------------------------------------------------------------------------------------------- sampler names
-def _fold(name: str) -> str:
-    return name.strip().lower().replace("-", "_").replace(" ", "_")
-
-
-def sampler_id(name: str) -> str:
-    """The sampler registry name for any spelling the registry knows ("Euler a", "DPM++ 2M Karras",
-    "euler-a" -> "euler_a", "dpmpp_2m_karras"); other names (diffusers class names, samplers sdjax lacks) unchanged.
-    Requests that name one sampler differently still share batches."""
-    from sdjax import samplers
-
-    if name in samplers.SAMPLERS:
-        return name
-    if name in samplers.ALIASES:
-        return samplers.ALIASES[name]
-    key = _fold(name)
-    for registry in samplers.SAMPLERS:
-        if _fold(registry) == key:
-            return registry
-    for alias, registry in samplers.ALIASES.items():
-        if _fold(alias) == key:
-            return registry
-    from sdjax.samplers import a1111
-
-    label, schedule = a1111.describe(name)  # "euler a uniform" -> "Euler a Uniform"
-    return f"{label} {schedule}" if schedule is not None else name
-
-
-def sampler_display_name(name: str) -> str:
-    """AUTOMATIC1111's name of a sampler ("euler_a" -> "Euler a"), as written in infotext; else the name."""
-    from sdjax import samplers
-
-    registry = sampler_id(name)
-    for a1111, target in samplers.A1111_NAMES.items():
-        if target == registry:
-            return a1111
-    for alias, target in samplers.ALIASES.items():  # samplers AUTOMATIC1111 lacks: an upper-case spelling
-        if target == registry and alias.isupper():
-            return alias
-    return registry
-
-
-def model_label(model: str | None) -> str:
-    """The `Model:` value: a Hub id as given, a local folder by its name (like AUTOMATIC1111's checkpoint name,
-    and so that the same model gives the same file bytes on any machine), the embedded model by its name."""
-    from sdjax.pipelines.auto import ALIASES, EMBEDDED_MODEL
-
-    if not model or model in ALIASES or Path(model).resolve() == Path(EMBEDDED_MODEL).resolve():
-        return EMBEDDED_MODEL_NAME
-    path = Path(model)
-    return path.resolve().name if path.exists() else model
-
-
-# ---------------------------------------------------------------------------------------------- text format
-# Every line boundary of `str.splitlines`, \r\n first so that it counts as one.
-_LINE_BREAK_RE = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
-_NEGATIVE_MARK = "Negative prompt:"
-
-
-def _prompt_lines(text: str) -> str:
-    """A prompt for the infotext: line breaks as "\n", no line that reads as the negative-prompt marker."""
-    lines = []
-    for line in _LINE_BREAK_RE.split(text):
-        body = line.lstrip()
-        if body.startswith(_NEGATIVE_MARK):
-            line = line[: len(line) - len(body)] + _NEGATIVE_MARK.lower() + body[len(_NEGATIVE_MARK) :]
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def _quote(value: str) -> str:
-    if "," not in value and ":" not in value and not value.startswith('"') and not _LINE_BREAK_RE.search(value):
-        return value
-    quoted = json.dumps(value, ensure_ascii=False)
-    return quoted.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
-
-
-def _unquote(value: str) -> str:
-    if len(value) >= 2 and value[0] == '"' and value[-1] == '"':
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
-def _number(x: float) -> str:
-    return str(float(x))
-
-
-def _sampler_fields(sampler: str) -> dict[str, Any]:
-    """A1111 >= 1.9 writes the sampler and its schedule apart: "Sampler: DPM++ 2M, Schedule type: Karras"."""
-    from sdjax.samplers import a1111
-
-    label, schedule = a1111.describe(sampler_display_name(sampler))
-    return {"Sampler": label, "Schedule type": schedule}
-
-
-def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -> str:
-    """AUTOMATIC1111 infotext for one image. `extra` adds `key: value` pairs after the standard ones."""
-    fields: dict[str, Any] = {
-        "Steps": p.steps,
-        **_sampler_fields(p.sampler),
-        "CFG scale": _number(p.guidance_scale),
-        "Seed": p.seed,
-        "Size": f"{p.width}x{p.height}",
-        "Model hash": p.model_hash or None,
-        "Model": p.model or None,
-        "VAE": p.vae or None,
-        "Image index": p.image_index or None,  # sdjax: the fold_in index; 0 (omitted) for CLI and server images
-        **(extra or {}),
-    }
-    params = ", ".join(f"{k}: {_quote(str(v))}" for k, v in fields.items() if v is not None and v != "")
-    negative = f"\nNegative prompt: {_prompt_lines(p.negative_prompt)}" if p.negative_prompt else ""
-    return f"{_prompt_lines(p.prompt)}{negative}\n{params}".strip()
-
-
-def parse_parameters(text: str) -> dict[str, str]:
-    """Infotext -> `{"Prompt": ..., "Negative prompt": ..., "Steps": "20", "Size-1": "512", "Size-2": "512", ...}`.
-
-    Mirrors AUTOMATIC1111's `parse_generation_parameters`: lines are stripped, the negative prompt starts at a
-    line beginning with `Negative prompt:`, the last line holds the parameters if it has at least three pairs.
-    A `WxH` value `v` of key `K` is also split into `K-1` (width) and `K-2` (height). Values stay strings.
-    A `Schedule type` (AUTOMATIC1111 1.9+, e.g. "Karras") stays a key of its own; `parameters_from_text` joins it
-    to the sampler.
-    """
-    *lines, last = text.strip().split("\n")
-    if len(_PARAM_RE.findall(last)) < 3:
-        lines.append(last)
-        last = ""
-    prompt: list[str] = []
-    negative: list[str] = []
-    in_negative = False
-    for line in lines:
-        line = line.strip()
-        if line.startswith("Negative prompt:"):
-            in_negative = True
-            line = line[len("Negative prompt:") :].strip()
-        (negative if in_negative else prompt).append(line)
-    out = {"Prompt": "\n".join(prompt), "Negative prompt": "\n".join(negative)}
-    for key, value in _PARAM_RE.findall(last):
-        value = _unquote(value.strip())
-        out[key] = value
-        m = _SIZE_RE.match(value)
-        if m:
-            out[f"{key}-1"], out[f"{key}-2"] = m.group(1), m.group(2)
-    return out
-
-
+# ---------------------------------------------------------------------------------------------- reading a request back
 def parameters_from_text(text: str) -> ImageParameters:
     """Infotext -> `ImageParameters`; raises ValueError naming a missing or malformed field."""
     raw = parse_parameters(text)
@@ -589,7 +403,7 @@ def parameters_from_text(text: str) -> ImageParameters:
                 resize=resize,
                 upscaler=upscaler,
                 steps=int(raw.get("Hires steps", 0)),
-                strength=float(raw.get("Denoising strength", 0.7)),
+                strength=float(raw.get("Denoising strength", A1111.hires_strength)),
                 sampler=sampler_id(raw["Hires sampler"]) if "Hires sampler" in raw else None,
             )
         return ImageParameters(
@@ -622,25 +436,3 @@ def parameters_from_text(text: str) -> ImageParameters:
         )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None
-
-
-# ---------------------------------------------------------------------------------------------- PNG files
-def png_bytes(image: np.ndarray | Image.Image, parameters: str | None = None) -> bytes:
-    """Encode an image as PNG with the `parameters` text chunk. Deterministic: same pixels and text, same bytes
-    (PIL writes no time chunk; text that is not Latin-1 goes in an iTXt chunk as UTF-8)."""
-    if not isinstance(image, Image.Image):
-        image = Image.fromarray(np.ascontiguousarray(image))
-    info = PngImagePlugin.PngInfo()
-    if parameters is not None:
-        info.add_text(PARAMETERS_KEY, parameters)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=info)
-    return buf.getvalue()
-
-
-def read_parameters(source: str | Path | bytes) -> str | None:
-    """The `parameters` text of a PNG file (path or bytes), or None if it has none."""
-    data = io.BytesIO(source) if isinstance(source, bytes) else source
-    with Image.open(data) as im:
-        im.load()
-        return im.info.get(PARAMETERS_KEY) or getattr(im, "text", {}).get(PARAMETERS_KEY)
