@@ -25,6 +25,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from compile_counter import counting_compiles
 from PIL import Image
 
 from sdjax.loading import lora as lora_lib
@@ -380,7 +381,6 @@ def test_kohya_unet_names_as_diffusers_converts_them(family, request, sd1):
 
 # ------------------------------------------------------------------------------------------------ no recompiles
 def test_switching_loras_and_scales_never_recompiles(sd1, sd1_loras):
-    import jax.monitoring
 
     for name, path in sd1_loras[0].items():
         sd1.load_lora(path, adapter_name=name)
@@ -390,14 +390,7 @@ def test_switching_loras_and_scales_never_recompiles(sd1, sd1_loras):
     sd1.generate("a cat", **kw)  # compiles the program (and the small add of each kernel shape)
     sd1.set_loras({"b": 0.3})
     sd1.generate("a cat", **kw)
-    compiles: list[float] = []
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with counting_compiles() as compiles:
         seen = []
         for name in ("a", "b"):
             for scale in (0.5, 1.0, -0.7):
@@ -405,8 +398,6 @@ def test_switching_loras_and_scales_never_recompiles(sd1, sd1_loras):
                 seen.append(sd1.generate("a cat", **kw))
         sd1.unfuse_loras()
         base_images = sd1.generate("a cat", **kw)
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert compiles == [], f"{len(compiles)} compilations while switching LoRAs"
     for i, img in enumerate(seen):  # every setting gives other images
         assert np.abs(img - base_images).max() > 1e-3

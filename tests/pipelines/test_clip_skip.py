@@ -16,6 +16,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from compile_counter import counting_compiles
 
 torch = pytest.importorskip("torch")
 
@@ -114,22 +115,12 @@ def test_one_batch_mixes_clip_skips(sd1):
 
 
 def test_images_match_diffusers_and_clip_skip_never_recompiles(sd1, torch_sd1):
-    import jax.monitoring
 
     latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
     kw = dict(steps=2, height=64, width=64, output_type="np", noise=latents, negative_prompt=NEGATIVE)
     default = sd1.generate(PROMPT, **kw)  # compiles
-    compiles: list[float] = []
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with counting_compiles() as compiles:
         skipped = {n: sd1.generate(PROMPT, clip_skip=n, **kw) for n in (2, 3)}
-    finally:
-        jax.monitoring.clear_event_listeners()
     assert compiles == [], f"{len(compiles)} compilations for another clip_skip"
     pos, _ = diffusers_embeds(torch_sd1, PROMPT, 2)
     neg, _ = diffusers_embeds(torch_sd1, NEGATIVE, 2)

@@ -5,11 +5,10 @@ request runs, and the image equals the library's with the same settings."""
 from __future__ import annotations
 
 import flux_reference
-import jax
-import jax.monitoring
 import numpy as np
 import pytest
 import t5_reference
+from compile_counter import counting_compiles
 from server_helpers import client, decode_png, live_server
 
 from sdjax import cli, metadata
@@ -28,27 +27,20 @@ def flux_dev(tmp_path_factory):
 
 def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev):
     h, w = flux_dev.default_size
-    compiles = []
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        with live_server(flux_dev, model_name="flux-tiny", default_steps=STEPS, max_batch=1) as server:
-            warm = len(compiles)
-            assert warm > 0
-            with client(server.url, timeout=300) as http:
-                config = http.get("/v1/config").json()
-                r = http.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "seed": 3})
-                assert r.status_code == 200, r.text
-                forge = {"prompt": "a red fox", "seed": 3, "distilled_cfg_scale": 5.0}
-                r5 = http.post("/sdapi/v1/txt2img", json=forge)
-                assert r5.status_code == 200, r5.text
-            assert len(compiles) == warm, f"{len(compiles) - warm} compilations while serving"
-    finally:
-        jax.monitoring.clear_event_listeners()
+    with (
+        counting_compiles() as compiles,
+        live_server(flux_dev, model_name="flux-tiny", default_steps=STEPS, max_batch=1) as server,
+    ):
+        warm = len(compiles)
+        assert warm > 0
+        with client(server.url, timeout=300) as http:
+            config = http.get("/v1/config").json()
+            r = http.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "seed": 3})
+            assert r.status_code == 200, r.text
+            forge = {"prompt": "a red fox", "seed": 3, "distilled_cfg_scale": 5.0}
+            r5 = http.post("/sdapi/v1/txt2img", json=forge)
+            assert r5.status_code == 200, r5.text
+        assert len(compiles) == warm, f"{len(compiles) - warm} compilations while serving"
     assert config["default_guidance_scale"] == 1.0
     pixels, text = decode_png(r.json()["images"][0])
     raw = metadata.parse_parameters(text)

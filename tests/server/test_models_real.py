@@ -17,9 +17,9 @@ import shutil
 import threading
 from pathlib import Path
 
-import jax.monitoring
 import numpy as np
 import pytest
+from compile_counter import counting_compiles
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 from server_helpers import client, live_server
@@ -83,7 +83,6 @@ def test_model_settings_and_networks_per_request(models):
         {"prompt": "a red circle", "seed": 5, "steps": STEPS},
     ]
     out = [None, None]
-    compiles: list[float] = []
     with live_server(pipe, **config) as s, client(s.url, timeout=600) as c:
         body = c.get("/sdapi/v1/embeddings").json()
         inky = {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None, "shape": 64, "vectors": 2}
@@ -101,16 +100,9 @@ def test_model_settings_and_networks_per_request(models):
         s.app.state.batcher.window_s = 0.0
         tagged = c.post(A1111, json={"prompt": "a red circle <lora:fc:0.8>", "seed": 6, "steps": STEPS,
                                      "override_settings": {"sd_vae": "shift"}})  # fmt: skip
-        jax.monitoring.register_event_duration_secs_listener(
-            lambda event, duration, **kw: (
-                compiles.append(duration) if event == "/jax/core/compile/backend_compile_duration" else None
-            )
-        )
-        try:
+        with counting_compiles() as compiles:
             # A1111's <lora:name:te:unet>: this LoRA touches only the text encoder, so only its 0.3 counts
             reweighted = c.post(A1111, json={"prompt": "a red circle <lora:fc:0.3:2>", "seed": 6, "steps": STEPS})
-        finally:
-            jax.monitoring.clear_event_listeners()
     pipe.generate_arrays = generate_arrays
 
     # CLIP skip: one batch holds both values

@@ -18,6 +18,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from compile_counter import counting_compiles
 from PIL import Image
 from server_helpers import client, live_server
 from typer.testing import CliRunner
@@ -144,25 +145,16 @@ def test_another_sampler_than_the_models(pipe):
 def test_warm_start_compiles_what_requests_run(pipe):
     """Issue 19, finding 3: warm-up compiled the program without progress reporting while requests ran the one
     with it (30-53 s first requests after a warm start). Now no request of a warmed shape compiles anything."""
-    import jax.monitoring
-
-    compiles = []
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        with live_server(pipe, max_batch=2, model_name="tiny", default_steps=STEPS, default_sampler="DDIM") as s:
-            warm_compiles = len(compiles)
-            assert warm_compiles > 0  # start-up compiled (batch 1 and 2)
-            with client(s.url, timeout=600) as c:
-                for body in ({"prompt": "a cat", "seed": 3}, {"prompt": "two", "seed": 4, "batch_size": 2}):
-                    assert c.post("/sdapi/v1/txt2img", json=body).status_code == 200
-            assert len(compiles) == warm_compiles, f"{len(compiles) - warm_compiles} compilations while serving"
-    finally:
-        jax.monitoring.clear_event_listeners()
+    with (
+        counting_compiles() as compiles,
+        live_server(pipe, max_batch=2, model_name="tiny", default_steps=STEPS, default_sampler="DDIM") as s,
+    ):
+        warm_compiles = len(compiles)
+        assert warm_compiles > 0  # start-up compiled (batch 1 and 2)
+        with client(s.url, timeout=600) as c:
+            for body in ({"prompt": "a cat", "seed": 3}, {"prompt": "two", "seed": 4, "batch_size": 2}):
+                assert c.post("/sdapi/v1/txt2img", json=body).status_code == 200
+        assert len(compiles) == warm_compiles, f"{len(compiles) - warm_compiles} compilations while serving"
 
 
 class SlowPipeline:

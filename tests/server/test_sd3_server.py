@@ -4,12 +4,11 @@ library's image for the same settings, and the infotext says what ran."""
 
 from __future__ import annotations
 
-import jax
-import jax.monitoring
 import numpy as np
 import pytest
 import sd3_reference
 import t5_reference
+from compile_counter import counting_compiles
 from server_helpers import client, decode_png, live_server
 
 from sdjax import cli, metadata
@@ -37,27 +36,20 @@ def _library(pipe, prompt: str, negative: str, seed: int, sampler: str, guidance
 
 def test_a1111_and_openai_give_the_library_image_with_sd3_defaults(sd3):
     h, w = sd3.default_size
-    compiles = []
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        with live_server(sd3, model_name="sd3-tiny", default_steps=STEPS, max_batch=1) as server:
-            warm = len(compiles)
-            assert warm > 0
-            with client(server.url, timeout=300) as http:
-                config = http.get("/v1/config").json()
-                body = {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 3}
-                r = http.post("/sdapi/v1/txt2img", json=body)
-                assert r.status_code == 200, r.text
-                o = http.post("/v1/images/generations", json={"prompt": "a red fox", "size": f"{w}x{h}", "seed": 3})
-                assert o.status_code == 200, o.text
-            assert len(compiles) == warm, f"{len(compiles) - warm} compilations while serving"
-    finally:
-        jax.monitoring.clear_event_listeners()
+    with (
+        counting_compiles() as compiles,
+        live_server(sd3, model_name="sd3-tiny", default_steps=STEPS, max_batch=1) as server,
+    ):
+        warm = len(compiles)
+        assert warm > 0
+        with client(server.url, timeout=300) as http:
+            config = http.get("/v1/config").json()
+            body = {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 3}
+            r = http.post("/sdapi/v1/txt2img", json=body)
+            assert r.status_code == 200, r.text
+            o = http.post("/v1/images/generations", json={"prompt": "a red fox", "size": f"{w}x{h}", "seed": 3})
+            assert o.status_code == 200, o.text
+        assert len(compiles) == warm, f"{len(compiles) - warm} compilations while serving"
     assert config["default_guidance_scale"] == 7.0 == FAMILIES["sd3"].defaults.guidance_scale
     pixels, text = decode_png(r.json()["images"][0])
     raw = metadata.parse_parameters(text)
