@@ -388,26 +388,17 @@ def compile_for(
     `dtype="bfloat16", weights_dtype="float8_e4m3fn"`. `fsdp` also splits the large weights over the data axis
     (`sdjax.parallel.sharding.fsdp`). `quantize` ("int8", "fp8"; `sdjax.quant`, as `from_pretrained(quantize=)`)
     stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program."""
-    import contextlib
 
     import jax.numpy as jnp
 
     from sdjax.core.tasks import TASKS
-    from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
     from sdjax.parallel import sharding as sharding_lib
     from sdjax.precision import resolve_dtype
-    from sdjax.quant import check_quantize, quantize_pipeline
+    from sdjax.quant import quantize_pipeline
 
-    check_quantize(quantize)
-    for name, value in (("batch", batch), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
-    if isinstance(controlnets, bool) or not isinstance(controlnets, int) or not 0 <= controlnets <= 8:
-        raise ValueError(f"controlnets={controlnets!r}: expected an integer in [0, 8]")
-    if task not in TASKS:
-        raise ValueError(f"task={task!r}: expected one of {sorted(TASKS)}")
-    if attention not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
+    _check_arguments(
+        batch=batch, steps=steps, controlnets=controlnets, task=task, attention=attention, quantize=quantize
+    )
     if str(dtype).lower() in FP8_NAMES:
         dtype, weights_dtype = "bfloat16", weights_dtype or "float8_e4m3fn"
     jdtype = jnp.dtype(resolve_dtype(dtype))
@@ -469,10 +460,74 @@ def compile_for(
     )
     calls = int(sampler_obj.num_model_calls(steps))
 
+    log(f"compiling the whole generation for {topology} ({n} devices)")
+    cost = _compile_with_cost(gen, spec, params, mesh, fsdp=fsdp, unet_cost=unet_cost, calls=calls, log=log)
+    compiled = cost.pop("compiled")
+    saved = None
+    if save_cache is not None and compiled is not None:
+        saved = str(save_executable(compiled, save_cache, f"{model}-{topology}-{height}x{width}-b{batch}-s{steps}"))
+    return Report(
+        target=str(target),
+        topology=topology,
+        chip=chip.name,
+        chips=n // per_chip,
+        devices=n,
+        mesh=dict(mesh.shape),
+        model=str(model),
+        pipeline=type(pipe).__name__,
+        task=task,
+        dtype=jdtype.name,
+        height=height,
+        width=width,
+        batch=batch,
+        steps=steps,
+        sampler=sampler or type(pipe.scheduler).__name__,
+        model_calls=calls,
+        weights_bytes=weights,
+        hbm_bytes=chip.hbm_bytes // per_chip,
+        **cost,
+        peak_flops=chip.bf16_flops / per_chip,
+        hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip,
+        saved=saved,
+        vae_slicing=bool(vae_slicing),
+        attention=attention,
+        controlnets=controlnets,
+        weights_dtype=None if wdtype is None else wdtype.name,
+        fsdp=bool(fsdp),
+        cfg=cfg,
+        quantize=quantize or None,
+    )
+
+
+def _check_arguments(*, batch, steps, controlnets, task, attention, quantize) -> None:
+    """`compile_for`'s arguments that need no model: a ValueError naming the first bad one."""
+    from sdjax.core.tasks import TASKS
+    from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
+    from sdjax.quant import check_quantize
+
+    check_quantize(quantize)
+    for name, value in (("batch", batch), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+    if isinstance(controlnets, bool) or not isinstance(controlnets, int) or not 0 <= controlnets <= 8:
+        raise ValueError(f"controlnets={controlnets!r}: expected an integer in [0, 8]")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: expected one of {sorted(TASKS)}")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
+
+
+def _compile_with_cost(gen, spec, params, mesh, *, fsdp: bool, unet_cost: bool, calls: int, log) -> dict[str, Any]:
+    """Compile the whole program (an out-of-memory refusal is kept as `error`, with the bytes its message names)
+    and, with `unet_cost`, one model call for the loop-corrected FLOPs and bytes -> the compiled executable
+    (`"compiled"`, None when refused) and the `Report` fields of memory, time and cost."""
+    import contextlib
+
+    from sdjax.parallel import sharding as sharding_lib
+
     def layout():  # the params' layout while tracing (each `with` needs a fresh context manager)
         return sharding_lib.fsdp() if fsdp else contextlib.nullcontext()
 
-    log(f"compiling the whole generation for {topology} ({n} devices)")
     t0 = time.perf_counter()
     compiled = error = None
     try:
@@ -495,51 +550,18 @@ def compile_for(
             unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh))
         unet_s = time.perf_counter() - t0
     loop_extra = calls - 1
-    flops = program_flops + loop_extra * unet_flops if None not in (program_flops, unet_flops) else None
-    nbytes = program_bytes + loop_extra * unet_bytes if None not in (program_bytes, unet_bytes) else None
-
-    saved = None
-    if save_cache is not None and compiled is not None:
-        saved = str(save_executable(compiled, save_cache, f"{model}-{topology}-{height}x{width}-b{batch}-s{steps}"))
-    return Report(
-        target=str(target),
-        topology=topology,
-        chip=chip.name,
-        chips=n // per_chip,
-        devices=n,
-        mesh=dict(mesh.shape),
-        model=str(model),
-        pipeline=type(pipe).__name__,
-        task=task,
-        dtype=jdtype.name,
-        height=height,
-        width=width,
-        batch=batch,
-        steps=steps,
-        sampler=sampler or type(pipe.scheduler).__name__,
-        model_calls=calls,
-        weights_bytes=weights,
+    return dict(
+        compiled=compiled,
         **_memory_fields(memory),
-        hbm_bytes=chip.hbm_bytes // per_chip,
         compile_s=compile_s,
         unet_compile_s=unet_s,
         program_flops=program_flops,
         unet_call_flops=unet_flops,
-        flops=flops,
-        bytes_accessed=nbytes,
-        peak_flops=chip.bf16_flops / per_chip,
-        hbm_bytes_per_s=chip.hbm_bytes_per_s / per_chip,
-        saved=saved,
-        vae_slicing=bool(vae_slicing),
-        attention=attention,
-        controlnets=controlnets,
+        flops=program_flops + loop_extra * unet_flops if None not in (program_flops, unet_flops) else None,
+        bytes_accessed=program_bytes + loop_extra * unet_bytes if None not in (program_bytes, unet_bytes) else None,
         error=error,
         required_bytes=required,
         available_bytes=available,
-        weights_dtype=None if wdtype is None else wdtype.name,
-        fsdp=bool(fsdp),
-        cfg=cfg,
-        quantize=quantize or None,
     )
 
 
