@@ -641,7 +641,7 @@ class Generator:
                 )
             if ids is not None or neg_ids is not None:
                 raise ValueError("prompt_syntax='a1111' reads prompt text; pass prompts instead of ids")
-            text = text_inputs_a1111(self.models.conditioning, list(prompts) + [""] * pad, neg_texts)
+            text = self.models.conditioning.text_inputs(list(prompts) + [""] * pad, neg_texts, syntax="a1111")
             chunks = text.pop("chunks")
         else:
             texts = list(prompts) + [""] * pad if ids is None else [""] * total
@@ -779,27 +779,3 @@ def _platform(mesh: Mesh) -> str:
 
 def _mesh_key(mesh: Mesh):
     return (tuple(d.id for d in mesh.devices.flat), mesh.axis_names, mesh.devices.shape)
-
-
-def text_inputs_a1111(conditioning, prompts: list[str], negative_prompts: list[str]) -> dict[str, Any]:
-    """Ids and token weights of prompts read with AUTOMATIC1111's syntax, prompt and negative prompt padded to one
-    chunk count (`chunks`); `<lora:...>` tags must have been taken out by the caller."""
-    from sdjax.text import prompt_syntax
-
-    for text in (*prompts, *negative_prompts):
-        _, tags = prompt_syntax.extract_networks(text)
-        if tags:
-            raise ValueError(
-                f"prompt tag <{tags[0].kind}:{tags[0].name}:...> was not resolved: load the LoRA and leave the tag out"
-            )
-    tokenizers = conditioning.tokenizers
-    count = max(prompt_syntax.chunk_count(tokenizers[0], [*prompts, *negative_prompts]), 1)
-    ids, weights = [], []
-    for texts in (prompts, negative_prompts):
-        per = [prompt_syntax.tokenize(tok, texts, count) for tok in tokenizers]
-        stacked = np.stack([p[0] for p in per], axis=1) if len(conditioning.ids_suffix) == 2 else per[0][0]
-        ids.append(stacked)
-        weights.append(per[0][1])
-    if count == 1 and all((w == 1.0).all() for w in weights):  # nothing weighted: the plain program, same numbers
-        return {"ids": ids[0], "neg_ids": ids[1], "chunks": 0}
-    return {"ids": ids[0], "neg_ids": ids[1], "weights": weights[0], "neg_weights": weights[1], "chunks": count}

@@ -17,9 +17,9 @@ The core (`generator.program`, `loop.denoise`, the tasks) never names a model ar
 This is k-diffusion's "one denoiser contract" for a jitted world: everything family-specific is decided when the
 program is traced, nothing at run time.
 
-A conditioning that reads `prompt_syntax="a1111"` (`accepts_prompt_syntax("a1111")`) also has `tokenizers` (one
-per text encoder, chunked at their `model_max_length`) and `ids_suffix` (the shape of one prompt's ids after the
-batch dimension): `generator.text_inputs_a1111` tokenizes the weighted chunks with them.
+A conditioning that reads `prompt_syntax="a1111"` (`accepts_prompt_syntax("a1111")`) returns from
+`text_inputs(..., syntax="a1111")` the token weights too (`weights`, `neg_weights`) and the chunk count (`chunks`,
+0 for the plain program), and its `encode` reads them.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ class Conditioning(Protocol):
         """Whether prompts may be read with `syntax` (one of `PROMPT_SYNTAXES`; every conditioning reads "plain")."""
         ...
 
-    def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
-        """Host arrays of the prompts and negative prompts (token ids), each with a leading batch dimension."""
+    def text_inputs(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], *, syntax: str = "plain"
+    ) -> dict[str, np.ndarray]:
+        """Host arrays of the prompts and negative prompts (token ids), each with a leading batch dimension, read
+        with `syntax` (one it accepts; see the module docstring for "a1111")."""
         ...
 
     def host_inputs(

@@ -238,3 +238,27 @@ def emphasize(z, weights):
     z = z * weights[:, :, None]
     after = jnp.mean(z, axis=(1, 2), keepdims=True)
     return z * (before / after)
+
+
+def a1111_text_inputs(
+    tokenizers: Sequence, prompts: Sequence[str], negative_prompts: Sequence[str], *, stacked: bool
+) -> dict[str, np.ndarray | int]:
+    """Ids and token weights of prompts read with AUTOMATIC1111's syntax, for a conditioning with these tokenizers
+    (one per text encoder; `stacked`: ids `(N, E, 77)`, else `(N, 77)`), prompt and negative prompt padded to one
+    chunk count (`chunks`; 0 when nothing is weighted or chunked: the plain program's inputs). `<lora:...>` tags must
+    have been taken out by the caller."""
+    for text in (*prompts, *negative_prompts):
+        _, tags = extract_networks(text)
+        if tags:
+            raise ValueError(
+                f"prompt tag <{tags[0].kind}:{tags[0].name}:...> was not resolved: load the LoRA and leave the tag out"
+            )
+    count = max(chunk_count(tokenizers[0], [*prompts, *negative_prompts]), 1)
+    ids, weights = [], []
+    for texts in (prompts, negative_prompts):
+        per = [tokenize(tok, texts, count) for tok in tokenizers]
+        ids.append(np.stack([p[0] for p in per], axis=1) if stacked else per[0][0])
+        weights.append(per[0][1])
+    if count == 1 and all((w == 1.0).all() for w in weights):  # nothing weighted: the plain program, same numbers
+        return {"ids": ids[0], "neg_ids": ids[1], "chunks": 0}
+    return {"ids": ids[0], "neg_ids": ids[1], "weights": weights[0], "neg_weights": weights[1], "chunks": count}

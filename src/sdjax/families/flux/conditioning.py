@@ -47,8 +47,12 @@ class FluxConditioning:
     def with_max_sequence_length(self, n: int) -> FluxConditioning:
         return dataclasses.replace(self, max_sequence_length=int(n))
 
-    def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
+    def text_inputs(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], *, syntax: str = "plain"
+    ) -> dict[str, np.ndarray]:
         """CLIP ids `(N, 77)` (`ids`, `neg_ids`) and T5 ids `(N, max_sequence_length)` (`t5_ids`, `neg_t5_ids`)."""
+        if syntax != "plain":
+            raise ValueError(f"prompt_syntax={syntax!r}: this model's conditioning reads plain prompts only")
         return {
             "ids": self.tokenizer(list(prompts)),
             "neg_ids": self.tokenizer(list(negative_prompts)),

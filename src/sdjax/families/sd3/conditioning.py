@@ -85,9 +85,13 @@ class SD3Conditioning:
     def with_max_sequence_length(self, n: int) -> SD3Conditioning:
         return dataclasses.replace(self, max_sequence_length=int(n))
 
-    def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
+    def text_inputs(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], *, syntax: str = "plain"
+    ) -> dict[str, np.ndarray]:
         """CLIP-L ids `(N, 77)` (`ids`, `neg_ids`), CLIP-G ids (`ids_2`, `neg_ids_2`) and, with T5, T5 ids
         `(N, max_sequence_length)` (`t5_ids`, `neg_t5_ids`): every encoder reads the prompt itself."""
+        if syntax != "plain":
+            raise ValueError(f"prompt_syntax={syntax!r}: this model's conditioning reads plain prompts only")
         out = {}
         for prefix, texts in (("", prompts), ("neg_", negative_prompts)):
             out[f"{prefix}ids"] = self.tokenizer(list(texts))

@@ -87,7 +87,7 @@ class SDXLConditioning:
     per_image_options = ("clip_skip",)  # lists of one value per image (the generator pads them with the batch)
 
     def accepts_prompt_syntax(self, syntax: str) -> bool:
-        """Both "plain" and "a1111" (weights, BREAK, 75-token chunks: `core.generator.text_inputs_a1111`)."""
+        """Both "plain" and "a1111" (weights, BREAK, 75-token chunks: `text.prompt_syntax.a1111_text_inputs`)."""
         return syntax in ("plain", "a1111")
 
     @property
@@ -110,8 +110,13 @@ class SDXLConditioning:
     def ids_suffix(self) -> tuple[int, ...]:
         return (len(self._pairs), self.tokenizer_2.model_max_length)
 
-    def text_inputs(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, np.ndarray]:
-        """Token ids of the prompts and negative prompts (`ids`, `neg_ids`)."""
+    def text_inputs(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], *, syntax: str = "plain"
+    ) -> dict[str, np.ndarray]:
+        """Token ids of the prompts and negative prompts (`ids`, `neg_ids`); with "a1111" also their weights and
+        chunk count (`text.prompt_syntax.a1111_text_inputs`)."""
+        if syntax == "a1111":
+            return prompt_syntax.a1111_text_inputs(self.tokenizers, prompts, negative_prompts, stacked=True)
         return {"ids": self.tokenize(prompts), "neg_ids": self.tokenize(negative_prompts)}
 
     def tokenize(self, prompts: Sequence[str]) -> np.ndarray:
