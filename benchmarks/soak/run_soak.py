@@ -1,20 +1,26 @@
-"""Soak the sdjax server with locust: valid, invalid, oversized, slow-body and disconnecting clients against the
-embedded model, on 127.0.0.1 only, bounded in clients and time.
+"""Soak the sdjax server with locust: valid (OpenAI, A1111 and ComfyUI workflows over HTTP and the websocket),
+invalid, oversized, slow-body and disconnecting clients against the embedded model, on 127.0.0.1 only, bounded in
+clients and time.
 
     python benchmarks/soak/run_soak.py --users 8 --seconds 60          # the short form (tests/server/test_soak.py)
     python benchmarks/soak/run_soak.py --users 64 --seconds 600        # the long form (docs/benchmarks.md)
 
-Starts `sdjax serve` (pinned: 64x64, --steps, the default sampler; every batch size compiled first) in a
-subprocess, samples its resident memory once a second, runs `locust --headless` with benchmarks/soak/locustfile.py,
-then checks that the server drains to idle, is ready and serves a request, and stops within its shutdown timeout
-on SIGTERM. Prints one JSON report (also --json-out): 0 valid requests lost or mixed, every bad request answered
-as it should be, RSS after warm-up / peak / end, p50/p99 latency of valid requests. Exit status 1 if a check
-fails.
+Starts `sdjax serve` (pinned: 64x64, --steps, --sampler; every batch size compiled first) in a subprocess,
+samples its resident memory once a second, runs `locust --headless` with benchmarks/soak/locustfile.py, then checks
+that the server drains to idle (its ComfyUI queue too), is ready and serves a request, and stops within its shutdown
+timeout on SIGTERM. Prints one JSON report (also --json-out): 0 valid requests or workflows lost or mixed, workflows
+completed, every bad request answered as it should be, RSS after warm-up / peak / end, p50/p99 latency of valid
+requests and of workflows (and locust's table per request name). Exit status 1 if a check fails.
+
+One sampler is served, so that the three APIs' requests share batches. The model's default ("dpmpp_2m", DPM++ 2M on
+the model's own timestep grid) has no ComfyUI sampler/scheduler pair, so --sampler defaults to "DPM++ 2M Karras",
+which ComfyUI's `dpmpp_2m` + `karras` is (--comfy-sampler; the same solver, so the same cost per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import signal
@@ -86,6 +92,27 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def locust_table(path: Path) -> dict:
+    """Locust's per-name rows (requests, failures, p50/p99 seconds) from its --csv stats file."""
+    table = {}
+    if not path.exists():
+        return table
+    with path.open() as f:
+        for row in csv.DictReader(f):
+
+            def s(key: str, row=row) -> float | None:
+                v = row.get(key, "N/A")
+                return None if v in ("N/A", "", None) else round(float(v) / 1000, 3)
+
+            table[f"{row['Type']} {row['Name']}"] = {
+                "requests": int(row["Request Count"]),
+                "failures": int(row["Failure Count"]),
+                "p50_s": s("50%"),
+                "p99_s": s("99%"),
+            }
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=8)
@@ -93,6 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seconds", type=int, default=60)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--sampler", default="DPM++ 2M Karras", help="the one sampler served (pinned)")
+    p.add_argument(
+        "--comfy-sampler",
+        default="dpmpp_2m:karras",
+        help="ComfyUI's sampler_name:scheduler of the workflows; must map onto --sampler (docs/comfyui.md)",
+    )
     p.add_argument("--model", default=None, help="default: the embedded model")
     p.add_argument("--max-rss-growth-mib", type=float, default=150.0, help="RSS growth allowed after warm-up")
     p.add_argument("--json-out", type=Path, default=None)
@@ -103,8 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     body_kb, body_timeout, shutdown_timeout = 16, 3, 5
     serve = [
         sys.executable, "-c", "from sdjax.cli import main; main()", "serve", "--host", "127.0.0.1", "--port",
-        str(port), "--pin", "--steps", str(args.steps), "--max-batch", str(args.max_batch), "--max-body-kb",
-        str(body_kb), "--body-timeout", str(body_timeout), "--header-timeout", str(body_timeout),
+        str(port), "--pin", "--steps", str(args.steps), "--sampler", args.sampler, "--max-batch", str(args.max_batch),
+        "--max-body-kb", str(body_kb), "--body-timeout", str(body_timeout), "--header-timeout", str(body_timeout),
         "--shutdown-timeout", str(shutdown_timeout), "--request-timeout", "600", "--max-queue", "256",
         "--log-level", "warning",
     ]  # fmt: skip
@@ -119,7 +152,15 @@ def main(argv: list[str] | None = None) -> dict:
     # SDJAX_TEST_COMPILE_FLAGS: LLVM optimisation off, the start-up compilation in about half the time).
     env["XLA_FLAGS"] = os.environ.get("SDJAX_TEST_COMPILE_FLAGS", "")
     server = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    report: dict = {"users": args.users, "seconds": args.seconds, "steps": args.steps, "max_batch": args.max_batch}
+    report: dict = {
+        "users": args.users,
+        "seconds": args.seconds,
+        "steps": args.steps,
+        "sampler": args.sampler,
+        "comfy_sampler": args.comfy_sampler,
+        "max_batch": args.max_batch,
+    }
+    comfy_sampler, _, comfy_scheduler = args.comfy_sampler.partition(":")
     checks: dict[str, bool] = {}
     try:
         report["startup_s"] = round(wait_ready(url, server, 900), 1)
@@ -138,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "SOAK_BODY_LIMIT": str(body_kb * 1024),
                 "SOAK_STEPS": str(args.steps),
                 "SOAK_SLOW_FOR_S": str(body_timeout * 3),
+                "SOAK_SIZE": "64",
+                "SOAK_COMFY_SAMPLER": comfy_sampler,
+                "SOAK_COMFY_SCHEDULER": comfy_scheduler or "normal",
             }
             t0 = time.monotonic()
             run = subprocess.run(locust, capture_output=True, text=True, env=locust_env, timeout=args.seconds + 300)
@@ -145,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
             if not result_path.exists():
                 raise RuntimeError(f"locust wrote no result (exit {run.returncode}):\n{run.stdout}\n{run.stderr}")
             report["clients"] = json.loads(result_path.read_text())
+            report["locust"] = locust_table(Path(tmp) / "soak_stats.csv")
             report["locust_summary"] = (run.stdout + run.stderr)[-3000:]
         # drained to idle, ready, serving
         deadline = time.monotonic() + 120
@@ -155,6 +200,14 @@ def main(argv: list[str] | None = None) -> dict:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.5)
+        while True:  # the ComfyUI queue: every workflow ended (the runner records it a moment after its jobs)
+            comfy_queue = get(url + "/queue").json()
+            if not comfy_queue["queue_running"] and not comfy_queue["queue_pending"]:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        report["comfy_queue_end"] = {k: len(v) for k, v in comfy_queue.items()}
         ready = get(url + "/health/ready")
         report["health_end"] = ready.json()
         import httpx
@@ -196,7 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
             invalid_answered=c["invalid_wrong"] == 0,
             oversized_answered=c["oversized_wrong"] == 0,
             slow_cut_off=c["slow_not_cut"] == 0,
+            comfy_ok=c["comfy_sent"] > 0 and c["comfy_ok"] > 0,
+            comfy_none_lost=c["comfy_lost"] == 0,
+            comfy_none_mixed=c["comfy_mixed"] == 0,
+            comfy_ws_kept_open=c["comfy_ws_dropped"] == 0,
             ready_at_end=ready.status_code == 200 and report["health_end"]["queue_depth"] == 0,
+            comfy_queue_empty_at_end=not any(report["comfy_queue_end"].values()),
             rss_bounded=growth < args.max_rss_growth_mib,
         )
         t0 = time.monotonic()

@@ -108,6 +108,17 @@ def test_a_connection_that_sends_no_complete_head_is_closed(server):
         assert 0.8 < time.monotonic() - t0 < 3.0
 
 
+def test_a_websocket_outlives_the_request_head_deadline(server):
+    """Regression: the request-head timer kept running after a connection became a websocket, so ComfyUI's /ws
+    was closed header_timeout_s (here 1 s) after it opened; the soak (benchmarks/soak) found it."""
+    from websockets.sync.client import connect as ws_connect
+
+    with ws_connect(server.url.replace("http://", "ws://") + "/ws?clientId=hygiene", open_timeout=5) as ws:
+        assert json.loads(ws.recv(timeout=5))["type"] == "status"
+        time.sleep(2.5)  # past the 1 s head deadline, twice
+        assert ws.ping().wait(timeout=2), "no pong: the server closed the websocket"
+
+
 @pytest.mark.parametrize("path", [OPENAI, A1111])
 def test_parse_errors_are_in_the_api_shape(server, path):
     with client(server.url) as c:

@@ -1,7 +1,9 @@
-"""The soak's short form (issue 19's proof): 8 locust clients for 20 s against the embedded model on 127.0.0.1,
-mixing valid, invalid, oversized, slow-body and disconnecting requests (benchmarks/soak). No valid request lost or
-mixed, every bad one answered as it should be, RSS bounded after warm-up, the server ready at the end and stopping
-on SIGTERM. The server compiles with the suite's flags (SDJAX_TEST_COMPILE_FLAGS); deselect with `-m "not soak"`.
+"""The soak's short form (issues 19 and 35): 8 locust clients for 20 s against the embedded model on 127.0.0.1,
+mixing valid OpenAI and A1111 requests, ComfyUI workflows (followed over the websocket and by polling /history,
+their images fetched through /view), invalid, oversized, slow-body and disconnecting requests (benchmarks/soak). No
+valid request or workflow lost or mixed, every bad one answered as it should be, RSS bounded after warm-up, the
+server (and its ComfyUI queue) idle and ready at the end and stopping on SIGTERM. The server compiles with the
+suite's flags (SDJAX_TEST_COMPILE_FLAGS); deselect with `-m "not soak"`.
 The long form (64 clients, 10 minutes) is `python benchmarks/soak/run_soak.py --users 64 --seconds 600`."""
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ def test_soak_short_form(tmp_path):
     print(json.dumps({k: report[k] for k in ("clients", "rss_mib", "server", "checks")}, indent=1))
     assert report["checks"] and all(report["checks"].values()), report["checks"]
     assert clients["valid_ok"] >= 25 and clients["images_checked"] >= 25
-    for kind in ("invalid_ok", "oversized_ok", "slow_cut", "disconnects"):
-        assert clients[kind] > 0, kind  # every kind of client took part
+    for kind in ("invalid_ok", "oversized_ok", "slow_cut", "disconnects", "comfy_ws", "comfy_poll"):
+        assert clients[kind] > 0, kind  # every kind of client took part (the first users open with the rarer kinds)
+    assert clients["comfy_ok"] > 0 and clients["comfy_lost"] == 0 and clients["comfy_mixed"] == 0
+    assert clients["comfy_ok"] == clients["comfy_ws"] + clients["comfy_poll"]
+    assert clients["comfy_images_checked"] >= clients["comfy_ok"]
     assert clients["valid_p50_s"] is not None and clients["valid_p99_s"] >= clients["valid_p50_s"]
+    assert clients["comfy_p50_s"] is not None and clients["comfy_p99_s"] >= clients["comfy_p50_s"]

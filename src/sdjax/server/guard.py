@@ -277,6 +277,14 @@ def protocol_class(header_timeout_s: float, base: type | None = None) -> type:
                 self._head_timer.cancel()
             super().connection_lost(exc)
 
+        def handle_websocket_upgrade(self, *args):
+            # The connection becomes a websocket (ComfyUI's /ws): no more request heads on it, so no deadline
+            # (the timer used to close every websocket header_timeout_s after it opened).
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().handle_websocket_upgrade(*args)
+
         def send_400_response(self, msg: str) -> None:
             error = APIError(400, f"malformed HTTP request: {msg}", None, code="malformed_request")
             data = error_bytes("/", error)
@@ -293,6 +301,8 @@ def protocol_class(header_timeout_s: float, base: type | None = None) -> type:
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
 
         def _head_deadline(self):
+            if self.transport.get_protocol() is not self:  # upgraded (a websocket): not this protocol's any more
+                return
             cycle = getattr(self, "cycle", None)
             if (cycle is None or cycle.response_complete) and not self.transport.is_closing():
                 self.transport.close()  # no request head in time (or none since the last response)
