@@ -25,7 +25,10 @@ from typing import Any
 
 from sdjax.server.comfy.defs import NODES, Dynamic, NodeDef
 
-LINK_TYPES = frozenset({"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK", "CONTROL_NET"})
+LINK_TYPES = frozenset(
+    {"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "MASK", "CONTROL_NET", "NOISE", "GUIDER", "SAMPLER",
+     "SIGMAS"}
+)  # fmt: skip
 
 
 def error_item(kind: str, message: str, details: str = "", **extra: Any) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""The ComfyUI nodes that feed the samplers (`comfy.nodes`): loaders (checkpoint, LoRA, VAE, ControlNet), conditioning
-(text, clip skip, Flux guidance, ControlNet) and images and masks (LoadImage, LoadImageMask, ImageScale), as a mixin
-of the planner: each `n_<class_type>` returns the node's outputs as `comfy.values`, or raises a `graph.NodeError`."""
+"""The ComfyUI nodes that feed the samplers (`comfy.nodes`): loaders (checkpoint, LoRA, VAE, ControlNet; those of a
+model's parts, UNETLoader and the CLIP loaders, are `comfy.loaders`), conditioning (text, clip skip, Flux guidance,
+ControlNet) and images and masks (LoadImage, LoadImageMask, ImageScale), as a mixin of the planner: each
+`n_<class_type>` returns the node's outputs as `comfy.values`, or raises a `graph.NodeError`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from sdjax.metadata import ControlUnit
+from sdjax.server.comfy import loaders
 from sdjax.server.comfy.graph import Node, NodeError
 from sdjax.server.comfy.values import Clip, Cond, Model, Pixels, Vae
 from sdjax.server.schemas import FieldError
@@ -25,7 +27,7 @@ _RESAMPLE = {
 }
 
 
-class Inputs:
+class Inputs(loaders.Loaders):
     """The planner's loader, conditioning and image nodes (`self.value`, `self.ctx` come from the planner)."""
 
     ctx: Any
@@ -51,32 +53,22 @@ class Inputs:
                 field,
             )
 
-    def n_UNETLoader(self, node: Node, _) -> tuple:
-        raise NodeError(
-            node.id,
-            "node_not_supported",
-            "UNETLoader: load the served model with CheckpointLoaderSimple (sdjax loads a model's parts together)",
-            "unet_name",
-        )
-
-    def n_CLIPLoader(self, node: Node, _) -> tuple:
-        raise NodeError(
-            node.id,
-            "node_not_supported",
-            f"{node.class_type}: the served model's own text encoders are used; load them with CheckpointLoaderSimple",
-            "clip_name",
-        )
-
-    n_DualCLIPLoader = n_CLIPLoader
-
     def n_VAELoader(self, node: Node, _) -> tuple:
+        """A VAE of the VAE folder; or, by a name of `loaders.served_vae_names` the folder does not have, the served
+        model's own (the VAE CheckpointLoaderSimple gives)."""
         name = node.inputs["vae_name"]
+        own = loaders.served_vae_names(self.ctx.pipeline)
+        md = getattr(self.ctx.networks, "md", None)
+        in_folder = md is not None and md.folder("vae") is not None and _has(md, "vae", name)
+        if name.strip().replace("\\", "/").rsplit("/", 1)[-1] in own and not in_folder:
+            return (Vae(self.ctx.default_vae),)
+        also = f"; the served model's own VAE: {own}" if own else ""
         if self.ctx.networks is None:
-            raise NodeError(node.id, "value_not_in_list", "vae_name: this server has no VAE folder", "vae_name")
+            raise NodeError(node.id, "value_not_in_list", f"vae_name: this server has no VAE folder{also}", "vae_name")
         try:
             return (Vae(self.ctx.networks.vae(self.ctx.pipeline, name, "vae_name")),)
         except FieldError as e:
-            raise NodeError(node.id, "value_not_in_list", e.message, "vae_name") from None
+            raise NodeError(node.id, "value_not_in_list", e.message + also, "vae_name") from None
 
     def n_LoraLoader(self, node: Node, _) -> tuple:
         model, clip = self.value(node, "model"), self.value(node, "clip")
@@ -223,6 +215,14 @@ class Inputs:
         if pixels.arrays is not None:
             return (Pixels(scale(pixels.arrays)),)
         return (dataclasses.replace(pixels, ops=(*pixels.ops, scale)),)
+
+
+def _has(md: Any, kind: str, name: str) -> bool:
+    try:
+        md.resolve(kind, name)
+    except (ValueError, LookupError):
+        return False
+    return True
 
 
 def _add(loras: tuple, name: str, strength: float) -> tuple:

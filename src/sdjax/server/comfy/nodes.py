@@ -6,6 +6,9 @@ that is pixels or the result of a sampler) and turns each KSampler into one `Gen
 from an EmptyLatentImage, image-to-image from VAEEncode, inpainting from VAEEncodeForInpaint or SetLatentNoiseMask.
 A second KSampler on a first pass's latent (through LatentUpscale(By) "bilinear", or "nearest-exact" at whole-number
 ratios, or at the same size) is A1111's hires fix of that generation (`recipes.Hires`: its steps, denoise, sampler).
+SamplerCustomAdvanced (with RandomNoise, a BasicGuider or CFGGuider, KSamplerSelect and BasicScheduler;
+`comfy.custom`) is the same generation as a KSampler with those settings. The loaders of a model's parts (UNETLoader,
+CLIPLoader, DualCLIPLoader, TripleCLIPLoader; `comfy.loaders`) give the served model's parts when they name them.
 The requests run through the server's batcher like any other API's. What does not map is refused with a node error
 naming the node and input (`graph.NodeError`), never skipped:
 
@@ -15,7 +18,8 @@ naming the node and input (`graph.NodeError`), never skipped:
 - KSamplerAdvanced with add_noise "disable", end_at_step before the last step, or leftover noise;
 - denoise < 1 on an empty latent; a sampler or scheduler sdjax lacks; positive and negative with different CLIP
   settings or ControlNets; a checkpoint, LoRA, VAE or ControlNet the server does not have;
-- UNETLoader, CLIPLoader and DualCLIPLoader (the served model's own text encoders cannot be swapped per prompt).
+- a UNETLoader or CLIP loader that does not name the served model's parts (`comfy.loaders`: sdjax loads a model's
+  parts together and cannot swap them per prompt); EmptySD3LatentImage on a model with 4 latent channels.
 
 Step rules: a KSampler with `steps` s and `denoise` d on an image runs ComfyUI's s steps at the end of an
 `int(s / d)`-step schedule; sdjax writes that as A1111's img2img rule (`metadata.a1111_start_step`: total steps T and
@@ -35,10 +39,11 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from sdjax.metadata import SEED_MAX, GenerationRequest
-from sdjax.server.comfy import defs
+from sdjax.server.comfy import loaders
+from sdjax.server.comfy.custom import CustomSampling, sampler_of
 from sdjax.server.comfy.graph import Graph, Node, NodeError, failed_validation
 from sdjax.server.comfy.inputs import Inputs, mask_image
-from sdjax.server.comfy.values import Clip, Cond, Context, Latent, Model, Output, Pixels, Plan, Stage
+from sdjax.server.comfy.values import Clip, Cond, Context, Guider, Latent, Model, Output, Pixels, Plan, Stage
 from sdjax.server.schemas import FieldError, check_common
 
 __all__ = ["Context", "Plan", "plan"]
@@ -59,7 +64,7 @@ def plan(graph: Graph, ctx: Context) -> Plan:
     return Plan(planner.stages, outputs, order)
 
 
-class _Planner(Inputs):
+class _Planner(Inputs, CustomSampling):
     def __init__(self, graph: Graph, ctx: Context):
         self.graph, self.ctx = graph, ctx
         self.stages: list[Stage] = []
@@ -87,6 +92,14 @@ class _Planner(Inputs):
     def n_EmptyLatentImage(self, node: Node, _) -> tuple:
         w, h = int(node.inputs["width"]) // 8 * 8, int(node.inputs["height"]) // 8 * 8
         return (Latent("empty", w, h, int(node.inputs["batch_size"]), node=node.id),)
+
+    def n_EmptySD3LatentImage(self, node: Node, _) -> tuple:
+        """EmptyLatentImage for the 16-channel models (SD 3, Flux): the same txt2img latent."""
+        channels = loaders.latent_channels(self.ctx.pipeline)
+        if channels != 16:
+            raise NodeError(node.id, "node_not_supported", f"EmptySD3LatentImage makes the 16-channel latents of SD 3 "
+                            f"and Flux; the served model's have {channels} channels: use EmptyLatentImage")  # fmt: skip
+        return self.n_EmptyLatentImage(node, _)
 
     def n_VAEEncode(self, node: Node, _) -> tuple:
         image = self._pixels_in(node, "pixels")
@@ -274,7 +287,10 @@ class _Planner(Inputs):
             strength = (steps - 0.5) / steps
         return self._stage(node, latent, int(node.inputs["noise_seed"]), steps, strength, seed_field="noise_seed")
 
-    def _stage(self, node: Node, latent: Latent, seed: int, steps: int, strength: float | None, seed_field="seed"):
+    def _stage(self, node: Node, latent: Latent, seed: int, steps: int, strength: float | None, seed_field="seed",
+               custom: tuple[Guider, str, dict[str, str]] | None = None):  # fmt: skip
+        """One generation: a KSampler's (its model, prompts, cfg, sampler) or, with `custom`, a SamplerCustomAdvanced's
+        (its guider, sampler string and the fields naming its steps, cfg and sampler on the nodes that set them)."""
         if latent.kind == "sampled":
             raise NodeError(
                 node.id,
@@ -282,26 +298,26 @@ class _Planner(Inputs):
                 "latent_image: a third pass (sampling a second pass's latent) is not served",
                 "latent_image",
             )
-        model, positive, negative = (
-            self.value(node, "model"),
-            self.value(node, "positive"),
-            self.value(node, "negative"),
-        )
-        if positive.clip != negative.clip:
+        if custom is None:
+            model, positive, negative = (self.value(node, n) for n in ("model", "positive", "negative"))
+            custom = (Guider(model, positive, negative, float(node.inputs["cfg"]), node.id), _sampler(node), {})
+        guider, sampler, fields = custom
+        model, positive, negative = guider.model, guider.positive, guider.negative
+        if positive.clip != negative.clip:  # (the guider's errors name the guider: a CFGGuider has the prompts)
             raise NodeError(
-                node.id,
+                guider.node,
                 "node_not_supported",
                 "negative: positive and negative prompts must use the same CLIP (same LoRAs and CLIP Set Last Layer)",
                 "negative",
             )
         if positive.control != negative.control:
             raise NodeError(
-                node.id,
+                guider.node,
                 "node_not_supported",
                 "negative: ControlNets must condition both prompts (one ControlNetApplyAdvanced)",
                 "negative",
             )
-        sampler = _sampler(node)
+        self._shift_size(model, latent)
         vae = latent.vae.name if latent.vae is not None else ""
         request = GenerationRequest(
             prompt=positive.text,
@@ -309,7 +325,7 @@ class _Planner(Inputs):
             num_images=latent.batch,
             seed=seed % (SEED_MAX + 1),
             steps=steps,
-            guidance_scale=float(node.inputs["cfg"]),
+            guidance_scale=guider.cfg,
             width=latent.width,
             height=latent.height,
             sampler=sampler,
@@ -324,11 +340,11 @@ class _Planner(Inputs):
             request = dataclasses.replace(
                 request, init_image=latent.image, denoising_strength=strength, mask_image=latent.mask
             )
-        self._check(node, request, latent, positive, negative)
-        loras = self._loras(node, model, positive.clip)
+        self._check(node, request, latent, positive, negative, fields)
+        loras = self._loras(self.graph.nodes[guider.node], model, positive.clip)
         if loras:
             request = dataclasses.replace(request, loras=loras, lora_hashes=self.ctx.networks.lora_hashes(loras))
-        inputs = (model, positive, negative, float(node.inputs["cfg"]), seed)
+        inputs = (model, positive, negative, guider.cfg, seed)
         self.stages.append(Stage(node.id, request, vae_fixed=latent.kind == "image", inputs=inputs))
         return (Latent("sampled", latent.width, latent.height, latent.batch, node=node.id, stage=len(self.stages) - 1),)
 
@@ -340,6 +356,7 @@ class _Planner(Inputs):
 
         first = self.stages[latent.stage]
         model, positive, negative = (self.value(node, n) for n in ("model", "positive", "negative"))
+        self._shift_size(model, latent)
         problems = [
             (first.request.init_image is not None, "latent_image", "the hires fix follows a text-to-image pass"),
             (bool(first.second_pass), "latent_image", f"node {first.second_pass} already samples this latent"),
@@ -374,17 +391,21 @@ class _Planner(Inputs):
         return (Latent("sampled", latent.width, latent.height, latent.batch, node=node.id, stage=latent.stage,
                        second=True),)  # fmt: skip
 
-    def _check(self, node: Node, r: GenerationRequest, latent: Latent, positive: Cond, negative: Cond) -> None:
-        fields = dict(
-            num_images=f"{latent.node}:batch_size",
-            steps=f"{node.id}:steps",
-            guidance_scale=f"{node.id}:cfg",
-            width=f"{latent.node}:width",
-            height=f"{latent.node}:height",
-            size=f"{latent.node}:width",
-            sampler=f"{node.id}:sampler_name",
-            prompt=f"{positive.text_node}:text",
-            negative_prompt=f"{negative.text_node}:text",
+    def _check(self, node: Node, r: GenerationRequest, latent: Latent, positive: Cond, negative: Cond,
+               named: dict[str, str]) -> None:  # fmt: skip
+        fields = (
+            dict(
+                num_images=f"{latent.node}:batch_size",
+                steps=f"{node.id}:steps",
+                guidance_scale=f"{node.id}:cfg",
+                width=f"{latent.node}:width",
+                height=f"{latent.node}:height",
+                size=f"{latent.node}:width",
+                sampler=f"{node.id}:sampler_name",
+                prompt=f"{positive.text_node}:text",
+                negative_prompt=f"{negative.text_node}:text",
+            )
+            | named
         )
         try:
             check_common(
@@ -422,30 +443,8 @@ class _Planner(Inputs):
 
 
 def _sampler(node: Node) -> str:
-    """ComfyUI's (sampler_name, scheduler) -> the sdjax sampler string; node errors naming either."""
-    from sdjax.samplers import a1111, schedules
-
-    name, scheduler = node.inputs["sampler_name"], node.inputs["scheduler"]
-    if name not in defs.SAMPLERS:
-        why = "has no sdjax equivalent" if name in defs.UNSUPPORTED_SAMPLERS else "is unknown"
-        raise NodeError(
-            node.id, "value_not_in_list", f"sampler_name: {name!r} {why}; served: {list(defs.SAMPLERS)}", "sampler_name"
-        )
-    if scheduler not in defs.SCHEDULERS:
-        raise NodeError(
-            node.id,
-            "value_not_in_list",
-            f"scheduler: {scheduler!r} is unknown; served: {list(defs.SCHEDULERS)}",
-            "scheduler",
-        )
-    try:
-        return a1111.canonical(defs.SAMPLERS[name], defs.SCHEDULERS[scheduler])
-    except (schedules.UnknownScheduleError, schedules.UnsupportedScheduleError) as e:
-        raise NodeError(
-            node.id, "value_not_in_list", f"scheduler: {scheduler!r} with {name!r}: {e}", "scheduler"
-        ) from None
-    except a1111.UnsupportedSamplerError as e:
-        raise NodeError(node.id, "value_not_in_list", f"sampler_name: {e}", "sampler_name") from None
+    """A KSampler's (sampler_name, scheduler) -> the sdjax sampler string (`custom.sampler_of`)."""
+    return sampler_of(node.inputs["sampler_name"], node.inputs["scheduler"], node.id, node.id)
 
 
 def _syntax(pipeline: Any, *texts: str) -> str:

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from sdjax.server.batching import QueueFull, ShuttingDown
-from sdjax.server.comfy import defs, nodes
+from sdjax.server.comfy import defs, loaders, nodes
 from sdjax.server.comfy.graph import PromptError, error_item, parse
 from sdjax.server.comfy.runner import Hub, Run, Runner
 from sdjax.server.comfy.store import TYPES, Files, History, clean_name
@@ -128,7 +128,10 @@ def router(
             "scheduler": list(defs.SCHEDULERS),
             "image": files.names("input"),
             "controlnet": sorted(list_controlnets(config.controlnet_dir)),
-            "clip": [],
+            "unet": list(model_names(now)),
+            "weight_dtype": loaders.weight_dtypes(now.pipeline),
+            "clip": loaders.clip_names(now.pipeline),
+            **{f"clip_type:{n}": loaders.clip_types(now.pipeline, n) for n in ("CLIPLoader", "DualCLIPLoader")},
             "lora": [],
             "vae": [],
         }
@@ -138,6 +141,7 @@ def router(
                     out[kind] = [e.name for e in md.list(kind)] if md.folder(kind) is not None else []
                 except Exception:  # an unreadable folder lists nothing
                     out[kind] = []
+        out["vae"] += [n for n in loaders.served_vae_names(now.pipeline) if n not in out["vae"]]
         return out
 
     # ------------------------------------------------------------------ prompts
@@ -334,14 +338,17 @@ def router(
     async def embeddings():
         return sorted((served().embeddings or {}).get("loaded", {}))
 
+    folders = {"checkpoints": "checkpoint", "diffusion_models": "unet", "text_encoders": "clip", "loras": "lora",
+               "vae": "vae", "controlnet": "controlnet"}  # fmt: skip
+
     @api.get("/models", summary="Model folders (ComfyUI API)")
     async def model_types():
-        return ["checkpoints", "loras", "vae", "controlnet", "embeddings"]
+        return [*folders, "embeddings"]
 
     @api.get("/models/{folder}", summary="Models of a folder (ComfyUI API)")
     async def models_of(folder: str):
         now = choices()
-        key = {"checkpoints": "checkpoint", "loras": "lora", "vae": "vae", "controlnet": "controlnet"}.get(folder)
+        key = folders.get(folder)
         if folder == "embeddings":
             return await embeddings()
         return now[key] if key else _bad(f"no model folder {folder!r}", 404, "not_found")

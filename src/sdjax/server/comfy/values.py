@@ -29,6 +29,8 @@ class Context:
 @dataclasses.dataclass(frozen=True)
 class Model:
     loras: tuple[tuple[str, float], ...] = ()
+    # ModelSamplingFlux's (node, width, height): the size its schedule shift is for (the sampled latent's must match)
+    shift_size: tuple[str, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,37 @@ class Cond:
     text_node: str = dataclasses.field(compare=False)  # where the text came from (named in errors)
     control: tuple[ControlUnit, ...] = ()
     guidance: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Guider:
+    """A GUIDER (BasicGuider: the positive prompt alone, cfg 1; CFGGuider), or a KSampler's own model, prompts and
+    cfg: what a sampler node samples with."""
+
+    model: Model
+    positive: Cond
+    negative: Cond
+    cfg: float
+    node: str = dataclasses.field(compare=False)  # where the cfg came from (named in errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sigmas:
+    """A SIGMAS of BasicScheduler: a ComfyUI scheduler's `steps` (of an `int(steps / denoise)`-step schedule)."""
+
+    model: Model
+    scheduler: str
+    steps: int
+    denoise: float
+    node: str = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """A SAMPLER of KSamplerSelect, or a NOISE of RandomNoise (`value`: the sampler name, or the seed)."""
+
+    value: Any
+    node: str = dataclasses.field(compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
