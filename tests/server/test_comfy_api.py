@@ -425,3 +425,26 @@ def test_upload_mask_and_execution_error():
         assert error["node_id"] == "3" and error["node_type"] == "KSampler" and error["exception_message"]
         entry = wait_history(c, error["prompt_id"])
         assert entry["status"]["status_str"] == "error" and entry["status"]["messages"][0][0] == "execution_error"
+
+
+def _images_counted(c) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("sdjax_images_generated_total "):
+            return float(line.split()[1])
+    raise AssertionError("no sdjax_images_generated_total in /metrics")
+
+
+def test_workflow_images_are_counted_once_in_the_metrics(server):
+    """A workflow's generated images count in `sdjax_images_generated_total` as the other APIs' do: a batch of 2
+    shown by both a SaveImage and a PreviewImage is 2 images, not 4 (the soak found ComfyUI's were not counted)."""
+    wf = default_workflow(seed=11)
+    wf["5"]["inputs"]["batch_size"] = 2
+    wf["10"] = {"class_type": "PreviewImage", "inputs": {"images": ["8", 0]}}
+    with client(server.url) as c:
+        before = _images_counted(c)
+        r = c.post("/prompt", json={"prompt": wf})
+        assert r.status_code == 200, r.text
+        entry = wait_history(c, r.json()["prompt_id"])
+        assert entry["status"]["status_str"] == "success"
+        assert len(entry["outputs"]["9"]["images"]) == len(entry["outputs"]["10"]["images"]) == 2
+        assert _images_counted(c) - before == 2

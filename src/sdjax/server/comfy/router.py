@@ -28,6 +28,7 @@ import platform
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, WebSocket, WebSocketDisconnect
@@ -98,9 +99,20 @@ def router(
     md: Any = None,
 ) -> APIRouter:
     """The ComfyUI routes over the server's batcher; `served()` is the model served now (`app.Served`)."""
+    api = APIRouter(tags=["ComfyUI"])
+    s = _shared(config=config, batcher=batcher, served=served, wait_for_model=wait_for_model, networks=networks, md=md)
+    for add in (_prompt_routes, _queue_routes, _file_routes, _introspection_routes):
+        add(api, s)
+    api.state = {"runner": s.runner, "files": s.files}  # for tests
+    return api
+
+
+def _shared(*, config, batcher, served, wait_for_model, networks, md) -> SimpleNamespace:
+    """What the ComfyUI routes share: the files, history, websocket hub and runner over the server's batcher, the
+    prompt counter, the auth check, and the served model's names and combo values."""
+
     from sdjax.server.controlnet import list_controlnets
 
-    api = APIRouter(tags=["ComfyUI"])
     files = Files(max_files=config.max_files, max_bytes=config.max_file_bytes)
     history = History()
     hub = Hub()
@@ -144,7 +156,59 @@ def router(
         out["vae"] += [n for n in loaders.served_vae_names(now.pipeline) if n not in out["vae"]]
         return out
 
-    # ------------------------------------------------------------------ prompts
+    return SimpleNamespace(
+        config=config,
+        batcher=batcher,
+        served=served,
+        wait_for_model=wait_for_model,
+        networks=networks,
+        md=md,
+        files=files,
+        history=history,
+        hub=hub,
+        runner=runner,
+        runs=runs,
+        numbers=numbers,
+        auth=auth,
+        queue_remaining=queue_remaining,
+        status=status,
+        model_names=model_names,
+        choices=choices,
+    )
+
+
+def _prompt_routes(api: APIRouter, s: SimpleNamespace) -> None:
+    """The ComfyUI routes: prompts."""
+    from sdjax.server.controlnet import list_controlnets
+
+    (
+        config,
+        batcher,
+        wait_for_model,
+        networks,
+        files,
+        history,
+        runner,
+        runs,
+        numbers,
+        queue_remaining,
+        status,
+        model_names,
+    ) = (
+        s.config,
+        s.batcher,
+        s.wait_for_model,
+        s.networks,
+        s.files,
+        s.history,
+        s.runner,
+        s.runs,
+        s.numbers,
+        s.queue_remaining,
+        s.status,
+        s.model_names,
+    )
+
     # A workflow's validity is a graph check (comfy.graph), which OpenAPI cannot state: /prompt and /upload/mask
     # (which needs an uploaded original) are left out of the published schema, so schema fuzzers do not report them
     # as refusing what the schema allows; test_comfy_api fuzzes /prompt with mutated workflows instead.
@@ -195,7 +259,11 @@ def router(
     async def get_prompt():
         return {"exec_info": {"queue_remaining": queue_remaining()}}
 
-    # ------------------------------------------------------------------ queue, interrupt, history
+
+def _queue_routes(api: APIRouter, s: SimpleNamespace) -> None:
+    """The ComfyUI routes: queue, interrupt, history."""
+    batcher, history, runs = s.batcher, s.history, s.runs
+
     @api.get("/queue", summary="Running and pending prompts (ComfyUI API)")
     async def get_queue():
         return {
@@ -253,7 +321,11 @@ def router(
                 history.delete(prompt_id)
         return {}
 
-    # ------------------------------------------------------------------ files
+
+def _file_routes(api: APIRouter, s: SimpleNamespace) -> None:
+    """The ComfyUI routes: files."""
+    served, files = s.served, s.files
+
     @api.get("/view", summary="An output, temp or uploaded image (ComfyUI API)")
     async def view(
         filename: Annotated[str, Query(json_schema_extra={"pattern": _NAME})] = "",
@@ -323,7 +395,17 @@ def router(
     async def upload_mask(request: Request):
         return await upload(request, mask=True)
 
-    # ------------------------------------------------------------------ introspection
+
+def _introspection_routes(api: APIRouter, s: SimpleNamespace) -> None:
+    """The ComfyUI routes: introspection."""
+    served, hub, auth, queue_remaining, choices = (
+        s.served,
+        s.hub,
+        s.auth,
+        s.queue_remaining,
+        s.choices,
+    )
+
     @api.get("/object_info", summary="The nodes sdjax runs, with their inputs (ComfyUI API)")
     async def object_info():
         now = choices()
@@ -381,9 +463,6 @@ def router(
             group.discard(websocket)
             if not group:
                 hub.clients.pop(sid, None)
-
-    api.state = {"runner": runner, "files": files}  # for tests
-    return api
 
 
 async def _json(request: Request) -> Any:

@@ -105,6 +105,10 @@ class Runner:
                     cid,
                 )
             self._finish(run, "success", saved, [])
+            # the images generated (once per sampling stage an output shows, however many outputs show it), in the
+            # counter the other APIs' requests add to (`sdjax_images_generated_total`)
+            shown = {out.pixels.stage for out in run.plan.outputs if out.pixels.arrays is None}
+            self.batcher.metrics.images.inc(sum(len(outcomes[k].images) for k in shown))
             await self.hub.send("execution_success", {"prompt_id": pid, "timestamp": _ms()}, cid)
             await self.hub.send("executing", {"node": None, "display_node": None, "prompt_id": pid}, cid)
         except _Interrupted:
