@@ -140,6 +140,13 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         pipe.name = str(path)
         return pipe, params
 
+    def _read_lora(self, path, targets, name):
+        """SD 3 / 3.5 LoRAs (diffusers/PEFT, kohya / ComfyUI reference names, OneTrainer layouts) on the transformer
+        and the two CLIP text encoders (`families.sd3.lora`); what does not fit is refused by key."""
+        from sdjax.families.sd3.lora import load_sd3_lora
+
+        return load_sd3_lora(path, targets, name=name)
+
     def _conditioning(self):
         return SD3Conditioning(
             self.tokenizer,
