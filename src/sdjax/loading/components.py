@@ -4,7 +4,9 @@
 the sdjax loader (class names of the old Flax pipelines, `FlaxUNet2DConditionModel` etc., are read without their
 `Flax` prefix). A model component is built from its `config.json`, its weights are chosen by
 `files.select_weight_files` and converted tensor by tensor, each cast to `dtype` as it is converted, so peak host
-memory stays near one copy of the checkpoint plus the params. The scheduler state is always float32.
+memory stays near one copy of the checkpoint plus the params. With a `quantize` policy (`sdjax.quant.QuantPolicy`)
+the kernels it selects in its components are quantized as they are converted (`sdjax.quant.loading`), so those
+components never exist in full precision. The scheduler state is always float32.
 
 Optional components (`safety_checker`, `feature_extractor`, `image_encoder`) whose class sdjax does not implement
 are skipped with a logged warning; any other unknown `[library, class]` is an error. The `feature_extractor` is loaded
@@ -82,12 +84,15 @@ SAFETY_CHECKER = ModelSpec(
 
 @dataclasses.dataclass(frozen=True)
 class LoadRequest:
-    """What every component loader gets: its folder and the load-wide options."""
+    """What every component loader gets: its folder and the load-wide options. `quantize`: a
+    `sdjax.quant.QuantPolicy` whose selected kernels of this component (when its `components` name `name`) are
+    quantized as they are converted, or None."""
 
     name: str
     folder: Path
     variant: str | None
     dtype: Any
+    quantize: Any = None
 
 
 def model_config(spec: ModelSpec, raw: Mapping[str, Any], *, source: str) -> Any:
@@ -99,15 +104,32 @@ def model_config(spec: ModelSpec, raw: Mapping[str, Any], *, source: str) -> Any
 
 
 def model_from_state_dict(
-    spec: ModelSpec, config: Any, state_dict: Mapping[str, Any], *, dtype: Any, component: str
+    spec: ModelSpec,
+    config: Any,
+    state_dict: Mapping[str, Any],
+    *,
+    dtype: Any,
+    component: str,
+    quantize: Any = None,
+    params_key: str | None = None,
 ) -> tuple[Any, dict]:
     """Build `spec`'s module from its `config` and convert a PyTorch-named `state_dict` (name -> array, read
     lazily key by key, each tensor cast to `dtype` as it is converted) -> `(module, params)`. `component` names
-    the source in a `WeightLoadError`."""
+    the source in a `WeightLoadError`. `quantize` (a `QuantPolicy` or None) with `params_key` (the component's
+    key in the pipeline's params, e.g. "unet"): the kernels the policy selects there are quantized as they are
+    converted (`sdjax.quant.loading.convert_quantized`)."""
     mod = importlib.import_module(spec.module)
     model_cls, convert = getattr(mod, spec.model), getattr(mod, spec.convert)
+    kwargs = dict(spec.convert_kwargs)
     try:
-        params = convert(state_dict, config, cast=make_cast(dtype), **dict(spec.convert_kwargs))
+        if quantize is None or params_key is None:
+            params = convert(state_dict, config, cast=make_cast(dtype), **kwargs)
+        else:
+            from sdjax.quant.loading import convert_quantized
+
+            params = convert_quantized(
+                lambda cast: convert(state_dict, config, cast=cast, **kwargs), make_cast(dtype), quantize, params_key
+            )
     except WeightLoadError as e:  # the same report, naming the component
         raise WeightLoadError(component, e.missing, e.unexpected, e.misshaped) from None
     return model_cls(config=config, dtype=dtype), params
@@ -135,7 +157,15 @@ def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
             cast=make_cast(req.dtype),
         )
         return model_cls(config=config, dtype=req.dtype), params
-    return model_from_state_dict(spec, config, files.read_weights(weights), dtype=req.dtype, component=component)
+    return model_from_state_dict(
+        spec,
+        config,
+        files.read_weights(weights),
+        dtype=req.dtype,
+        component=component,
+        quantize=req.quantize,
+        params_key=req.name,
+    )
 
 
 def load_model_from(
@@ -421,6 +451,7 @@ def load_pipeline_components(
     vae: Any = None,
     vae_loader: Any = None,
     loaders: Loaders | None = None,
+    quantize: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load a diffusers pipeline folder or Hub repo id -> `(components, params, model_index)`.
 
@@ -445,8 +476,20 @@ def load_pipeline_components(
 
     `loaders` maps `(library, class)` to the loaders of a model family's own components (`sdjax.families`), tried
     before the shared table.
+
+    `quantize`: a `sdjax.quant.QuantPolicy` (or None): the kernels it selects in the components it names are
+    quantized as each is converted (`LoadRequest.quantize`), as `quantize_params` would quantize them after a
+    full-precision load; the modules are not wrapped here (`sdjax.quant.quantize_pipeline` does that).
     """
     overrides = dict(overrides or {})
+    if quantize is not None:
+        from sdjax.quant import QuantPolicy
+
+        if not isinstance(quantize, QuantPolicy):
+            raise TypeError(
+                f"load_pipeline_components(quantize={quantize!r}) takes a sdjax.quant.QuantPolicy "
+                "(sdjax.quant.resolve_policy turns 'int8' / 'fp8' into the denoiser's policy)"
+            )
     if vae is not None:
         if "vae" in overrides:
             raise ValueError("pass the replacement VAE either as vae= or as overrides['vae'], not both")
@@ -502,7 +545,7 @@ def load_pipeline_components(
             loader=vae_loader,
         )
     for name, (library, cls) in todo.items():
-        obj, p = _finder(loaders)(library, cls)(LoadRequest(name, folder / name, variant, dtype))
+        obj, p = _finder(loaders)(library, cls)(LoadRequest(name, folder / name, variant, dtype, quantize))
         components[name] = obj
         if p is not None:
             params[name] = p

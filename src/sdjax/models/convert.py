@@ -73,7 +73,9 @@ def convert_state_dict(
     `expected` is the params tree the Flax model wants (arrays or `jax.ShapeDtypeStruct`s, e.g. from
     `jax.eval_shape(model.init, ...)["params"]`). `cast` turns each converted numpy array into the stored
     leaf (e.g. a jnp array of the requested dtype); it runs one tensor at a time so that peak host memory stays
-    near one copy of the weights. Raises `WeightLoadError` listing every missing, unexpected and mis-shaped key.
+    near one copy of the weights. A `cast` with a true `takes_path` attribute is called as `cast(value, path=path)`
+    with the leaf's params path (a tuple of names), e.g. to quantize selected kernels as they are converted
+    (`sdjax.quant.loading`). Raises `WeightLoadError` listing every missing, unexpected and mis-shaped key.
     """
     renames = [(re.compile(p), r) for p, r in renames]
     ignore = [re.compile(p) for p in ignore]
@@ -82,6 +84,7 @@ def convert_state_dict(
     unexpected: list[str] = []
     misshaped: list[str] = []
     seen: set[Path_] = set()
+    takes_path = getattr(cast, "takes_path", False)
     for key in state_dict:
         if any(p.fullmatch(key) for p in ignore):
             continue
@@ -106,7 +109,11 @@ def convert_state_dict(
                 f"{want[path]} at {'/'.join(path)}"
             )
             continue
-        out[path] = cast(value) if cast is not None else value
+        if cast is None:
+            out[path] = value
+        else:
+            out[path] = cast(value, path=path) if takes_path else cast(value)
+        del raw, value  # this tensor's host copy goes before the next one is read
     missing = ["/".join(p) for p in want if p not in seen]
     if missing or unexpected or misshaped:
         raise WeightLoadError(component, sorted(missing), sorted(unexpected), misshaped)

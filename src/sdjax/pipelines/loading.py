@@ -45,7 +45,8 @@ class LoadingMixin:
         or a `(module, params)` pair. `"sdjax/embedded"` names the small model shipped with the package. `from_pt`
         is accepted for compatibility and has no effect: PyTorch-format weights are always converted.
         `quantize="int8"|"fp8"` (or a `sdjax.quant.QuantPolicy`) stores the denoiser's kernels quantized,
-        dequantized inside the program (`sdjax.quant`, docs/quantization.md).
+        dequantized inside the program (`sdjax.quant`, docs/quantization.md); each selected kernel is quantized as
+        it is converted (`sdjax.quant.loading`), so the load never holds the denoiser in full precision.
         """
         from sdjax.loading.components import load_pipeline_components
         from sdjax.loading.single_file import load_vae
@@ -66,6 +67,7 @@ class LoadingMixin:
                 **components,
             )
         scheduler = components.pop("scheduler", None)
+        policy = cls._load_time_policy(quantize)
         loaded, params, model_index = load_pipeline_components(
             pretrained_model_name_or_path,
             expected_class=cls.model_index_classes,
@@ -77,6 +79,7 @@ class LoadingMixin:
             vae=vae,
             vae_loader=load_vae,
             loaders=cls.component_loaders,
+            quantize=policy,
         )
         return cls._assemble(
             loaded,
@@ -87,8 +90,24 @@ class LoadingMixin:
             scheduler=scheduler,
             split_head_dim=split_head_dim,
             attention=attention or ("chunked" if use_memory_efficient_attention else None),
-            quantize=quantize,
+            quantize=quantize if policy is None else policy,
         )
+
+    @classmethod
+    def _load_time_policy(cls, quantize: Any):
+        """`quantize=` as the `QuantPolicy` the loader applies while converting: a policy as it is; `"int8"` /
+        `"fp8"` over the denoiser's params key, which the families table (`sdjax.families.FAMILIES`) gives for the
+        pipeline classes `cls` loads; None when that is not one key (the denoiser is then quantized after
+        loading, by `quantize_pipeline`, as before)."""
+        from sdjax.families import FAMILIES
+        from sdjax.quant import QuantPolicy, check_quantize, resolve_policy
+
+        quantize = check_quantize(quantize)
+        if quantize is None or isinstance(quantize, QuantPolicy):
+            return quantize
+        mine = set(cls.model_index_classes)
+        keys = {f.denoiser_component for f in FAMILIES.values() if mine & set(f.model_index_classes)}
+        return resolve_policy(quantize, keys.pop()) if len(keys) == 1 else None
 
     @classmethod
     def from_single_file(

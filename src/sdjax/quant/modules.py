@@ -76,15 +76,13 @@ def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantP
     """A loaded pipeline and its params -> `(pipe, params)` with kernels quantized and the modules that read them
     wrapped to dequantize inside the program. `quantize`: `"int8"` / `"fp8"` (the denoiser's kernels,
     `QuantPolicy` defaults), a `QuantPolicy` (e.g. with the text encoders among its `components`, or another
-    `min_size`), or None (both returned unchanged). The pipeline is changed in place: its params, its denoiser, its
-    module attributes (`pipe.unet`, `pipe.text_encoder`, ...) and, when a text encoder is quantized, its conditioning
-    (rebuilt by the family's `_conditioning()` from the wrapped encoders)."""
-    quantize = params_lib.check_quantize(quantize)
-    if quantize is None:
+    `min_size`), or None (both returned unchanged). Kernels the loader already quantized while converting
+    (`sdjax.quant.loading`, `from_pretrained(quantize=)`) are kept as they are. The pipeline is changed in place:
+    its params, its denoiser, its module attributes (`pipe.unet`, `pipe.text_encoder`, ...) and, when a text
+    encoder is quantized, its conditioning (rebuilt by the family's `_conditioning()` from the wrapped encoders)."""
+    policy = params_lib.resolve_policy(quantize, pipe.denoiser.component)
+    if policy is None:
         return pipe, params
-    if isinstance(quantize, str):
-        quantize = params_lib.QuantPolicy(quantize, components=(pipe.denoiser.component,))
-    policy = quantize
     unknown = [c for c in policy.components if c not in params]
     if unknown:
         raise ValueError(f"QuantPolicy.components names {unknown}, which this model's params lack ({sorted(params)})")

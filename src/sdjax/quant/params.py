@@ -70,6 +70,16 @@ def check_quantize(quantize: Any) -> str | QuantPolicy | None:
     return quantize
 
 
+def resolve_policy(quantize: Any, denoiser_component: str) -> QuantPolicy | None:
+    """`quantize=` as a `QuantPolicy`: `"int8"` / `"fp8"` -> the default policy over the denoiser's params
+    (`denoiser_component`: "unet", "transformer"); a `QuantPolicy` as it is; None -> None. The one place a scheme
+    name becomes a policy (`quantize_pipeline` and the loaders that quantize while converting use it)."""
+    quantize = check_quantize(quantize)
+    if isinstance(quantize, str):
+        return QuantPolicy(quantize, components=(denoiser_component,))
+    return quantize
+
+
 def is_quantized_node(node: Any) -> bool:
     return isinstance(node, Mapping) and SCALE in node and KERNEL in node
 
@@ -82,14 +92,27 @@ def quantize_tree(tree: Any, policy: QuantPolicy, path: str = "") -> Any:
         return tree  # already quantized: kept as it is
     out = {k: quantize_tree(v, policy, f"{path}/{k}" if path else str(k)) for k, v in tree.items()}
     kernel = tree.get(KERNEL)
-    if kernel is not None and not isinstance(kernel, Mapping) and policy.selects(f"{path}/{KERNEL}", kernel):
-        if isinstance(kernel, jax.ShapeDtypeStruct):  # abstract params (AOT compiles): shapes only
-            qtype = scheme_lib.SCHEMES[policy.scheme]
-            out[KERNEL] = jax.ShapeDtypeStruct(kernel.shape, qtype, sharding=kernel.sharding)
-            out[SCALE] = jax.ShapeDtypeStruct(kernel.shape[-1:], jnp.float32)
-        else:
-            out[KERNEL], out[SCALE] = scheme_lib.quantize_kernel(kernel, policy.scheme)
+    if kernel is not None:
+        quantized = quantize_selected(policy, f"{path}/{KERNEL}", kernel)
+        if quantized is not None:
+            out[KERNEL], out[SCALE] = quantized
     return out
+
+
+def quantize_selected(policy: QuantPolicy, path: str, kernel: Any) -> tuple[Any, Any] | None:
+    """`(q, scale)` of the `kernel` leaf at `path` (`component/.../kernel`) when `policy` selects it, else None.
+    `quantize_tree` calls it for every kernel of a loaded tree, the loaders' per-tensor hook
+    (`sdjax.quant.loading`) for each kernel as it is converted: the same rule and arithmetic, so both give the
+    same values. A `jax.ShapeDtypeStruct` (abstract params, AOT compiles) gives the quantized shapes only."""
+    if isinstance(kernel, Mapping) or not policy.selects(path, kernel):
+        return None
+    if isinstance(kernel, jax.ShapeDtypeStruct):
+        qtype = scheme_lib.SCHEMES[policy.scheme]
+        return (
+            jax.ShapeDtypeStruct(kernel.shape, qtype, sharding=kernel.sharding),
+            jax.ShapeDtypeStruct(kernel.shape[-1:], jnp.float32),
+        )
+    return scheme_lib.quantize_kernel(kernel, policy.scheme)
 
 
 def quantize_params(params: Mapping[str, Any], policy: QuantPolicy) -> dict[str, Any]:

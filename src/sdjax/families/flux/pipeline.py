@@ -122,14 +122,15 @@ class FluxPipeline(DiffusionPipeline):
         `clip_l=` name the separate files: `t5xxl_fp16.safetensors`, `t5xxl_fp8_e4m3fn.safetensors`,
         `clip_l.safetensors`) -> `(pipeline, params)`. `keep_fp8=True` keeps float8 weights float8 in memory (one
         byte per weight; each layer casts them to the compute dtype). The transformer's architecture is read from
-        the file's tensors. `quantize="int8"|"fp8"`: the transformer's kernels quantized (`sdjax.quant`)."""
+        the file's tensors. `quantize="int8"|"fp8"`: the transformer's kernels quantized (`sdjax.quant`), each as
+        it is converted."""
         from pathlib import Path
 
         from sdjax.config import read_json
         from sdjax.families.flux import weights
-        from sdjax.quant import check_quantize, quantize_pipeline
+        from sdjax.quant import quantize_pipeline, resolve_policy
 
-        check_quantize(quantize)
+        policy = resolve_policy(quantize, FAMILY.denoiser_component)
 
         def folder_config(component):  # a local config folder's configs (else the released models' defaults)
             local = Path(str(config)) / component / "config.json"
@@ -138,7 +139,7 @@ class FluxPipeline(DiffusionPipeline):
         # The transformer's config fills what tensors cannot say (the rotary axes); it must agree with them.
         overrides, params = {}, {}
         overrides["transformer"], params["transformer"] = weights.load_flux_transformer_file(
-            path, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("transformer")
+            path, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("transformer"), quantize=policy
         )
         if t5 is not None:
             overrides["text_encoder_2"], params["text_encoder_2"] = weights.load_t5_file(
@@ -155,7 +156,7 @@ class FluxPipeline(DiffusionPipeline):
         params = {**loaded, **params}
         pipe.params = params
         pipe.name = str(path)
-        return quantize_pipeline(pipe, params, quantize)
+        return quantize_pipeline(pipe, params, policy)
 
     def _conditioning(self):
         return FluxConditioning(

@@ -68,6 +68,7 @@ from sdjax.models import flux as flux_model
 from sdjax.models import t5 as t5_model
 from sdjax.models.flux import FluxTransformerConfig
 from sdjax.precision import resolve_dtype
+from sdjax.quant.loading import convert_quantized
 
 # black-forest-labs/FLUX.1-dev and FLUX.1-schnell `transformer/config.json` (they differ in guidance_embeds only).
 FLUX_DEV = FluxTransformerConfig(guidance_embeds=True)
@@ -577,7 +578,9 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
 
 # ---------------------------------------------------------------------------------------------- the transformer
-def _load_transformer(tensors: Mapping[str, Any], *, source: str, dtype: Any, config: Any, cast) -> tuple[Any, dict]:
+def _load_transformer(
+    tensors: Mapping[str, Any], *, source: str, dtype: Any, config: Any, cast, quantize: Any = None
+) -> tuple[Any, dict]:
     sd = _transformer_part(tensors)
     layout = _layout(sd)
     if layout is None:
@@ -585,32 +588,43 @@ def _load_transformer(tensors: Mapping[str, Any], *, source: str, dtype: Any, co
     if layout == "bfl":
         sd = flux_transformer_state_dict(sd)
     cfg = flux_config_from_shapes({k: tensor_shape(sd, k) for k in sd}, config, source=source)
-    params = flux_model.convert_flux_transformer(sd, cfg, cast=cast, component=f"transformer ({source})")
+    params = convert_quantized(  # `quantize`: a QuantPolicy whose kernels are quantized as they are converted
+        lambda c: flux_model.convert_flux_transformer(sd, cfg, cast=c, component=f"transformer ({source})"),
+        cast,
+        quantize,
+        "transformer",
+    )
     return flux_model.FluxTransformer2DModel(cfg, dtype=dtype), params
 
 
 def load_flux_transformer_file(
-    path: str | Path, *, dtype: Any, config: Any = None, keep_fp8: bool = False
+    path: str | Path, *, dtype: Any, config: Any = None, keep_fp8: bool = False, quantize: Any = None
 ) -> tuple[flux_model.FluxTransformer2DModel, dict]:
     """One Flux.1 transformer file -> `(module, params)`: a `.safetensors` in BFL or diffusers naming (ComfyUI's
     prefix and bundled components allowed; bfloat16, float16, float32, float8, scaled float8), or a `.gguf`
     (`load_flux_gguf`). The architecture comes from the tensors (`flux_config_from_shapes`; `config` fills in or
     checks). Each tensor is converted and cast to `dtype` (compute dtype too) one at a time; `keep_fp8` keeps float8
-    tensors float8 (module docstring). Raises `FluxWeightsError` for a file that is no Flux.1 transformer."""
+    tensors float8 (module docstring); `quantize` (a `sdjax.quant.QuantPolicy`) quantizes the transformer kernels
+    it selects as they are converted. Raises `FluxWeightsError` for a file that is no Flux.1 transformer."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":
         if keep_fp8:
             raise ValueError(f"{path}: keep_fp8 is for float8 safetensors files; a GGUF file is dequantized to dtype")
-        return load_flux_gguf(path, dtype=dtype, config=config)
+        return load_flux_gguf(path, dtype=dtype, config=config, quantize=quantize)
     dtype = resolve_dtype(dtype)
     tensors = fp8_view(files.read_safetensors(path), source=str(path), keep_fp8=keep_fp8)
     return _load_transformer(
-        tensors, source=str(path), dtype=dtype, config=config, cast=weight_cast(dtype, keep_fp8=keep_fp8)
+        tensors,
+        source=str(path),
+        dtype=dtype,
+        config=config,
+        cast=weight_cast(dtype, keep_fp8=keep_fp8),
+        quantize=quantize,
     )
 
 
 def load_flux_gguf(
-    path: str | Path, *, dtype: Any, config: Any = None
+    path: str | Path, *, dtype: Any, config: Any = None, quantize: Any = None
 ) -> tuple[flux_model.FluxTransformer2DModel, dict]:
     """A GGUF Flux.1 transformer (city96's layout: BFL names; or diffusers names) -> `(module, params)`, every
     tensor dequantized by `gguf.quants.dequantize` and rounded to `dtype`. Unknown quantization types and files of
@@ -622,7 +636,9 @@ def load_flux_gguf(
             f"{path}: a GGUF file of architecture {tensors.architecture!r}, not a Flux.1 transformer ('flux'); "
             f"it looks like {describe_checkpoint(tensors)}"
         )
-    return _load_transformer(tensors, source=str(path), dtype=dtype, config=config, cast=make_cast(dtype))
+    return _load_transformer(
+        tensors, source=str(path), dtype=dtype, config=config, cast=make_cast(dtype), quantize=quantize
+    )
 
 
 # ---------------------------------------------------------------------------------------------- text encoders

@@ -1,0 +1,168 @@
+"""Peak host memory of loading with `quantize=` (issue 37): the old way (full-precision load, then
+`quantize_pipeline`) against quantizing each kernel as it is converted (`from_pretrained(quantize=)`).
+
+    python benchmarks/quant_load_memory.py [--folder /tmp/sdjax-sd15-fp16] [--dtype float32,bfloat16]
+        [--scheme int8] [--json quant_load_memory.json]
+
+Writes (once; reused when `--folder` already holds it) a diffusers SD 1.5 folder with random weights, float16 as
+the released `fp16` variant ships them: the released configs (`benchmarks/full_size.py`), saved by diffusers'
+`save_pretrained` (torch, diffusers and transformers: test extras), no safety checker. UNet 860 M parameters
+(1.6 GiB on disk), text encoder 123 M, VAE 84 M. Then, per `--dtype`, three variants, each in a fresh Python
+process (the parent process itself stays small):
+- `plain`: `StableDiffusionPipeline.from_pretrained(folder, dtype=dtype)`;
+- `old`: the same, then `sdjax.quant.quantize_pipeline(pipe, params, scheme)` (what `quantize=` did before);
+- `new`: `from_pretrained(folder, dtype=dtype, quantize=scheme)` (each selected UNet kernel quantized as it is
+  converted: `sdjax.quant.loading`).
+Reported per run: the process's peak resident memory (`VmHWM` from /proc/self/status, and `ru_maxrss` of
+`getrusage(RUSAGE_SELF)`: the same peak, except that Linux carries the launching process's peak across `exec`
+into `ru_maxrss`, which is why the parent stays small), the same after the imports (before loading), the bytes of
+the params the process holds at the end (UNet and all), and the load's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("plain", "old", "new")
+
+
+def _peaks_mib() -> dict[str, float]:
+    hwm = None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return {"vmhwm_mib": hwm if hwm is not None else maxrss, "ru_maxrss_mib": maxrss}
+
+
+def make_folder(out: Path) -> None:
+    """The random SD 1.5 folder at float16 (see the module docstring); each model goes to float16 as soon as it
+    exists, so this process peaks near the float32 UNet (3.3 GiB)."""
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+    import full_size
+    import reference
+    import torch
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    unet = full_size.torch_unet(full_size.SD15_UNET).to(torch.float16)
+    text = full_size.torch_text({**full_size.SD15_TEXT, "bos_token_id": 49406, "eos_token_id": 49407})
+    text = text.to(torch.float16)
+    vae = full_size.torch_vae(full_size.SD15_VAE).to(torch.float16)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text,
+        tokenizer=reference.clip_tokenizer(),
+        unet=unet,
+        scheduler=PNDMScheduler(
+            beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", skip_prk_steps=True, steps_offset=1
+        ),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+
+
+def child(variant: str, folder: str, dtype: str, scheme: str) -> dict:
+    t0 = time.perf_counter()
+    import jax
+
+    from sdjax import quant
+    from sdjax.pipelines.stable_diffusion import StableDiffusionPipeline
+    from sdjax.precision import resolve_dtype
+
+    jax.numpy.zeros(1).block_until_ready()  # the backend is up before the baseline
+    import_s, base = time.perf_counter() - t0, _peaks_mib()
+    t0 = time.perf_counter()
+    dt = resolve_dtype(dtype)
+    if variant == "plain":
+        pipe, params = StableDiffusionPipeline.from_pretrained(folder, dtype=dt)
+    elif variant == "old":
+        pipe, params = quant.quantize_pipeline(*StableDiffusionPipeline.from_pretrained(folder, dtype=dt), scheme)
+    elif variant == "new":
+        pipe, params = StableDiffusionPipeline.from_pretrained(folder, dtype=dt, quantize=scheme)
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
+    jax.block_until_ready(params)
+    load_s = time.perf_counter() - t0
+    held = {k: quant.nbytes(v) for k, v in params.items() if k in ("unet", "text_encoder", "vae")}
+    return {
+        "variant": variant,
+        "dtype": dtype,
+        "scheme": scheme,
+        "import_s": round(import_s, 2),
+        "load_s": round(load_s, 2),
+        "base": base,
+        "peak": _peaks_mib(),
+        "params_mib": {k: round(v / 2**20, 1) for k, v in held.items()},
+        "unet_quantized_kernels": len(quant.params.quantized_kernels(params["unet"])),
+    }
+
+
+def _run(args: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, env=env, cwd=str(ROOT), check=False
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--folder", default="/tmp/sdjax-sd15-fp16", help="the random SD 1.5 folder (made when absent)")
+    ap.add_argument("--dtype", default="float32,bfloat16", help="comma-separated load dtypes")
+    ap.add_argument("--scheme", default="int8", choices=("int8", "fp8"))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", nargs=4, metavar=("VARIANT", "FOLDER", "DTYPE", "SCHEME"), help=argparse.SUPPRESS)
+    ap.add_argument("--make", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(*a.child)))
+        return
+    if a.make:
+        make_folder(Path(a.make))
+        print(json.dumps({"made": a.make}))
+        return
+    folder = Path(a.folder)
+    if not (folder / "model_index.json").is_file():
+        print(f"writing the random SD 1.5 folder (float16) to {folder} ...", file=sys.stderr)
+        _run(["--make", str(folder)])
+    rows = []
+    for dtype in a.dtype.split(","):
+        for variant in a.variants.split(","):
+            row = _run(["--child", variant, str(folder), dtype, a.scheme])
+            rows.append(row)
+            print(f"{dtype} {variant}: {row['peak']['vmhwm_mib']:.0f} MiB", file=sys.stderr)
+    print(f"\nSD 1.5 (random, float16 files), quantize={a.scheme!r}; peaks of a fresh process, MiB\n")
+    print("| load dtype | variant | peak RSS (VmHWM) | ru_maxrss | after imports | added by loading | UNet params held "
+          "| all params held | load s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        p, b = r["peak"], r["base"]
+        print(
+            f"| {r['dtype']} | {r['variant']} | {p['vmhwm_mib']:.0f} | {p['ru_maxrss_mib']:.0f} | "
+            f"{b['vmhwm_mib']:.0f} | {p['vmhwm_mib'] - b['vmhwm_mib']:.0f} | {r['params_mib']['unet']:.0f} | "
+            f"{sum(r['params_mib'].values()):.0f} | {r['load_s']:.1f} |"
+        )
+    out = {"folder": str(folder), "scheme": a.scheme, "rows": rows}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
