@@ -109,6 +109,7 @@ LONGEST_FIRST = (
 # What `--quick` leaves out besides LONGEST_FIRST: the folders and files of minutes-long model comparisons.
 QUICK_SKIPS = ("tests/families/", "tests/finetune/", "tests/aot/", "tests/quant/", "tests/training/", "_parity.py",
                "tests/server/test_real_model.py", "tests/server/test_flux_server.py", "tests/server/test_web_page.py",
+               "tests/server/test_sd3_server.py", "tests/server/test_comfy_families.py", "tests/server/test_soak.py",
                "tests/models/")  # fmt: skip
 
 

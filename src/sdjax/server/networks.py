@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from pathlib import Path
 from typing import Any
 
 from sdjax.models_dir import ModelsDir
@@ -139,10 +140,10 @@ class Networks:
         with self._lock:
             if key in self._loras:
                 return self._loras[key]
-        from sdjax.loading import lora as lora_lib
-
+        # the family's own reader (SD/SDXL: kohya and PEFT UNet layouts; Flux and SD 3: their transformers'):
+        # calling the SD reader with `pipeline.unet` failed on every Flux and SD 3 model
         targets = {c: pipeline.params[c] for c in _lora_targets(pipeline)}
-        lora = lora_lib.load_lora(path, targets, name=name, unet_config=pipeline.unet.config)
+        lora = pipeline._read_lora(Path(path), targets, name)
         with self._lock:
             self._loras[key] = lora
         return lora
