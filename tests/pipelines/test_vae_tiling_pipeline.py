@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from sdjax import StableDiffusionPipeline
-from sdjax.core import autoencoder
+from sdjax.core import ProgramSpec, autoencoder
 
 torch = pytest.importorskip("torch")
 
@@ -45,8 +45,8 @@ def test_generation_decodes_with_diffusers_tiling(sd, torch_vae):
     try:
         assert pipe.vae_tiling.sample_size == 32 and pipe.vae_tiling.latent_size == 4
         tiled = np.asarray(pipe.generate("a red boat", output_type="np", **kw))
-        keys = pipe.generator.cache.keys()  # each ends with (ProgramSpec, mesh)
-        specs = [key[-2] for key in keys]
+        keys = pipe.generator.cache.keys()  # each holds the ProgramSpec (with the mesh and the params' layout)
+        specs = [part for key in keys for part in key if isinstance(part, ProgramSpec)]
         assert any(spec.vae_tiling == pipe.vae_tiling for spec in specs)  # tiling is in the compile key
     finally:
         pipe.disable_vae_tiling()
