@@ -30,14 +30,10 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from PIL import Image, PngImagePlugin
-
-if TYPE_CHECKING:
-    from sdjax.metadata import ImageParameters
-
 
 PARAMETERS_KEY = "parameters"  # the PNG text chunk keyword AUTOMATIC1111 writes and reads
 EMBEDDED_MODEL_NAME = "sdjax/embedded"
@@ -177,8 +173,9 @@ def _sampler_fields(sampler: str) -> dict[str, Any]:
     return {"Sampler": label, "Schedule type": schedule}
 
 
-def format_parameters(p: ImageParameters, extra: dict[str, Any] | None = None) -> str:
-    """AUTOMATIC1111 infotext for one image. `extra` adds `key: value` pairs after the standard ones."""
+def format_parameters(p: Any, extra: dict[str, Any] | None = None) -> str:
+    """AUTOMATIC1111 infotext for one image (`p`: a `metadata.ImageParameters`; this module imports nothing of sdjax's
+    requests). `extra` adds `key: value` pairs after the standard ones."""
     fields: dict[str, Any] = {
         "Steps": p.steps,
         **_sampler_fields(p.sampler),

@@ -4,7 +4,7 @@
   `retrieve_latents(..., sample_mode="sample")`; `eps` is a given standard normal array, drawn by the caller from
   the image's key) -> `(z - latents_mean) * scaling_factor / latents_std` when the config has per-channel
   statistics, else `(z - shift_factor) * scaling_factor`.
-- decode: the inverse scaling, the decoder, then `images / 2 + 0.5` clipped to [0, 1], NHWC float32.
+- decode: the inverse scaling, the decoder, then `images / 2 + 0.5` limited to [0, 1], NHWC float32.
 
 A VAE whose config says `force_upcast` runs in float32 when the pipeline computes in float16 (such VAEs
 overflow in float16), as diffusers does. `tiling` (a `models.vae_tiling.VaeTiling`) runs the encoder/decoder
@@ -85,7 +85,7 @@ def decode(vae, vae_params: Any, latents: jax.Array, dtype, tiling=None, slicing
 
     z = from_model_latents(vae.config, latents.astype(jnp.float32)).astype(module.dtype)
     images = _batched(run, z, slicing)
-    images = jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1)
+    images = jnp.minimum(jnp.maximum(images.astype(jnp.float32) / 2 + 0.5, 0.0), 1.0)
     return images.transpose(0, 2, 3, 1)
 
 
