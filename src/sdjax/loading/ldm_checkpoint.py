@@ -216,10 +216,14 @@ def infer_architecture(shapes: Mapping[str, Any], *, source: str = "checkpoint")
     )
 
 
+# The params key of the denoiser of every architecture here: a UNet, under `model.diffusion_model.`.
+DENOISER = "unet"
+
+
 def component_layout(architecture: str, keys: Any) -> dict[str, tuple[str, str]]:
     """Component name -> (`ldm_keys` kind, key prefix) for a checkpoint of `architecture`."""
     vae_prefix = next((p for p in ldm_keys.VAE_PREFIXES if _has_prefix(keys, p)), ldm_keys.VAE_PREFIXES[0])
-    layout = {"unet": ("unet", ldm_keys.UNET_PREFIX), "vae": ("vae", vae_prefix)}
+    layout = {DENOISER: ("unet", ldm_keys.UNET_PREFIX), "vae": ("vae", vae_prefix)}
     if architecture.startswith("sd1"):
         layout["text_encoder"] = ("clip", ldm_keys.SD1_CLIP_PREFIX)
     elif architecture.startswith("sd2"):

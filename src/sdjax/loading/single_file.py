@@ -60,6 +60,7 @@ from sdjax.loading.files import CheckpointError as CheckpointError
 from sdjax.loading.files import MissingWeightsError
 from sdjax.loading.ldm_checkpoint import (
     ARCHITECTURES,
+    DENOISER,
     Checkpoint,
     UnknownArchitectureError,
     _has_prefix,
@@ -211,15 +212,24 @@ def load_component(
     *,
     dtype: Any,
     extract_ema: bool = False,
+    quantize: Any = None,
 ) -> tuple[Any, dict]:
-    """One model of an original-layout checkpoint -> `(module, params)` (tensors cast to `dtype` one by one)."""
+    """One model of an original-layout checkpoint -> `(module, params)` (tensors cast to `dtype` one by one).
+    `quantize` (a `sdjax.quant.QuantPolicy` or None): the kernels it selects in the params of `name` are quantized
+    as they are converted, as for a folder (`components.model_from_state_dict`)."""
     import importlib
 
     model_cls = getattr(importlib.import_module(spec.module), spec.model)
     table = component_table(name, kind, prefix, model_cls, config, extract_ema=extract_ema)
     check_component(table, ckpt.shapes(), source=str(ckpt.path))
     return comp.model_from_state_dict(
-        spec, config, _TableView(ckpt, table), dtype=dtype, component=f"{name} ({ckpt.path})"
+        spec,
+        config,
+        _TableView(ckpt, table),
+        dtype=dtype,
+        component=f"{name} ({ckpt.path})",
+        quantize=quantize,
+        params_key=name,
     )
 
 
@@ -284,8 +294,12 @@ def _load(
     extract_ema: bool,
     allow_pickle: bool,
     overrides: Mapping[str, Any] | None,
+    quantize: Any = None,
     **hub: Any,
 ) -> SingleFileLoad:
+    from sdjax.quant import check_quantize
+
+    check_quantize(quantize)
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -297,7 +311,24 @@ def _load(
             raise ValueError("pass the replacement VAE either as vae= or as overrides['vae'], not both")
         overrides["vae"] = None  # not read from the file; loaded below
     with open_checkpoint(path, allow_pickle=allow_pickle) as ckpt:
-        return _load_checkpoint(ckpt, dtype, prediction_type, config, vae, extract_ema, overrides, hub)
+        return _load_checkpoint(ckpt, dtype, prediction_type, config, vae, extract_ema, overrides, hub, quantize)
+
+
+def _load_time_policy(quantize: Any, loads: list[str], source: str):
+    """`quantize=` as the `QuantPolicy` applied while converting: `"int8"` / `"fp8"` over the denoiser's params
+    (`DENOISER`, the UNet of every original-layout file), a policy as it is. A policy naming a component that the
+    pipeline will not have (`loads`: its model components, less those left out) is refused before any weight is read.
+    A component replaced by an object (`vae=`) is not converted here; `quantize_pipeline` quantizes it afterwards."""
+    from sdjax.quant import resolve_policy
+
+    policy = resolve_policy(quantize, DENOISER)
+    absent = [] if policy is None else [c for c in policy.components if c not in loads]
+    if absent:
+        raise ValueError(
+            f"quantize: the QuantPolicy names components {absent}, which the pipeline of {source} does not have "
+            f"(its model components: {sorted(loads)})"
+        )
+    return policy
 
 
 def _load_checkpoint(
@@ -309,6 +340,7 @@ def _load_checkpoint(
     extract_ema: bool,
     overrides: dict[str, Any],
     hub: dict[str, Any],
+    quantize: Any = None,
 ) -> SingleFileLoad:
     from sdjax import samplers
 
@@ -321,6 +353,14 @@ def _load_checkpoint(
     stray = sorted(n for n in overrides if n not in entries and n not in NOT_IN_FILE)
     if stray:
         raise ValueError(f"override(s) {stray} name no component of this pipeline (components: {sorted(entries)})")
+    loads = [  # the model components the params will hold
+        n
+        for n, (library, cls) in entries.items()
+        if (library, (cls or "").removeprefix("Flax")) in comp.PIPELINE_MODELS
+        and n not in NOT_IN_FILE
+        and (overrides.get(n, 0) is not None or (n == "vae" and vae is not None))
+    ]
+    policy = _load_time_policy(quantize, loads, str(ckpt.path))
     layout = component_layout(architecture, shapes)
     if extract_ema and sum(k.startswith(ldm_keys.EMA_PREFIX) for k in shapes) <= 100:
         raise MissingWeightsError(f"{ckpt.path}: extract_ema=True but the file holds no EMA weights (model_ema.*)")
@@ -358,7 +398,15 @@ def _load_checkpoint(
             raw = read_json(folder / "config.json")
             model_config = comp.model_config(spec, raw, source=str(folder / "config.json"))
             components[name], params[name] = load_component(
-                ckpt, name, spec, model_config, kind, prefix, dtype=dtype, extract_ema=extract_ema and name == "unet"
+                ckpt,
+                name,
+                spec,
+                model_config,
+                kind,
+                prefix,
+                dtype=dtype,
+                extract_ema=extract_ema and name == DENOISER,
+                quantize=policy,
             )
             raw_configs[name] = raw
         elif library == "transformers" and cls in ("CLIPTokenizer", "CLIPTokenizerFast"):
@@ -417,6 +465,7 @@ def load_single_file(
     local_files_only: bool = False,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
+    quantize: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Load an original-layout single-file checkpoint -> `(components, params, model_index)`, the triple
     `load_pipeline_components` returns for a diffusers folder (see the module docstring for each step).
@@ -431,6 +480,10 @@ def load_single_file(
     - `allow_pickle`: read `.ckpt`/`.pt`/`.bin` pickles with the restricted unpickler (refused otherwise).
     - `overrides`: component name -> object replacing it, or None to leave it out (as in
       `load_pipeline_components`).
+    - `quantize`: None, `"int8"` / `"fp8"` (the UNet's kernels) or a `sdjax.quant.QuantPolicy`: the kernels it
+      selects in the components read from the file are quantized as each is converted (`sdjax.quant.loading`),
+      the same values as quantizing after a full-precision load; a replacement `vae=` is loaded as it is. The
+      modules are not wrapped here (`sdjax.quant.quantize_pipeline` does that, keeping these kernels).
 
     `model_index` is the config's `model_index.json` with the components a single file does not hold set to
     `[null, null]` and a `_single_file` entry recording the file, the inferred architecture, the config folder and
@@ -449,6 +502,7 @@ def load_single_file(
         local_files_only=local_files_only,
         cache_dir=cache_dir,
         token=token,
+        quantize=quantize,
     )
     return loaded.components, loaded.params, loaded.model_index
 
@@ -589,6 +643,8 @@ def convert_to_diffusers(
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to write into it")
     if load_kwargs.get("overrides") or load_kwargs.get("vae") is not None:
         raise ValueError("convert_to_diffusers writes what the file holds: overrides and vae= are not accepted")
+    if load_kwargs.get("quantize") is not None:
+        raise ValueError("convert_to_diffusers writes float weights: quantize= is not accepted (quantize on loading)")
     loaded = _load(
         path,
         dtype=load_kwargs.pop("dtype", jnp.float32),

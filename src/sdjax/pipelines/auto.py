@@ -60,7 +60,12 @@ def load_pipeline(model: str | None = None, dtype: Any = "float32", **kwargs: An
         scheduler = kwargs.pop("scheduler", None)
         quantize = kwargs.pop("quantize", None)
         loaded, params, model_index = load_single_file(
-            model, dtype=resolve_dtype(dtype), vae=kwargs.pop("vae", None), overrides=kwargs, **single
+            model,
+            dtype=resolve_dtype(dtype),
+            vae=kwargs.pop("vae", None),
+            overrides=kwargs,
+            quantize=quantize,
+            **single,
         )
         name = model_index.get("_class_name", "")
         classes = pipeline_classes()

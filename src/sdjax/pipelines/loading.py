@@ -147,6 +147,7 @@ class LoadingMixin:
             allow_pickle=allow_pickle,
             overrides=components,
             local_files_only=local_files_only,
+            quantize=quantize,
         )
         found = model_index.get("_class_name", "")
         if found not in cls.model_index_classes:

@@ -9,6 +9,12 @@ dropped before the next tensor is read. The per-channel scales are kept aside an
 (`kernel_scale`) when the conversion is done (`convert_quantized`). Host (or device) memory during loading is then
 about the quantized component plus one float kernel, instead of the float component plus its quantized copy.
 
+Every loader that converts tensor by tensor goes through `convert_quantized`: diffusers folders
+(`loading.components`), SD original-layout single files (`loading.single_file`), Flux transformer, T5 and CLIP-L
+files (`families.flux.weights`), SD 3 files (`families.sd3.weights`). A single-file loader that takes some
+components from a config folder passes that folder's loader the policy without the components it converted itself
+(`policy_without`).
+
 The values are those of loading in full precision and calling `quantize_tree` afterwards: the same kernel (the
 cast's output) goes through the same function. `quantize_pipeline` still runs after loading: it keeps the kernels
 quantized here (`quantize_tree` leaves a `{kernel, kernel_scale}` pair as it is), quantizes any selected kernel a
@@ -18,7 +24,8 @@ the modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sdjax.quant import params as params_lib
@@ -74,3 +81,15 @@ def convert_quantized(
         return convert(cast)
     quantizing = QuantizingCast(cast, policy, component)
     return quantizing.attach_scales(convert(quantizing))
+
+
+def policy_without(policy: params_lib.QuantPolicy | None, done: Iterable[str]) -> params_lib.QuantPolicy | None:
+    """`policy` over only the components that are not in `done`, or None when none is left. A single-file loader
+    converts some components from its files (with `policy`) and takes the rest from a config folder: this is the
+    policy it passes on to the folder's loader, so that each component is quantized once, while it is converted,
+    and the folder's loader does not look for the components it was not asked to load."""
+    if policy is None:
+        return None
+    done = set(done)
+    rest = tuple(c for c in policy.components if c not in done)
+    return dataclasses.replace(policy, components=rest) if rest else None

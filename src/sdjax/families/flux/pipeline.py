@@ -123,12 +123,14 @@ class FluxPipeline(DiffusionPipeline):
         `clip_l.safetensors`) -> `(pipeline, params)`. `keep_fp8=True` keeps float8 weights float8 in memory (one
         byte per weight; each layer casts them to the compute dtype). The transformer's architecture is read from
         the file's tensors. `quantize="int8"|"fp8"`: the transformer's kernels quantized (`sdjax.quant`), each as
-        it is converted."""
+        it is converted; a `QuantPolicy` naming the text encoders quantizes theirs as they are converted too,
+        from the `t5=` / `clip_l=` files or from `config`'s folder."""
         from pathlib import Path
 
         from sdjax.config import read_json
         from sdjax.families.flux import weights
         from sdjax.quant import quantize_pipeline, resolve_policy
+        from sdjax.quant.loading import policy_without
 
         policy = resolve_policy(quantize, FAMILY.denoiser_component)
 
@@ -143,16 +145,18 @@ class FluxPipeline(DiffusionPipeline):
         )
         if t5 is not None:
             overrides["text_encoder_2"], params["text_encoder_2"] = weights.load_t5_file(
-                t5, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("text_encoder_2")
+                t5, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("text_encoder_2"), quantize=policy
             )
         if clip_l is not None:
             overrides["text_encoder"], params["text_encoder"] = weights.load_clip_l_file(
-                clip_l, dtype=dtype, config=folder_config("text_encoder")
+                clip_l, dtype=dtype, config=folder_config("text_encoder"), quantize=policy
             )
         for name in overrides:
             if name in kwargs:
                 raise ValueError(f"{name} is given both by a file argument and as {name}=")
-        pipe, loaded = cls.from_pretrained(config, dtype=dtype, **overrides, **kwargs)
+        # what the folder still loads is quantized there, as it is converted (the rest is done above)
+        folder_policy = policy_without(policy, overrides)
+        pipe, loaded = cls.from_pretrained(config, dtype=dtype, quantize=folder_policy, **overrides, **kwargs)
         params = {**loaded, **params}
         pipe.params = params
         pipe.name = str(path)

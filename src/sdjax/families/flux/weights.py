@@ -647,12 +647,20 @@ def _text_encoder_part(tensors: Mapping[str, Any], prefix: str) -> Mapping[str, 
 
 
 def load_t5_file(
-    path: str | Path, *, dtype: Any, config: Any = None, keep_fp8: bool = False
+    path: str | Path,
+    *,
+    dtype: Any,
+    config: Any = None,
+    keep_fp8: bool = False,
+    quantize: Any = None,
+    params_key: str = "text_encoder_2",
 ) -> tuple[t5_model.T5EncoderModel, dict]:
     """A T5 encoder file (`t5xxl_fp16.safetensors`, `t5xxl_fp8_e4m3fn[_scaled].safetensors`; transformers' key names,
     with `shared.weight`, its tied copy `encoder.embed_tokens.weight`, or both) -> `(T5EncoderModel, params)`.
     `config`: a `T5Config` or `config.json` dict; default T5 v1.1 XXL (`T5_XXL`). `keep_fp8` as for the
-    transformer. A file of another kind raises `FluxWeightsError` naming it."""
+    transformer. `quantize` (a `sdjax.quant.QuantPolicy`): the kernels it selects under `params_key` (the
+    encoder's key in the pipeline's params: Flux's `text_encoder_2`, SD 3's `text_encoder_3`) are quantized as they
+    are converted. A file of another kind raises `FluxWeightsError` naming it."""
     dtype = resolve_dtype(dtype)
     source = str(path)
     tensors = fp8_view(files.read_safetensors(path), source=source, keep_fp8=keep_fp8)
@@ -661,9 +669,12 @@ def load_t5_file(
         raise FluxWeightsError(f"{source}: not a T5 encoder file; it looks like {describe_checkpoint(tensors)}")
     if config is None or isinstance(config, Mapping):
         config = t5_model.T5Config.from_dict(T5_XXL if config is None else config, source=f"T5 config for {source}")
-    component = f"text_encoder_2 ({source}, built as {'T5 v1.1 XXL' if config == _t5_xxl() else 'config='})"
-    params = t5_model.convert_t5_encoder(
-        tensors, config, cast=weight_cast(dtype, keep_fp8=keep_fp8), component=component
+    component = f"{params_key} ({source}, built as {'T5 v1.1 XXL' if config == _t5_xxl() else 'config='})"
+    params = convert_quantized(
+        lambda c: t5_model.convert_t5_encoder(tensors, config, cast=c, component=component),
+        weight_cast(dtype, keep_fp8=keep_fp8),
+        quantize,
+        params_key,
     )
     return t5_model.T5EncoderModel(config, dtype=dtype), params
 
@@ -677,10 +688,14 @@ def _t5_xxl() -> t5_model.T5Config:
 _CLIP_EXTRAS = frozenset({"text_projection.weight", "logit_scale", "text_model.embeddings.position_ids"})
 
 
-def load_clip_l_file(path: str | Path, *, dtype: Any, config: Any = None) -> tuple[clip_model.CLIPTextModel, dict]:
+def load_clip_l_file(
+    path: str | Path, *, dtype: Any, config: Any = None, quantize: Any = None
+) -> tuple[clip_model.CLIPTextModel, dict]:
     """A CLIP-L text-encoder file (`clip_l.safetensors`: transformers `CLIPTextModel` keys, with or without the
     `text_model.` prefix) -> `(CLIPTextModel, params)`. `config`: a `CLIPTextConfig` or `config.json` dict;
-    default CLIP ViT-L/14's (`CLIP_L_CONFIG`). A file of another kind raises `FluxWeightsError` naming it."""
+    default CLIP ViT-L/14's (`CLIP_L_CONFIG`). `quantize` (a `sdjax.quant.QuantPolicy`): the kernels it selects
+    under `text_encoder` are quantized as they are converted. A file of another kind raises `FluxWeightsError`
+    naming it."""
     dtype = resolve_dtype(dtype)
     source = str(path)
     tensors = fp8_view(files.read_safetensors(path), source=source)
@@ -691,7 +706,12 @@ def load_clip_l_file(path: str | Path, *, dtype: Any, config: Any = None) -> tup
         config = clip_model.CLIPTextConfig.from_dict(read_json(CLIP_L_CONFIG), source=str(CLIP_L_CONFIG))
     elif isinstance(config, Mapping):
         config = clip_model.CLIPTextConfig.from_dict(config, source=f"CLIP config for {source}")
-    params = clip_model.convert_clip_text(
-        tensors, config, with_projection=False, cast=make_cast(dtype), component=f"text_encoder ({source})"
+    params = convert_quantized(
+        lambda c: clip_model.convert_clip_text(
+            tensors, config, with_projection=False, cast=c, component=f"text_encoder ({source})"
+        ),
+        make_cast(dtype),
+        quantize,
+        "text_encoder",
     )
     return clip_model.CLIPTextModel(config, dtype=dtype), params

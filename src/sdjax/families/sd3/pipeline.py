@@ -118,27 +118,34 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         clip_g: str | None = None,
         t5: str | None = None,
         keep_fp8: bool = False,
+        quantize: str | None = None,
         **kwargs,
     ):
         """An SD 3 / 3.5 single file (`sd3.5_large.safetensors`, ...: the MMDiT under `model.diffusion_model.`, and the
         text encoders and VAE where it bundles them; `families.sd3.weights`) with the rest from `config`, a diffusers
         SD 3 folder (its configs, tokenizers, scheduler, and the weights of what neither the file nor `clip_l=` /
-        `clip_g=` / `t5=` give) -> `(pipeline, params)`. `keep_fp8` keeps float8 weights float8 in memory."""
+        `clip_g=` / `t5=` give) -> `(pipeline, params)`. `keep_fp8` keeps float8 weights float8 in memory.
+        `quantize="int8"|"fp8"` (or a `sdjax.quant.QuantPolicy`): the transformer's kernels (and those of the text
+        encoders a policy names) quantized, each as it is converted, from the files or from `config`'s folder."""
         from sdjax.families.sd3.weights import load_single_file_components
+        from sdjax.quant import quantize_pipeline, resolve_policy
+        from sdjax.quant.loading import policy_without
 
+        policy = resolve_policy(quantize, FAMILY.denoiser_component)
         loaded = load_single_file_components(
-            path, config=config, dtype=dtype, clip_l=clip_l, clip_g=clip_g, t5=t5, keep_fp8=keep_fp8
+            path, config=config, dtype=dtype, clip_l=clip_l, clip_g=clip_g, t5=t5, keep_fp8=keep_fp8, quantize=policy
         )
         for name in loaded:
             if name in kwargs:
                 raise ValueError(f"{name} is given both by a file and as {name}=")
         vae = loaded.pop("vae", None)
         overrides = {name: module for name, (module, _) in loaded.items()}
-        pipe, params = cls.from_pretrained(config, dtype=dtype, vae=vae, **overrides, **kwargs)
+        folder_policy = policy_without(policy, loaded)  # what the folder still loads is quantized there
+        pipe, params = cls.from_pretrained(config, dtype=dtype, vae=vae, quantize=folder_policy, **overrides, **kwargs)
         params = {**params, **{name: p for name, (_, p) in loaded.items()}}
         pipe.params = params
         pipe.name = str(path)
-        return pipe, params
+        return quantize_pipeline(pipe, params, policy)
 
     def _read_lora(self, path, targets, name):
         """SD 3 / 3.5 LoRAs (diffusers/PEFT, kohya / ComfyUI reference names, OneTrainer layouts) on the transformer

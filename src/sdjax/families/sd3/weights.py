@@ -50,6 +50,7 @@ from sdjax.loading.components import make_cast
 from sdjax.models import clip as clip_model
 from sdjax.models import sd3 as sd3_model
 from sdjax.precision import resolve_dtype
+from sdjax.quant.loading import convert_quantized
 
 TRANSFORMER_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 CLIP_L_PREFIX = "text_encoders.clip_l.transformer."
@@ -190,11 +191,12 @@ def _config(config: Any, cls: Any, default: Any = None, *, source: str):
 
 
 def load_sd3_transformer(
-    tensors: Mapping[str, Any], *, source: str, dtype: Any, config: Any, keep_fp8: bool = False
+    tensors: Mapping[str, Any], *, source: str, dtype: Any, config: Any, keep_fp8: bool = False, quantize: Any = None
 ) -> tuple[sd3_model.SD3Transformer2DModel, dict]:
     """The MMDiT of a file's tensors (reference layout, with or without `model.diffusion_model.`; or diffusers
-    names) -> `(module, params)`. `config`: an `SD3TransformerConfig` or `transformer/config.json` dict. Raises
-    `SD3WeightsError` for tensors that are no SD 3 MMDiT."""
+    names) -> `(module, params)`. `config`: an `SD3TransformerConfig` or `transformer/config.json` dict.
+    `quantize` (a `sdjax.quant.QuantPolicy`): the kernels it selects under `transformer` are quantized as they are
+    converted (`sdjax.quant.loading`). Raises `SD3WeightsError` for tensors that are no SD 3 MMDiT."""
     part = transformer_part(tensors)
     if detect_sd3(part):
         sd = sd3_transformer_state_dict(part)
@@ -205,8 +207,11 @@ def load_sd3_transformer(
             f"{source}: not a Stable Diffusion 3 / 3.5 transformer; it looks like {describe_checkpoint(tensors)}"
         )
     cfg = _config(config, sd3_model.SD3TransformerConfig, source=f"transformer config for {source}")
-    params = sd3_model.convert_sd3_transformer(
-        sd, cfg, cast=weight_cast(dtype, keep_fp8=keep_fp8), component=f"transformer ({source})"
+    params = convert_quantized(
+        lambda c: sd3_model.convert_sd3_transformer(sd, cfg, cast=c, component=f"transformer ({source})"),
+        weight_cast(dtype, keep_fp8=keep_fp8),
+        quantize,
+        "transformer",
     )
     return sd3_model.SD3Transformer2DModel(cfg, dtype=dtype), params
 
@@ -216,11 +221,18 @@ _CLIP_EXTRAS = frozenset({"logit_scale", "text_model.embeddings.position_ids"})
 
 
 def load_sd3_clip(
-    tensors: Mapping[str, Any], *, source: str, dtype: Any, config: Any
+    tensors: Mapping[str, Any],
+    *,
+    source: str,
+    dtype: Any,
+    config: Any,
+    quantize: Any = None,
+    params_key: str = "text_encoder",
 ) -> tuple[clip_model.CLIPTextModelWithProjection, dict]:
     """A CLIP text encoder with projection (SD 3's `text_encoder` / `text_encoder_2`) from transformers-named
     tensors (prefix removed). A CLIP-L without `text_projection` (as SD 3 files store it) gets the identity, as
-    diffusers does. Raises `SD3WeightsError` for tensors that are no CLIP text encoder."""
+    diffusers does. `quantize` (a `sdjax.quant.QuantPolicy`): the kernels it selects under `params_key` are
+    quantized as they are converted. Raises `SD3WeightsError` for tensors that are no CLIP text encoder."""
     entries = {k: _passthrough(tensors, k) for k in tensors if k not in _CLIP_EXTRAS}
     if not any(k.endswith("encoder.layers.0.self_attn.q_proj.weight") for k in entries):
         raise SD3WeightsError(f"{source}: not a CLIP text encoder; it looks like {describe_checkpoint(tensors)}")
@@ -232,8 +244,13 @@ def load_sd3_clip(
                 f"not the hidden size {width} (only then is the identity used)"
             )
         entries["text_projection.weight"] = (lambda: np.eye(width, dtype=np.float32)), (width, width)
-    params = clip_model.convert_clip_text(
-        TensorView(entries), config, with_projection=True, cast=make_cast(dtype), component=source
+    params = convert_quantized(
+        lambda c: clip_model.convert_clip_text(
+            TensorView(entries), config, with_projection=True, cast=c, component=source
+        ),
+        make_cast(dtype),
+        quantize,
+        params_key,
     )
     return clip_model.CLIPTextModelWithProjection(config, dtype=dtype), params
 
@@ -264,12 +281,15 @@ def load_single_file_components(
     clip_g: str | Path | None = None,
     t5: str | Path | None = None,
     keep_fp8: bool = False,
+    quantize: Any = None,
 ) -> dict[str, tuple[Any, dict]]:
     """What an SD 3 single file (and the separate `clip_l` / `clip_g` / `t5` files) holds -> `{component: (module,
     params)}`: always the transformer; `text_encoder` (CLIP-L), `text_encoder_2` (CLIP-G), `text_encoder_3` (T5) and
     the `vae` where the file bundles them or a separate file is given (a separate file wins). `config` is a diffusers
     SD 3 folder: its components' `config.json`s are the architectures (the released SD 3.5 files say nothing of
-    theirs). Components found nowhere are left to the caller (the folder's own weights)."""
+    theirs). Components found nowhere are left to the caller (the folder's own weights). `quantize` (a
+    `sdjax.quant.QuantPolicy`): the kernels it selects in the transformer and the text encoders read here are
+    quantized as they are converted (the VAE is read as it is)."""
     from sdjax.families.flux.weights import load_t5_file
     from sdjax.loading.single_file import load_vae
     from sdjax.models.t5 import T5Config
@@ -279,7 +299,12 @@ def load_single_file_components(
     tensors = read_file(path, keep_fp8=keep_fp8)
     out = {
         "transformer": load_sd3_transformer(
-            tensors, source=source, dtype=dtype, config=_folder_config(config, "transformer"), keep_fp8=keep_fp8
+            tensors,
+            source=source,
+            dtype=dtype,
+            config=_folder_config(config, "transformer"),
+            keep_fp8=keep_fp8,
+            quantize=quantize,
         )
     }
     for name, prefix, file in (("text_encoder", CLIP_L_PREFIX, clip_l), ("text_encoder_2", CLIP_G_PREFIX, clip_g)):
@@ -290,12 +315,16 @@ def load_single_file_components(
         if file is not None:
             found = part_of(found, prefix) or found  # a separate file may keep the bundled prefix
         cfg = _config(_folder_config(config, name), clip_model.CLIPTextConfig, source=f"{name} config for {where}")
-        out[name] = load_sd3_clip(found, source=f"{name} ({where})", dtype=dtype, config=cfg)
+        out[name] = load_sd3_clip(
+            found, source=f"{name} ({where})", dtype=dtype, config=cfg, quantize=quantize, params_key=name
+        )
     t5_source = t5 if t5 is not None else (path if part_of(tensors, T5_PREFIX) is not None else None)
     if t5_source is not None:
         t5_config = _folder_config(config, "text_encoder_3")
         t5_config = None if t5_config is None else T5Config.from_dict(t5_config, source=f"{config}/text_encoder_3")
-        out["text_encoder_3"] = load_t5_file(t5_source, dtype=dtype, config=t5_config, keep_fp8=keep_fp8)
+        out["text_encoder_3"] = load_t5_file(
+            t5_source, dtype=dtype, config=t5_config, keep_fp8=keep_fp8, quantize=quantize, params_key="text_encoder_3"
+        )
     if part_of(tensors, VAE_PREFIX) is not None:
         out["vae"] = load_vae(path, dtype, config=config)
     return out
