@@ -90,6 +90,9 @@ class ImageParameters:
     model_hash: str = ""  # the checkpoint's short hash (infotext "Model hash")
     lora_hashes: str = ""  # A1111's "Lora hashes": "name: hash, ..." of the prompt's LoRAs
     ti_hashes: str = ""  # A1111's "TI hashes": "name: hash, ..." of the embeddings the prompts use
+    # options of the family's conditioning (`Conditioning.host_inputs`) with this image's value, e.g. Flux's
+    # `prompt_2` (its T5 text) or `zero_negative` (zero negative embeddings); their names are part of the shape key
+    conditioning: tuple[tuple[str, Any], ...] = ()
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -122,6 +125,7 @@ class ImageParameters:
             self.control,
             self.loras,
             self.vae,
+            tuple(name for name, _ in self.conditioning),
         )
 
     def extra_fields(self) -> dict[str, Any]:
@@ -214,6 +218,7 @@ class GenerationRequest:
     model_hash: str = ""
     lora_hashes: str = ""
     ti_hashes: str = ""
+    conditioning: tuple[tuple[str, Any], ...] = ()
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -247,6 +252,7 @@ class GenerationRequest:
                 model_hash=self.model_hash,
                 lora_hashes=self.lora_hashes,
                 ti_hashes=self.ti_hashes,
+                conditioning=self.conditioning,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -302,6 +308,8 @@ def generate_images(
     if any(d is not None for d in distilled):  # Flux dev's embedded guidance, per image
         default = getattr(pipeline, "distilled_guidance_scale", None)
         common["guidance"] = [default if d is None else d for d in distilled]
+    for name, _ in p.conditioning:  # the family's options, one value per image (the shape key fixes the names)
+        common[name] = [dict(im.conditioning)[name] for im in images]
     if p.control and (p.hires is not None or p.refiner_switch is not None):
         raise ValueError("ControlNet runs with txt2img, img2img and inpainting; not with the hires fix or a refiner")
     if p.hires is not None:

@@ -9,6 +9,8 @@ states.
 - With true classifier-free guidance (`true_cfg_scale > 1` and a negative prompt) the negative prompts are
   encoded the same way and stacked first.
 - `guidance` (dev's distilled guidance scale, per image) travels with the conditioning: the transformer embeds it.
+- `zero_negative` (per image; ComfyUI's ConditioningZeroOut as the negative): the negative's T5 states and pooled
+  output are zeros (not the empty prompt's encoding), as diffusers' `negative_prompt_embeds` of zeros give.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class FluxConditioning:
 
     name = "flux"
     components = ("text_encoder", "text_encoder_2")
-    per_image_options = ("guidance",)  # lists of one value per image (the generator pads them with the batch)
+    # lists of one value per image (the generator pads them with the batch)
+    per_image_options = ("guidance", "zero_negative")
 
     def accepts_prompt_syntax(self, syntax: str) -> bool:
         """Only "plain": A1111's syntax (weights, BREAK, 75-token chunks) is not read for Flux's T5 stream."""
@@ -73,10 +76,12 @@ class FluxConditioning:
         guidance: float | Sequence[float] = 3.5,
         prompt_2: Sequence[str] | None = None,
         negative_prompt_2: Sequence[str] | None = None,
+        zero_negative: bool | Sequence[bool] = False,
         **options: Any,
     ) -> dict[str, np.ndarray]:
-        """`guidance` `(N,)` (dev's embedded guidance scale; ignored by schnell's transformer) and, with
-        `prompt_2` / `negative_prompt_2` (one per image), the T5 ids of those texts instead of the prompts'."""
+        """`guidance` `(N,)` (dev's embedded guidance scale; ignored by schnell's transformer), `zero_neg` `(N,)` bool
+        (`zero_negative`: zero negative embeddings) and, with `prompt_2` / `negative_prompt_2` (one per image), the
+        T5 ids of those texts instead of the prompts'."""
         if options:
             raise TypeError(f"unexpected conditioning argument(s) {sorted(options)} for a Flux model")
         n = len(negative_prompts)
@@ -85,7 +90,7 @@ class FluxConditioning:
             g = np.asarray(guidance, np.float32).reshape(-1)
             if g.shape != (n,):
                 raise ValueError(f"guidance: got {g.shape[0]} values for {n} images")
-        out = {"embedded_guidance": np.ascontiguousarray(g)}
+        out = {"embedded_guidance": np.ascontiguousarray(g), "zero_neg": zero_flags(zero_negative, n)}
         for key, texts in (("t5_ids", prompt_2), ("neg_t5_ids", negative_prompt_2)):
             if texts is not None:
                 texts = list(texts) + [""] * (n - len(texts))  # the generator's padding images
@@ -104,11 +109,25 @@ class FluxConditioning:
         clip = self.text_encoder.apply({"params": params["text_encoder"]}, both("ids", "neg_ids"))
         t5 = self.text_encoder_2.apply({"params": params["text_encoder_2"]}, both("t5_ids", "neg_t5_ids"))
         g = inputs["embedded_guidance"]
+        text, pooled = t5, clip.pooler_output
+        if cfg and "zero_neg" in inputs:  # ConditioningZeroOut: zero negative states and pooled output
+            keep = jnp.concatenate([~inputs["zero_neg"], jnp.ones_like(inputs["zero_neg"])])
+            text, pooled = text * keep[:, None, None].astype(text.dtype), pooled * keep[:, None].astype(pooled.dtype)
         return {
-            "text": t5,
-            "pooled": clip.pooler_output,
+            "text": text,
+            "pooled": pooled,
             "guidance": jnp.concatenate([g, g]) if cfg else g,
         }
+
+
+def zero_flags(value: bool | Sequence[bool], n: int) -> np.ndarray:
+    """`zero_negative` (one bool, or one per image) -> `(n,)` bool."""
+    flags = np.asarray(value, bool).reshape(-1)
+    if flags.shape[0] == 1:
+        flags = np.repeat(flags, n)
+    if flags.shape != (n,):
+        raise ValueError(f"zero_negative: got {flags.shape[0]} values for {n} images")
+    return flags
 
 
 def check_max_sequence_length(n: Any) -> int:

@@ -60,7 +60,16 @@ class FluxPipeline(DiffusionPipeline):
         ("transformers", "T5Tokenizer"): _load_t5_tokenizer,
         ("diffusers", "FluxTransformer2DModel"): model_loader(FLUX_TRANSFORMER),
     }
-    latent_rgb_factors = None  # no linear preview map yet: previews show the first three latent channels
+    # Latents -> RGB by one linear map plus a bias (previews only: the A1111 progress image, ComfyUI's websocket
+    # previews), applied to the transformer's latents ((z - shift) * scale): ComfyUI's published Flux values
+    # (comfy/latent_formats.py, `Flux.latent_rgb_factors` and `latent_rgb_factors_bias`); rows are latent channels.
+    latent_rgb_factors = (
+        (-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433), (-0.0174, 0.0160, 0.0617),
+        (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115), (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259),
+        (-0.0245, 0.0250, 0.1180), (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+        (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499), (-0.1262, -0.0982, -0.0778),
+    )  # fmt: skip
+    latent_rgb_factors_bias = (-0.0329, -0.0718, -0.0851)
     # What the faces (CLI, server) use: the guidance scales they pass per image are Forge's "CFG scale" (true CFG,
     # off at 1); dev's embedded guidance is Forge's "Distilled CFG Scale".
     cfg_scale_default = 1.0

@@ -15,6 +15,8 @@ and T5.
 - Skip-layer guidance's per-image inputs travel with the conditioning (the denoiser reads them; see
   `families.sd3.denoiser`): `slg_scale` `(N,)` (0: off) and `slg_timesteps` `(N, 2)`, the model timesteps of the
   first and last step it covers.
+- `zero_negative` (per image; ComfyUI's ConditioningZeroOut as the negative): the negative's text states and pooled
+  embeddings are zeros (not the empty prompt's encoding), as diffusers' `negative_prompt_embeds` of zeros give.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+
+from sdjax.families.flux.conditioning import zero_flags
 
 MAX_SEQUENCE_LENGTH = 512  # diffusers' check_inputs: "max_sequence_length cannot be greater than 512"
 DEFAULT_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default
@@ -54,7 +58,7 @@ class SD3Conditioning:
     max_sequence_length: int = DEFAULT_SEQUENCE_LENGTH
 
     name = "sd3"
-    per_image_options = ()  # (`prompt_2` / `prompt_3` lists are padded by `host_inputs` itself)
+    per_image_options = ("zero_negative",)  # (`prompt_2` / `prompt_3` lists are padded by `host_inputs` itself)
 
     def accepts_prompt_syntax(self, syntax: str) -> bool:
         """Only "plain": A1111's syntax (weights, BREAK, 75-token chunks) is not read for SD 3's three encoders."""
@@ -117,12 +121,14 @@ class SD3Conditioning:
         task: str,
         skip_layer_guidance_scale: float = 0.0,
         skip_layer_guidance_timesteps: tuple[float, float] | None = None,
+        zero_negative: bool | Sequence[bool] = False,
         **options: Any,
     ) -> dict[str, np.ndarray]:
         """The ids of `prompt_2` / `negative_prompt_2` (CLIP-G) and `prompt_3` / `negative_prompt_3` (T5), one text
         per image, in place of the (negative) prompt's (`prompt_3` / `negative_prompt_3` are unused without T5), and
         skip-layer guidance's `slg_scale` and `slg_timesteps` (`skip_layer_guidance_timesteps`: the model timesteps
-        `(t_first, t_last)` of the first and last step it covers; None: no step)."""
+        `(t_first, t_last)` of the first and last step it covers; None: no step), and `zero_neg` `(N,)` bool
+        (`zero_negative`: zero negative embeddings)."""
         unknown = sorted(set(options) - set(TEXT_OPTIONS))
         if unknown:
             raise TypeError(f"unexpected conditioning argument(s) {unknown} for an SD 3 model")
@@ -133,6 +139,7 @@ class SD3Conditioning:
         out = {
             "slg_scale": np.full((n,), skip_layer_guidance_scale, np.float32),
             "slg_timesteps": np.tile(np.asarray(span, np.float32).reshape(1, 2), (n, 1)),
+            "zero_neg": zero_flags(zero_negative, n),
         }
         for name, texts in options.items():
             key, encoder = TEXT_OPTIONS[name]
@@ -159,10 +166,12 @@ class SD3Conditioning:
             t5 = self.text_encoder_3.apply({"params": params["text_encoder_3"]}, both("t5_ids", "neg_t5_ids"))
         else:
             t5 = jnp.zeros((clip.shape[0], self.max_sequence_length, self.joint_attention_dim), clip.dtype)
-        return {
-            "text": jnp.concatenate([clip, t5.astype(clip.dtype)], axis=1),
-            "pooled": jnp.concatenate([clip_l.text_embeds, clip_g.text_embeds], axis=-1),
-        }
+        text = jnp.concatenate([clip, t5.astype(clip.dtype)], axis=1)
+        pooled = jnp.concatenate([clip_l.text_embeds, clip_g.text_embeds], axis=-1)
+        if cfg and "zero_neg" in inputs:  # ConditioningZeroOut: zero negative states and pooled embeddings
+            keep = jnp.concatenate([~inputs["zero_neg"], jnp.ones_like(inputs["zero_neg"])])
+            text, pooled = text * keep[:, None, None].astype(text.dtype), pooled * keep[:, None].astype(pooled.dtype)
+        return {"text": text, "pooled": pooled}
 
 
 def check_max_sequence_length(n: Any) -> int:

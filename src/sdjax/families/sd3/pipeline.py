@@ -62,7 +62,16 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         ("transformers", "T5Tokenizer"): _load_t5_tokenizer,
         ("diffusers", "SD3Transformer2DModel"): model_loader(SD3_TRANSFORMER),
     }
-    latent_rgb_factors = None  # no linear preview map yet: previews show the first three latent channels
+    # Latents -> RGB by one linear map plus a bias (previews only: the A1111 progress image, ComfyUI's websocket
+    # previews), applied to the transformer's latents ((z - shift) * scale): ComfyUI's published SD 3 values
+    # (comfy/latent_formats.py, `SD3.latent_rgb_factors` and `latent_rgb_factors_bias`); rows are latent channels.
+    latent_rgb_factors = (
+        (-0.0922, -0.0175, 0.0749), (0.0311, 0.0633, 0.0954), (0.1994, 0.0927, 0.0458), (0.0856, 0.0339, 0.0902),
+        (0.0587, 0.0272, -0.0496), (-0.0006, 0.1104, 0.0309), (0.0978, 0.0306, 0.0427), (-0.0042, 0.1038, 0.1358),
+        (-0.0194, 0.0020, 0.0669), (-0.0488, 0.0130, -0.0268), (0.0922, 0.0988, 0.0951), (-0.0278, 0.0524, -0.0542),
+        (0.0332, 0.0456, 0.0895), (-0.0069, -0.0030, -0.0810), (-0.0596, -0.0465, -0.0293), (-0.1448, -0.1463, -0.1189),
+    )  # fmt: skip
+    latent_rgb_factors_bias = (0.2394, 0.2135, 0.1925)
 
     def __init__(
         self,

@@ -6,7 +6,11 @@ sampler, scheduler, steps and denoise makes (BasicGuider: the positive prompt al
 - `SamplerCustomAdvanced` samples an empty latent (txt2img) or an encoded image (img2img, inpainting: BasicScheduler's
   `denoise` d runs the last `steps` of an `int(steps / d)`-step schedule, as KSampler's); its `denoised_output` is
   its `output` (the final step's prediction of a sampler that ends at sigma 0). A second pass (hires fix) through it
-  is refused: KSampler serves that.
+  is refused: KSampler serves that. `SamplerCustom` is the same with its own seed and cfg (CFGGuider's); its
+  `add_noise` false (sampling another sampler's noisy latent) is refused.
+- `SplitSigmas` at `step` k: `low_sigmas` (the schedule from step k) on an encoded image is img2img from step k, as
+  KSamplerAdvanced's `start_at_step`; `high_sigmas` end before the schedule's last sigma and leave noise for a second
+  sampler (`add_noise` off): that two-stage hand-off is refused by name, as is sampling an empty latent from k > 0.
 - `ModelSamplingFlux` is accepted when its `base_shift` and `max_shift` are the served Flux model's (its scheduler's
   dynamic shifting) and its `width` x `height` are the sampled latent's size: sdjax computes the shift from the
   image's size, which is what the node computes from its width and height. `ModelSamplingSD3` is accepted when its
@@ -55,28 +59,60 @@ class CustomSampling:
         model, positive, negative = (self.value(node, n) for n in ("model", "positive", "negative"))
         return (Guider(model, positive, negative, float(node.inputs["cfg"]), node.id),)
 
+    def n_SplitSigmas(self, node: Node, _) -> tuple:
+        sigmas = self.value(node, "sigmas")
+        cut = min(sigmas.start + int(node.inputs["step"]), sigmas.last)  # ComfyUI: sigmas[:step + 1], sigmas[step:]
+        return (dataclasses.replace(sigmas, stop=cut, split=node.id),
+                dataclasses.replace(sigmas, start=cut, split=node.id))  # fmt: skip
+
+    def n_SamplerCustom(self, node: Node, _) -> tuple:
+        if not node.inputs["add_noise"]:
+            raise NodeError(node.id, "node_not_supported", "add_noise: false samples a latent that holds another "
+                            "sampler's leftover noise (a two-stage hand-off); not served", "add_noise")  # fmt: skip
+        model, positive, negative = (self.value(node, n) for n in ("model", "positive", "negative"))
+        guider = Guider(model, positive, negative, float(node.inputs["cfg"]), node.id)
+        noise = Pick(int(node.inputs["noise_seed"]), node.id)
+        return self._custom(node, noise, guider, *(self.value(node, n) for n in ("sampler", "sigmas", "latent_image")))
+
     def n_SamplerCustomAdvanced(self, node: Node, _) -> tuple:
         noise, guider, pick, sigmas, latent = (
             self.value(node, n) for n in ("noise", "guider", "sampler", "sigmas", "latent_image")
         )
+        return self._custom(node, noise, guider, pick, sigmas, latent)
+
+    def _custom(self, node: Node, noise: Pick, guider: Guider, pick: Pick, sigmas: Sigmas, latent: Latent) -> tuple:
+        """SamplerCustom(Advanced)'s generation: the schedule's steps `start..` of `int(steps / denoise)`."""
+        if sigmas.last < sigmas.steps:
+            raise NodeError(node.id, "node_not_supported", f"sigmas: SplitSigmas' high_sigmas (node {sigmas.split}) "
+                            f"stop at step {sigmas.last} of {sigmas.steps} and leave noise for a second sampler; that "
+                            "two-stage hand-off is not served (sample the whole schedule, or low_sigmas from an "
+                            "encoded image)", "sigmas")  # fmt: skip
+        if sigmas.start >= sigmas.last:
+            raise NodeError(node.id, "node_not_supported", f"sigmas: SplitSigmas (node {sigmas.split}) leaves no step "
+                            "to run", "sigmas")  # fmt: skip
         if sigmas.model != guider.model:
             raise NodeError(node.id, "node_not_supported", "sigmas: BasicScheduler's model must be the guider's (the "
                             "same LoRAs and model sampling)", "sigmas")  # fmt: skip
         if latent.kind in ("upscaled", "sampled"):
             raise NodeError(node.id, "node_not_supported", "latent_image: a second pass on a sampler's latent (the "
-                            "hires fix) is served with KSampler, not SamplerCustomAdvanced",
+                            f"hires fix) is served with KSampler, not {node.class_type}",
                             "latent_image")  # fmt: skip
         total, strength = sigmas.steps, None
         if latent.kind == "empty" and sigmas.denoise < 1:
             raise NodeError(sigmas.node, "node_not_supported", "denoise: below 1 needs an image latent (VAEEncode); "
                             "on an empty latent it is not served", "denoise")  # fmt: skip
+        if latent.kind == "empty" and sigmas.start > 0:
+            raise NodeError(sigmas.split, "node_not_supported", "step: sampling from step > 0 needs an image latent "
+                            "(VAEEncode); on an empty latent it is not served", "step")  # fmt: skip
         if latent.kind == "image":
             total = int(sigmas.steps / sigmas.denoise)  # BasicScheduler: the last `steps` of this schedule
-            strength = min((sigmas.steps - 0.5) / total, 1.0)
+            first = total - sigmas.steps + sigmas.start  # the first step run (A1111's img2img rule reaches it)
+            strength = min((total - first - 0.5) / total, 1.0)
         sampler = sampler_of(pick.value, sigmas.scheduler, pick.node, sigmas.node)
         fields = {"steps": f"{sigmas.node}:steps", "guidance_scale": f"{guider.node}:cfg",
                   "sampler": f"{pick.node}:sampler_name"}  # fmt: skip
-        (out,) = self._stage(node, latent, noise.value, total, strength, "noise", custom=(guider, sampler, fields))
+        seed_field = "noise_seed" if node.class_type == "SamplerCustom" else "noise"
+        (out,) = self._stage(node, latent, noise.value, total, strength, seed_field, custom=(guider, sampler, fields))
         return out, out
 
     # ------------------------------------------------------------------ model sampling

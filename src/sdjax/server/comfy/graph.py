@@ -23,6 +23,7 @@ import json
 import math
 from typing import Any
 
+from sdjax.server.comfy import preview
 from sdjax.server.comfy.defs import NODES, Dynamic, NodeDef
 
 LINK_TYPES = frozenset(
@@ -145,6 +146,8 @@ def parse(body: Any) -> Graph:
     extra = body.get("extra_data") or {}
     if not isinstance(extra, dict):
         raise _invalid("'extra_data' must be an object")
+    if (problem := preview.check_method(extra)) is not None:
+        raise _invalid(problem)
     for node_id, node in prompt.items():
         if not isinstance(node, dict) or not isinstance(node.get("class_type"), str):
             raise _invalid(f"node {node_id!r} has no 'class_type'", f"Node ID '#{node_id}'")

@@ -1,7 +1,24 @@
 """The ComfyUI nodes that feed the samplers (`comfy.nodes`): loaders (checkpoint, LoRA, VAE, ControlNet; those of a
 model's parts, UNETLoader and the CLIP loaders, are `comfy.loaders`), conditioning (text, clip skip, Flux guidance,
 ControlNet) and images and masks (LoadImage, LoadImageMask, ImageScale), as a mixin of the planner: each
-`n_<class_type>` returns the node's outputs as `comfy.values`, or raises a `graph.NodeError`."""
+`n_<class_type>` returns the node's outputs as `comfy.values`, or raises a `graph.NodeError`.
+
+Conditioning beyond one prompt text:
+
+- `CLIPTextEncodeFlux` (Flux.1): `clip_l` is CLIP-L's text, `t5xxl` T5's (sdjax's `prompt_2`), `guidance` dev's
+  distilled guidance (FluxGuidance's; schnell's transformer ignores it, as in ComfyUI).
+- `CLIPTextEncodeSD3` (SD 3 / 3.5): `clip_l`, `clip_g` and `t5xxl` are each encoder's text (sdjax's prompt,
+  `prompt_2`, `prompt_3`). With `empty_padding` "empty_prompt" an empty text is the empty prompt's encoding, as
+  sdjax encodes it; with "none" ComfyUI leaves an empty T5 text (or both CLIP texts empty) out of the token
+  sequence, which sdjax's fixed-length encoders cannot do: refused (an empty CLIP text beside a non-empty one is
+  padded with the empty prompt by ComfyUI too, and served).
+- `ConditioningZeroOut`: zero embeddings and pooled output (ComfyUI zeroes the tensors; the guidance and ControlNets
+  stay). As the negative at cfg > 1 it is the family's `zero_negative` option (Flux, SD 3; `comfy.nodes`); at cfg 1
+  the negative is never evaluated, so it is served on every model.
+- `ConditioningCombine`: ComfyUI runs the model once per conditioning and averages the predictions; sdjax runs one
+  conditioning per prompt, so it serves the combination of two equal conditionings (whose average is either) and
+  refuses others by name.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +34,9 @@ from sdjax.server.comfy import loaders
 from sdjax.server.comfy.graph import Node, NodeError
 from sdjax.server.comfy.values import Clip, Cond, Model, Pixels, Vae
 from sdjax.server.schemas import FieldError
+
+# family -> ComfyUI's name of each encoder that reads a text of its own -> the family's conditioning option
+ENCODER_OPTIONS = {"flux": {"t5xxl": "prompt_2"}, "sd3": {"clip_g": "prompt_2", "t5xxl": "prompt_3"}}
 
 _RESAMPLE = {
     "nearest-exact": Image.NEAREST,
@@ -133,6 +153,49 @@ class Inputs(loaders.Loaders):
             )
         return (dataclasses.replace(self.value(node, "conditioning"), guidance=float(node.inputs["guidance"])),)
 
+    def n_CLIPTextEncodeFlux(self, node: Node, _) -> tuple:
+        self._family_node(node, "flux", "CLIPTextEncodeFlux encodes Flux.1's CLIP-L and T5 texts")
+        text = node.inputs["clip_l"]
+        texts = _own_texts(text, {"t5xxl": node.inputs["t5xxl"]})
+        return (Cond(text, self.value(node, "clip"), node.id, guidance=float(node.inputs["guidance"]), texts=texts),)
+
+    def n_CLIPTextEncodeSD3(self, node: Node, _) -> tuple:
+        self._family_node(node, "sd3", "CLIPTextEncodeSD3 encodes SD 3's CLIP-L, CLIP-G and T5 texts")
+        clip_l, clip_g, t5 = (node.inputs[n] for n in ("clip_l", "clip_g", "t5xxl"))
+        served = loaders.encoders(self.ctx.pipeline)
+        dropped = None
+        if node.inputs["empty_padding"] == "none" and not clip_l and not clip_g:
+            dropped = ("clip_l", "both CLIP texts are")
+        elif node.inputs["empty_padding"] == "none" and not t5 and "t5xxl" in served:
+            dropped = ("t5xxl", "t5xxl is")
+        if dropped:
+            raise NodeError(node.id, "node_not_supported", f"{dropped[0]}: with empty_padding 'none' and {dropped[1]} "
+                            "empty, ComfyUI leaves those tokens out of the sequence; sdjax encodes every encoder's "
+                            "padded tokens: use empty_padding 'empty_prompt' (an empty text is the empty prompt) or "
+                            "give a text", dropped[0])  # fmt: skip
+        texts = _own_texts(clip_l, {"clip_g": clip_g, **({"t5xxl": t5} if "t5xxl" in served else {})})
+        return (Cond(clip_l, self.value(node, "clip"), node.id, texts=texts),)
+
+    def _family_node(self, node: Node, family: str, what: str) -> None:
+        served = loaders.family(self.ctx.pipeline)
+        if served != family:
+            raise NodeError(node.id, "node_not_supported", f"{what}; the served model ({self.ctx.model_name!r}) is "
+                            f"{loaders.title(served)}: use CLIPTextEncode", "clip")  # fmt: skip
+
+    def n_ConditioningZeroOut(self, node: Node, _) -> tuple:
+        """Zero embeddings: the text no longer matters (two zeroed conditionings are equal), the rest stays."""
+        cond = self.value(node, "conditioning")
+        return (dataclasses.replace(cond, text="", texts=(), zero=True, text_node=node.id),)
+
+    def n_ConditioningCombine(self, node: Node, _) -> tuple:
+        first, second = self.value(node, "conditioning_1"), self.value(node, "conditioning_2")
+        if first != second:
+            raise NodeError(node.id, "node_not_supported", "conditioning_2: ComfyUI runs the model on each "
+                            "conditioning and averages the two predictions; sdjax runs one conditioning per prompt, "
+                            "so it combines only equal conditionings (whose average is either)",
+                            "conditioning_2")  # fmt: skip
+        return (first,)
+
     def n_ControlNetApplyAdvanced(self, node: Node, _) -> tuple:
         positive, negative = self.value(node, "positive"), self.value(node, "negative")
         net, pixels = self.value(node, "control_net"), self.value(node, "image")
@@ -215,6 +278,11 @@ class Inputs(loaders.Loaders):
         if pixels.arrays is not None:
             return (Pixels(scale(pixels.arrays)),)
         return (dataclasses.replace(pixels, ops=(*pixels.ops, scale)),)
+
+
+def _own_texts(text: str, others: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The encoders' texts that differ from the prompt (the others read the prompt, as CLIPTextEncode's do)."""
+    return tuple((name, t) for name, t in others.items() if t != text)
 
 
 def _has(md: Any, kind: str, name: str) -> bool:

@@ -6,8 +6,11 @@ that is pixels or the result of a sampler) and turns each KSampler into one `Gen
 from an EmptyLatentImage, image-to-image from VAEEncode, inpainting from VAEEncodeForInpaint or SetLatentNoiseMask.
 A second KSampler on a first pass's latent (through LatentUpscale(By) "bilinear", or "nearest-exact" at whole-number
 ratios, or at the same size) is A1111's hires fix of that generation (`recipes.Hires`: its steps, denoise, sampler).
-SamplerCustomAdvanced (with RandomNoise, a BasicGuider or CFGGuider, KSamplerSelect and BasicScheduler;
-`comfy.custom`) is the same generation as a KSampler with those settings. The loaders of a model's parts (UNETLoader,
+SamplerCustomAdvanced (with RandomNoise, a BasicGuider or CFGGuider, KSamplerSelect and BasicScheduler) and
+SamplerCustom are the same generation as a KSampler with those settings; SplitSigmas' low_sigmas on an encoded image
+start it later (`comfy.custom`). CLIPTextEncodeFlux and CLIPTextEncodeSD3 give each text encoder its own text, and
+ConditioningZeroOut as the negative is zero negative embeddings (`comfy.inputs`); both travel to the family's
+conditioning as `GenerationRequest.conditioning` options (`_options`). The loaders of a model's parts (UNETLoader,
 CLIPLoader, DualCLIPLoader, TripleCLIPLoader; `comfy.loaders`) give the served model's parts when they name them.
 The requests run through the server's batcher like any other API's. What does not map is refused with a node error
 naming the node and input (`graph.NodeError`), never skipped:
@@ -15,7 +18,10 @@ naming the node and input (`graph.NodeError`), never skipped:
 - a KSampler fed by a decoded and re-encoded image (pixel-space second passes), a third pass, a second pass with
   another model, prompts, cfg or seed than the first, or whose first pass is decoded too (sdjax keeps only the
   final images); LatentUpscale(By) of an encoded image; VAEDecode of a latent no sampler made;
-- KSamplerAdvanced with add_noise "disable", end_at_step before the last step, or leftover noise;
+- KSamplerAdvanced with add_noise "disable", end_at_step before the last step, or leftover noise; the same hand-off
+  through SplitSigmas' high_sigmas or SamplerCustom's add_noise false; ConditioningZeroOut as the positive prompt, or
+  as the negative at cfg > 1 on a model of another family than Flux and SD 3; ConditioningCombine of two different
+  conditionings (ComfyUI averages two predictions);
 - denoise < 1 on an empty latent; a sampler or scheduler sdjax lacks; positive and negative with different CLIP
   settings or ControlNets; a checkpoint, LoRA, VAE or ControlNet the server does not have;
 - a UNETLoader or CLIP loader that does not name the served model's parts (`comfy.loaders`: sdjax loads a model's
@@ -42,7 +48,7 @@ from sdjax.metadata import SEED_MAX, GenerationRequest
 from sdjax.server.comfy import loaders
 from sdjax.server.comfy.custom import CustomSampling, sampler_of
 from sdjax.server.comfy.graph import Graph, Node, NodeError, failed_validation
-from sdjax.server.comfy.inputs import Inputs, mask_image
+from sdjax.server.comfy.inputs import ENCODER_OPTIONS, Inputs, mask_image
 from sdjax.server.comfy.values import Clip, Cond, Context, Guider, Latent, Model, Output, Pixels, Plan, Stage
 from sdjax.server.schemas import FieldError, check_common
 
@@ -303,7 +309,8 @@ class _Planner(Inputs, CustomSampling):
             custom = (Guider(model, positive, negative, float(node.inputs["cfg"]), node.id), _sampler(node), {})
         guider, sampler, fields = custom
         model, positive, negative = guider.model, guider.positive, guider.negative
-        if positive.clip != negative.clip:  # (the guider's errors name the guider: a CFGGuider has the prompts)
+        options = self._options(guider)
+        if positive.clip != negative.clip and not negative.zero:  # (errors name the guider, which has the prompts)
             raise NodeError(
                 guider.node,
                 "node_not_supported",
@@ -321,7 +328,7 @@ class _Planner(Inputs, CustomSampling):
         vae = latent.vae.name if latent.vae is not None else ""
         request = GenerationRequest(
             prompt=positive.text,
-            negative_prompt=negative.text,
+            negative_prompt=negative.text,  # (a zeroed one's is "")
             num_images=latent.batch,
             seed=seed % (SEED_MAX + 1),
             steps=steps,
@@ -335,6 +342,7 @@ class _Planner(Inputs, CustomSampling):
             control=positive.control,
             vae=vae or "",
             prompt_syntax=_syntax(self.ctx.pipeline, positive.text, negative.text),
+            conditioning=options,
         )
         if latent.kind == "image":
             request = dataclasses.replace(
@@ -347,6 +355,36 @@ class _Planner(Inputs, CustomSampling):
         inputs = (model, positive, negative, guider.cfg, seed)
         self.stages.append(Stage(node.id, request, vae_fixed=latent.kind == "image", inputs=inputs))
         return (Latent("sampled", latent.width, latent.height, latent.batch, node=node.id, stage=len(self.stages) - 1),)
+
+    def _options(self, guider: Guider) -> tuple[tuple[str, Any], ...]:
+        """The family conditioning options of a guider's prompts (`GenerationRequest.conditioning`): the encoders'
+        own texts (`inputs.ENCODER_OPTIONS`) and, for a zeroed negative that CFG evaluates, `zero_negative`."""
+        from sdjax.server.schemas.common import check_text
+
+        family, (positive, negative) = loaders.family(self.ctx.pipeline), (guider.positive, guider.negative)
+        prompts = "conditioning" if self.graph.nodes[guider.node].class_type == "BasicGuider" else "positive"
+        if positive.zero:
+            raise NodeError(guider.node, "node_not_supported", f"{prompts}: zero conditioning (ConditioningZeroOut) "
+                            "is served as the negative prompt only", prompts)  # fmt: skip
+        cfg = guider.cfg > 1  # sdjax evaluates the negative only then (ComfyUI skips it at cfg 1)
+        if negative.zero and cfg and family not in ("flux", "sd3"):
+            raise NodeError(guider.node, "node_not_supported", "negative: zero conditioning (ConditioningZeroOut) "
+                            f"with cfg > 1 is served on Flux.1 and SD 3 models; the served model is "
+                            f"{loaders.title(family)} (at cfg 1 the negative is unused; an empty prompt is not zero "
+                            "conditioning)", "negative")  # fmt: skip
+        names = ENCODER_OPTIONS.get(family or "", {})
+        out: list[tuple[str, Any]] = []
+        for cond, prefix in [(positive, "")] + ([(negative, "negative_")] if cfg else []):
+            for encoder, text in cond.texts:
+                try:
+                    check_text(f"{cond.text_node}:{encoder}", text)
+                except FieldError as e:
+                    raise NodeError(cond.text_node, "invalid_input_type", f"{encoder}: {e.detail_message}",
+                                    encoder) from None  # fmt: skip
+                out.append((prefix + names[encoder], text))
+        if negative.zero and cfg:
+            out.append(("zero_negative", True))
+        return tuple(out)
 
     def _second_pass(self, node: Node, latent: Latent, seed: int, steps: int, denoise: float, seed_field: str):
         """A KSampler on an upscaled first-pass latent: A1111's hires fix on the first pass's generation, which

@@ -7,9 +7,12 @@ queue is full, the per-request limits of the server); it answers `{"prompt_id", 
 runs in the background. Its progress goes to the websocket clients (`GET /ws?clientId=`) in ComfyUI's messages:
 `status` (on connect and when the queue changes), `execution_start`, `execution_cached`, `executing` (each node,
 then `node: null` when done), `progress` `{value, max}` of the sampler, `executed` with the output images,
-`execution_success`, `execution_error`, `execution_interrupted`. No binary preview frames are sent (clients such as
-comfy-api-simplified take every binary frame for an output image). A prompt has the server's request timeout;
-prompts run concurrently, batched with the other APIs' requests (ComfyUI runs one at a time; `front` is ignored).
+`execution_success`, `execution_error`, `execution_interrupted`; and, to the prompt's client while it samples, binary
+latent preview frames (a big-endian event type 1 and image format 1, then a JPEG: `comfy.preview`) when its
+`extra_data.preview_method` asks for them ("auto", "latent2rgb", "taesd"; ComfyUI's default is none, and clients such
+as comfy-api-simplified take every binary frame for an output image), at most one per 0.2 s. A prompt has the
+server's request timeout; prompts run concurrently, batched with the other APIs' requests (ComfyUI runs one at a
+time; `front` is ignored).
 
 Also: `GET /queue`, `POST /queue` (`delete`, `clear`), `POST /interrupt`, `GET|POST /history[/{id}]`,
 `GET /view`, `POST /upload/image`, `POST /upload/mask`, `GET /object_info[/{node}]`, `GET /system_stats`,
@@ -38,6 +41,7 @@ from PIL import Image
 from sdjax.server.batching import QueueFull, ShuttingDown
 from sdjax.server.comfy import defs, loaders, nodes
 from sdjax.server.comfy.graph import PromptError, error_item, parse
+from sdjax.server.comfy.preview import wanted
 from sdjax.server.comfy.runner import Hub, Run, Runner
 from sdjax.server.comfy.store import TYPES, Files, History, clean_name
 from sdjax.server.errors import APIError
@@ -249,7 +253,9 @@ def _prompt_routes(api: APIRouter, s: SimpleNamespace) -> None:
             if isinstance(e, ShuttingDown):
                 return _bad(str(e), 503, "shutting_down", {"Retry-After": "5"})
             return _bad(e.message, 400, e.code)
-        run = Run(prompt_id, next(numbers), graph, plan, jobs)
+        run = Run(
+            prompt_id, next(numbers), graph, plan, jobs, preview=now.pipeline if wanted(graph.extra_data) else None
+        )
         runs[prompt_id] = run
         run.task = asyncio.create_task(runner.execute(run))
         await status()

@@ -1,6 +1,7 @@
 """Running planned ComfyUI prompts on the server's batcher and telling the websocket clients (`comfy.router` serves
 the routes): a `Run` is one queued prompt, `Hub` the clients by client id, `Runner` follows each run's batcher jobs
-and sends ComfyUI's messages (see the router's docstring), saves the outputs and writes the history."""
+and sends ComfyUI's messages (see the router's docstring) and, where the prompt asks, its latent previews as binary
+frames (`comfy.preview`), saves the outputs and writes the history."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from fastapi import WebSocket
 from PIL import Image, PngImagePlugin
 
+from sdjax.server.comfy import preview
 from sdjax.server.comfy.store import Files, History
 from sdjax.server.comfy.values import Output, Plan
 
@@ -32,6 +34,7 @@ class Run:
     started: bool = False
     interrupted: bool = False
     task: asyncio.Task | None = None
+    preview: Any = None  # the pipeline whose latents the previews map to RGB; None: no previews (`comfy.preview`)
 
     def entry(self) -> list:
         return [self.number, self.prompt_id, self.graph.raw, self.graph.extra_data, self.graph.outputs]
@@ -49,8 +52,19 @@ class Hub:
             try:
                 await asyncio.wait_for(ws.send_text(json.dumps({"type": kind, "data": data})), 5.0)
             except Exception:  # a slow or gone client: stop sending to it
-                for group in self.clients.values():
-                    group.discard(ws)
+                self._drop(ws)
+
+    async def send_bytes(self, data: bytes, client_id: str | None) -> None:
+        """A binary frame to the clients of `client_id` only (a prompt without one sends none)."""
+        for ws in list(self.clients.get(client_id, ())) if client_id else []:
+            try:
+                await asyncio.wait_for(ws.send_bytes(data), 5.0)
+            except Exception:
+                self._drop(ws)
+
+    def _drop(self, ws: WebSocket) -> None:
+        for group in self.clients.values():
+            group.discard(ws)
 
 
 class Runner:
@@ -163,7 +177,7 @@ class Runner:
             await _wait(job.future, 0.05, deadline, self.batcher, job)
 
     async def _follow(self, run: Run, job: Any, node: str, deadline: float) -> Any:
-        last = None
+        last, shown = None, 0.0
         while not job.future.done():
             await _wait(job.future, 0.1, deadline, self.batcher, job)
             current = self.batcher.current
@@ -176,12 +190,32 @@ class Runner:
                         {"value": current.step, "max": current.total, "prompt_id": run.prompt_id, "node": node},
                         run.graph.client_id,
                     )
+                    if run.preview is not None and time.monotonic() - shown >= preview.MIN_INTERVAL_S:
+                        shown = time.monotonic() if await self._preview(run, job, current) else shown
         outcome = job.future.result()
         total = last[1] if last else job.images[0].steps
         if outcome.stopped is None and last != (total, total):  # a fast run between polls still reports its end
             data = {"value": total, "max": total, "prompt_id": run.prompt_id, "node": node}
             await self.hub.send("progress", data, run.graph.client_id)
         return outcome
+
+    async def _preview(self, run: Run, job: Any, current: Any) -> bool:
+        """The latent preview of the job's first image in the running batch, as a binary frame to the prompt's
+        client; False when the batch reports no latents (or they cannot be previewed: the prompt runs on)."""
+        latents, owners = current.latents, current.owners
+        if latents is None or job.task_id not in owners or run.graph.client_id is None:
+            return False
+        index = owners.index(job.task_id)
+        if index >= len(latents):
+            return False
+        try:
+            data = await asyncio.to_thread(preview.frame, np.asarray(latents[index], np.float32), run.preview)
+        except Exception as e:  # a preview is never worth failing the prompt for
+            log.warning("ComfyUI preview of prompt %s failed: %s: %s", run.prompt_id, type(e).__name__, e)
+            run.preview = None
+            return False
+        await self.hub.send_bytes(data, run.graph.client_id)
+        return True
 
     def _encode(self, run: Run, out: Output, outcomes: list[Any]) -> list[bytes]:
         """The PNGs of an output (on a worker thread: the image operations and the encoding)."""

@@ -46,11 +46,18 @@ class Vae:
 
 @dataclasses.dataclass(frozen=True)
 class Cond:
+    """A CONDITIONING: the prompt (CLIP-L's text where the encoders read texts of their own), its CLIP settings,
+    ControlNets and Flux guidance; `texts` are the other encoders' own texts by ComfyUI's names ("clip_g", "t5xxl":
+    CLIPTextEncodeFlux, CLIPTextEncodeSD3; empty: every encoder reads `text`); `zero` is ConditioningZeroOut's
+    (zero embeddings and pooled output)."""
+
     text: str
     clip: Clip
     text_node: str = dataclasses.field(compare=False)  # where the text came from (named in errors)
     control: tuple[ControlUnit, ...] = ()
     guidance: float | None = None
+    texts: tuple[tuple[str, str], ...] = ()
+    zero: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +74,21 @@ class Guider:
 
 @dataclasses.dataclass(frozen=True)
 class Sigmas:
-    """A SIGMAS of BasicScheduler: a ComfyUI scheduler's `steps` (of an `int(steps / denoise)`-step schedule)."""
+    """A SIGMAS of BasicScheduler: a ComfyUI scheduler's `steps` (of an `int(steps / denoise)`-step schedule), i.e.
+    `steps + 1` sigmas; SplitSigmas keeps those of index `start` to `stop` (both included)."""
 
     model: Model
     scheduler: str
     steps: int
     denoise: float
     node: str = dataclasses.field(compare=False)
+    start: int = 0
+    stop: int | None = None  # None: `steps`, the last sigma
+    split: str = dataclasses.field(default="", compare=False)  # the SplitSigmas that cut them (named in errors)
+
+    @property
+    def last(self) -> int:
+        return self.steps if self.stop is None else self.stop
 
 
 @dataclasses.dataclass(frozen=True)

@@ -257,12 +257,16 @@ def processed_info(request: GenerationRequest, outcome: Outcome, body: A1111Txt2
 
 def latent_preview(latents: Any, pipeline: Any) -> np.ndarray:
     """A cheap RGB preview `(h, w, 3)` uint8 of one image's latents `(C, h, w)`: the pipeline's linear latent->RGB
-    map (`pipeline.latent_rgb_factors`, shape `(C, 3)`) where it has one, else its first three channels, each
-    stretched to 0..255. No VAE decode: a glimpse of the layout, not the image."""
+    map (`pipeline.latent_rgb_factors`, shape `(C, 3)`, plus `latent_rgb_factors_bias` `(3,)` where it has one) from
+    [-1, 1] to 0..255 where it has one, else its first three channels, each stretched to 0..255. No VAE decode: a
+    glimpse of the layout, not the image."""
     x = np.asarray(latents, np.float32)
     factors = getattr(pipeline, "latent_rgb_factors", None)
     if factors is not None:
         rgb = np.einsum("chw,ck->hwk", x, np.asarray(factors, np.float32))
+        bias = getattr(pipeline, "latent_rgb_factors_bias", None)
+        if bias is not None:
+            rgb = rgb + np.asarray(bias, np.float32)
         return np.clip((rgb + 1.0) * 127.5, 0, 255).astype(np.uint8)
     rgb = np.moveaxis(x[:3] if x.shape[0] >= 3 else np.repeat(x[:1], 3, axis=0), 0, -1)
     lo, hi = rgb.min(axis=(0, 1)), rgb.max(axis=(0, 1))
