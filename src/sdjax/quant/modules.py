@@ -26,6 +26,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from sdjax.quant import compute as compute_lib
 from sdjax.quant import params as params_lib
 
 
@@ -34,23 +35,29 @@ class DequantizingModule:
     `variables["params"]` to `dtype` and calls the wrapped module's `apply`. Everything else (`config`, `clone`,
     fields) is the wrapped module's; `clone` returns a wrapped clone."""
 
-    def __init__(self, module: Any, dtype: Any):
+    def __init__(self, module: Any, dtype: Any, compute: str | None = None):
         self.module = module
         self.dtype = dtype
+        self.compute = compute  # "fp8": Dense layers keep fp8 kernels and multiply in fp8 (`sdjax.quant.compute`)
 
     def apply(self, variables: Mapping[str, Any], *args, **kwargs):
         params = variables["params"]
-        if params_lib.has_quantized(params):
-            arrays = [a for a in args if isinstance(a, jax.Array)]
-            params, _ = jax.lax.optimization_barrier((params, arrays))
-            params = params_lib.dequantize_tree(params, self.dtype)
+        if not params_lib.has_quantized(params):
+            return self.module.apply(variables, *args, **kwargs)
+        arrays = [a for a in args if isinstance(a, jax.Array)]
+        params, _ = jax.lax.optimization_barrier((params, arrays))
+        if self.compute == "fp8":
+            params = compute_lib.dequantize_except_dense(params, self.dtype)
+            with nn.intercept_methods(compute_lib.fp8_dense_interceptor):
+                return self.module.apply({**variables, "params": params}, *args, **kwargs)
+        params = params_lib.dequantize_tree(params, self.dtype)
         return self.module.apply({**variables, "params": params}, *args, **kwargs)
 
     def clone(self, **kwargs) -> DequantizingModule:
-        return DequantizingModule(self.module.clone(**kwargs), self.dtype)
+        return DequantizingModule(self.module.clone(**kwargs), self.dtype, self.compute)
 
     def __getattr__(self, name: str):
-        if name in ("module", "dtype"):
+        if name in ("module", "dtype", "compute"):
             raise AttributeError(name)
         return getattr(self.module, name)
 
@@ -58,16 +65,16 @@ class DequantizingModule:
         return f"DequantizingModule({type(self.module).__name__})"
 
 
-def wrap(module: Any, dtype: Any) -> Any:
+def wrap(module: Any, dtype: Any, compute: str | None = None) -> Any:
     """`module` wrapped (once) in a `DequantizingModule`; anything that is not a Flax module as it is."""
     if isinstance(module, DequantizingModule) or not isinstance(module, nn.Module):
         return module
-    return DequantizingModule(module, dtype)
+    return DequantizingModule(module, dtype, compute)
 
 
-def _wrap_fields(obj: Any, dtype: Any) -> Any:
+def _wrap_fields(obj: Any, dtype: Any, compute: str | None = None) -> Any:
     """A frozen dataclass (a family's denoiser) with its Flax-module fields wrapped."""
-    changes = {f.name: wrap(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj)}
+    changes = {f.name: wrap(getattr(obj, f.name), dtype, compute) for f in dataclasses.fields(obj)}
     changes = {k: v for k, v in changes.items() if v is not getattr(obj, k)}
     return dataclasses.replace(obj, **changes) if changes else obj
 
@@ -90,8 +97,8 @@ def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantP
     dtype = pipe.dtype
     for name in policy.components:  # the pipeline's own attributes (pipe.unet, pipe.text_encoder, ...)
         if isinstance(getattr(pipe, name, None), nn.Module):
-            setattr(pipe, name, wrap(getattr(pipe, name), dtype))
-    pipe.denoiser = _wrap_fields(pipe.denoiser, dtype)
+            setattr(pipe, name, wrap(getattr(pipe, name), dtype, policy.compute))
+    pipe.denoiser = _wrap_fields(pipe.denoiser, dtype, policy.compute)
     gen = pipe.generator
     conditioning = gen.models.conditioning
     if any(c in conditioning.components for c in policy.components):

@@ -27,6 +27,7 @@ SCALE = KERNEL + SCALE_SUFFIX
 # guidance projection; the memory they would save is negligible and the first and last layers are the most
 # sensitive ones.
 DEFAULT_MIN_SIZE = 16_384
+COMPUTE_MODES = ("fp8",)  # QuantPolicy.compute besides None (weight-only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +41,18 @@ class QuantPolicy:
     components: tuple[str, ...] = ("unet", "transformer")
     min_size: int = DEFAULT_MIN_SIZE
     exclude: tuple[str, ...] = ()
+    # None: weight-only (kernels dequantized to the compute dtype in the program); "fp8": Dense layers multiply
+    # fp8 x fp8 with inputs quantized per call (`sdjax.quant.compute`; needs scheme "fp8")
+    compute: str | None = None
 
     def __post_init__(self):
         scheme_lib.check_scheme(self.scheme, "QuantPolicy.scheme")
+        if self.compute is not None and self.compute not in COMPUTE_MODES:
+            raise ValueError(
+                f"QuantPolicy.compute={self.compute!r}: expected None (weight-only) or one of {COMPUTE_MODES}"
+            )
+        if self.compute == "fp8" and self.scheme != "fp8":
+            raise ValueError(f"QuantPolicy.compute='fp8' needs scheme='fp8' kernels, got scheme={self.scheme!r}")
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"QuantPolicy.components={self.components!r} must be a tuple of params component names")
 
