@@ -28,6 +28,7 @@ LAYERS = {
     # model families: a folder each (conditioning, denoiser adapter, pipeline); they build on the core and loading
     "families": 5,
     "pipelines": 5,
+    "planning": 5,  # the task planner (core tasks + policy), which the pipelines and metadata call
     "metadata": 6,
     "infotext": 6,  # the A1111 text format and PNG chunk (metadata's requests write and read it)
     "models_dir": 6,

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sdjax import planning
 from sdjax.infotext import (  # noqa: F401  (re-exported: the faces and tests read them from here)
     EMBEDDED_MODEL_NAME,
     PARAMETERS_KEY,
@@ -32,7 +33,7 @@ from sdjax.infotext import (  # noqa: F401  (re-exported: the faces and tests re
     sampler_id,
     ti_hashes,
 )
-from sdjax.policy import A1111
+from sdjax.policy import A1111, a1111_start_step  # noqa: F401  (a1111_start_step re-exported)
 
 SEED_MAX = 2**32 - 1  # seeds are unsigned 32-bit, as in AUTOMATIC1111; seed + i wraps around
 
@@ -98,9 +99,7 @@ class ImageParameters:
 
     @property
     def task(self) -> str:
-        if self.init_image is None:
-            return "txt2img"
-        return "img2img" if self.mask_image is None else "inpaint"
+        return planning.task_name(self.init_image, self.mask_image)
 
     @property
     def shape_key(self) -> tuple:
@@ -260,13 +259,6 @@ class GenerationRequest:
         ]
 
 
-def a1111_start_step(steps: int, strength: float) -> int:
-    """AUTOMATIC1111's first img2img step: `t_enc = int(min(strength, 0.999) * steps)` steps run after it, plus one
-    (`sigmas[steps - t_enc - 1:]` in its k-diffusion sampler)."""
-    t_enc = int(min(strength, 0.999) * steps)
-    return steps - t_enc - 1
-
-
 def generate_images(
     pipeline: Any,
     images: Sequence[ImageParameters],
@@ -322,34 +314,20 @@ def generate_images(
         from sdjax.pipelines.recipes import refine_arrays
 
         return refine_arrays(pipeline, refiner, *args, switch=p.refiner_switch, **common)
-    task = None
-    if p.init_image is not None:
-        from sdjax.core.tasks import img2img, inpaint
-
-        strength = A1111.strength if p.denoising_strength is None else p.denoising_strength
-        start = a1111_start_step(p.steps, strength)
-        inits = [im.init_image for im in images]
-        if p.mask_image is None:
-            task = img2img.request(
-                inits, width=p.width, height=p.height, strength=strength, resize_mode=p.resize_mode, start_step=start
-            )
-        else:
-            task = inpaint.request(
-                inits,
-                [im.mask_image for im in images],
-                width=p.width,
-                height=p.height,
-                strength=strength,
-                resize_mode=p.resize_mode,
-                mask_blur=p.mask_blur,
-                padding_mask_crop=p.inpaint_full_res_padding,
-                paste_back=True,
-                start_step=start,
-                fill=p.inpainting_fill,
-                invert_mask=p.invert_mask,
-            )
-    if task is not None:
-        common["task"] = task
+    if p.init_image is not None:  # text-to-image keeps the generator's default task
+        inputs = planning.TaskInputs(
+            image=[im.init_image for im in images],
+            mask_image=None if p.mask_image is None else [im.mask_image for im in images],
+            strength=p.denoising_strength,
+            resize_mode=p.resize_mode,
+            mask_blur=p.mask_blur,
+            padding_mask_crop=p.inpaint_full_res_padding,
+            fill=p.inpainting_fill,
+            invert_mask=p.invert_mask,
+        )
+        common["task"] = planning.plan_task(
+            pipeline, inputs, height=p.height, width=p.width, count=len(images), steps=p.steps, policy=A1111
+        )
     if p.control:
         from sdjax.pipelines.controlnet import control_request
 

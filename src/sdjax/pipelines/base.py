@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from sdjax import planning, policy
 from sdjax import samplers as sampler_lib
 from sdjax.core import Generator
-from sdjax.core.tasks import TaskRequest, img2img, inpaint, txt2img
+from sdjax.core.tasks import TaskRequest
 from sdjax.pipelines import common
 from sdjax.pipelines.common import Progress
 from sdjax.pipelines.compiling import CompileMixin
@@ -189,56 +190,13 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         denoising_start: float | None = None,
         denoising_end: float | None = None,
     ) -> TaskRequest:
-        """The task the arguments ask for: text-to-image without `image`, image-to-image with it, inpainting with
-        `image` and `mask_image`. `image` may also be UNet latents `(N, C, h, w)` (the SDXL base's output)."""
-        if image is None:
-            if mask_image is not None:
-                raise ValueError("mask_image= needs image= (the image to inpaint)")
-            if strength is not None or denoising_start is not None:
-                raise ValueError("strength= and denoising_start= need image= (they set how much of it to keep)")
-            if self.is_inpainting_model:
-                raise ValueError(
-                    f"this model's UNet takes {self.denoiser.in_channels} input channels (an "
-                    f"inpainting model): pass image= and mask_image="
-                )
-            return txt2img.request(denoising_end=denoising_end)
-        images = image if isinstance(image, (list, tuple)) else [image]
-        if _is_latents(images[0], self.vae.config.latent_channels):
-            if mask_image is not None:
-                raise ValueError("image= given as latents cannot be inpainted here; pass pixels")
-            latents = np.concatenate([np.asarray(x, np.float32) for x in images])
-            return img2img.request(
-                [],
-                width=width,
-                height=height,
-                strength=1.0 if strength is None else strength,
-                denoising_start=denoising_start,
-                denoising_end=denoising_end,
-                latents=_repeat(latents, count, "image"),
-            )
-        images = _repeat_list(images, count, "image")
-        if mask_image is None:
-            if self.is_inpainting_model:
-                raise ValueError(
-                    f"this model's UNet takes {self.denoiser.in_channels} input channels (an "
-                    f"inpainting model): it needs mask_image= as well as image="
-                )
-            return img2img.request(
-                images,
-                width=width,
-                height=height,
-                strength=self.default_strength["img2img"] if strength is None else strength,
-                resize_mode=resize_mode,
-                denoising_start=denoising_start,
-                denoising_end=denoising_end,
-            )
-        masks = _repeat_list(mask_image if isinstance(mask_image, (list, tuple)) else [mask_image], count, "mask_image")
-        return inpaint.request(
-            images,
-            masks,
-            width=width,
-            height=height,
-            strength=self.default_strength["inpaint"] if strength is None else strength,
+        """The task the arguments ask for, with diffusers' meanings (`sdjax.planning.plan_task` under
+        `policy.DIFFUSERS`): text-to-image without `image`, image-to-image with it, inpainting with `image` and
+        `mask_image`. `image` may also be the denoiser's latents `(N, C, h, w)` (the SDXL base's output)."""
+        inputs = planning.TaskInputs(
+            image=image,
+            mask_image=mask_image,
+            strength=strength,
             resize_mode=resize_mode,
             mask_blur=mask_blur,
             padding_mask_crop=padding_mask_crop,
@@ -246,28 +204,9 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
             denoising_start=denoising_start,
             denoising_end=denoising_end,
         )
-
-    def _task_size(self, image, mask_image, height, width, padding_mask_crop) -> tuple[int, int]:
-        """Output size: given, else the init image's (img2img, inpainting), else the model's default."""
-        if image is None or _is_latents(_first(image), self.vae.config.latent_channels):
-            if image is not None and height is None and width is None:
-                z = np.asarray(_first(image))
-                return z.shape[-2] * self.vae_scale_factor, z.shape[-1] * self.vae_scale_factor
-            dh, dw = self.default_size
-            return height or dh, width or dw
-        if height is not None and width is not None:
-            return height, width
-        from sdjax.core import images as image_lib
-
-        first = image_lib.load_image(_first(image), "image")
-        w0, h0 = first.size
-        height, width = height or h0, width or w0
-        if height % self._size_multiple() or width % self._size_multiple():
-            raise ValueError(
-                f"image is {w0}x{h0}, not a multiple of {self._size_multiple()} for this model: pass "
-                f"width= and height= (the image is then resized) or resize it"
-            )
-        return height, width
+        return planning.plan_task(
+            self, inputs, height=height, width=width, count=count, steps=None, policy=policy.DIFFUSERS
+        )
 
     def generate_arrays(
         self,
@@ -433,7 +372,7 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
             from sdjax.pipelines.controlnet import control_size
 
             height, width = control_size(self, control_image, height, width)
-        height, width = self._task_size(image, mask_image, height, width, padding_mask_crop)
+        height, width = planning.task_size(self, planning.TaskInputs(image=image), height, width)
         self.validate(steps=steps, height=height, width=width, sampler=sampler)
         all_prompts = [p for p in prompts for _ in range(num_images)]
         all_negs = [q for q in negs for _ in range(num_images)]
@@ -503,30 +442,6 @@ def seed_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:
         return np.zeros((0, 2), np.uint32)
     fold = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))
     return np.asarray(fold(jnp.asarray(np.asarray(seeds, np.uint32)), jnp.asarray(np.asarray(indices, np.uint32))))
-
-
-def _first(image):
-    return image[0] if isinstance(image, (list, tuple)) else image
-
-
-def _is_latents(x, channels: int) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array)) and np.ndim(x) == 4 and np.shape(x)[1] == channels
-
-
-def _repeat(x: np.ndarray, n: int, name: str) -> np.ndarray:
-    if x.shape[0] == n:
-        return x
-    if x.shape[0] == 1:
-        return np.repeat(x, n, axis=0)
-    raise ValueError(f"{name}: got {x.shape[0]} for {n} images; pass one, or one per image")
-
-
-def _repeat_list(items: list, n: int, name: str) -> list:
-    if len(items) == n:
-        return list(items)
-    if len(items) == 1:
-        return list(items) * n
-    raise ValueError(f"{name}: got {len(items)} for {n} images; pass one, or one per image")
 
 
 _SAMPLER_CACHE: dict = {}
