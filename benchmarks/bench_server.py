@@ -48,9 +48,9 @@ def load(args):
 
         h, w = args.size
         return FakePipeline(delay_s=args.fake_delay, size=(h, w)), "fake"
-    from sdjax import cli, metadata
+    from sdjax import cli, infotext
 
-    return cli.load_pipeline(args.model, args.dtype), metadata.model_label(args.model)
+    return cli.load_pipeline(args.model, args.dtype), infotext.model_label(args.model)
 
 
 def direct(pipe, *, batch: int, images: int, steps: int, height: int, width: int, sampler: str) -> dict:

@@ -6,7 +6,8 @@ compiled shape through `pipeline.generate_arrays`. Every image of the CLI and th
 `i` of a request uses `seed + i`, with fold-in index 0, AUTOMATIC1111's convention), so the `Seed:` written in a
 file reproduces that image alone, whatever the batch it was made in.
 
-The infotext format itself (writing, reading, the PNG chunk) is `sdjax.infotext`; its names are re-exported here.
+The infotext format itself (writing, reading, the PNG chunk) is `sdjax.infotext`, and the task planner with
+diffusers' and A1111's meanings is `sdjax.planning` / `sdjax.policy`.
 """
 
 from __future__ import annotations
@@ -19,21 +20,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from sdjax import planning
-from sdjax.infotext import (  # noqa: F401  (re-exported: the faces and tests read them from here)
-    EMBEDDED_MODEL_NAME,
-    PARAMETERS_KEY,
+from sdjax.infotext import (
     format_parameters,
-    lora_hashes,
-    model_label,
     number,
     parse_parameters,
-    png_bytes,
-    read_parameters,
     sampler_display_name,
     sampler_id,
-    ti_hashes,
 )
-from sdjax.policy import A1111, a1111_start_step  # noqa: F401  (a1111_start_step re-exported)
+from sdjax.policy import A1111
 
 SEED_MAX = 2**32 - 1  # seeds are unsigned 32-bit, as in AUTOMATIC1111; seed + i wraps around
 

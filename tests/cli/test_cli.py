@@ -11,7 +11,7 @@ from fake_pipeline import FakePipeline, expected
 from PIL import Image
 from typer.testing import CliRunner
 
-from sdjax import cli, metadata
+from sdjax import cli, infotext, metadata
 
 runner = CliRunner()
 
@@ -71,7 +71,7 @@ def test_generate_writes_pngs_with_parameters(fake, tmp_path):
     assert [p.name for p in paths] == ["00000-11.png", "00001-12.png", "00002-13.png"]
     assert all(str(p) in r.stdout for p in paths)
     for k, path in enumerate(paths):
-        text = metadata.read_parameters(path)
+        text = infotext.read_parameters(path)
         assert text == (
             "a red fox\nNegative prompt: blurry\nSteps: 3, Sampler: DDIM, CFG scale: 5.0, "
             f"Seed: {11 + k}, Size: 48x32, Model: org/some-model"
@@ -90,7 +90,7 @@ def test_defaults_come_from_the_pipeline(fake, tmp_path):
     r = run("generate", "cat", "-o", str(tmp_path))
     assert r.exit_code == 0, r.output
     (path,) = tmp_path.glob("*.png")
-    p = metadata.parameters_from_text(metadata.read_parameters(path))
+    p = metadata.parameters_from_text(infotext.read_parameters(path))
     assert (p.steps, p.sampler, p.width, p.height, p.seed, p.guidance_scale, p.model) == (
         FakePipeline.default_steps,
         "euler_a",
@@ -198,7 +198,7 @@ def test_schedule_gives_the_a1111_sampler(fake, tmp_path, sampler, schedule, reg
     r = run("generate", "x", "-o", str(tmp_path), "--steps", "2", "--sampler", sampler, "--schedule", schedule)
     assert r.exit_code == 0, r.output
     (path,) = tmp_path.glob("*.png")
-    text = metadata.read_parameters(path.read_bytes())
+    text = infotext.read_parameters(path.read_bytes())
     assert line in text and metadata.parameters_from_text(text).sampler == registry
     assert fake.calls[-1]["sampler"] == registry
 

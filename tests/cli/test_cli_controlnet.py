@@ -7,7 +7,7 @@ from controlnet_cases import torch_controlnet
 from PIL import Image
 from typer.testing import CliRunner
 
-from sdjax import StableDiffusionPipeline, cli, metadata, preprocess
+from sdjax import StableDiffusionPipeline, cli, infotext, preprocess
 
 runner = CliRunner()
 
@@ -43,7 +43,7 @@ def test_cli_controlnet_image_matches_the_api(sd1_dir, net_dir, picture, tmp_pat
     r = runner.invoke(cli.app, [*args, "--control-scale", "0.7", "-o", str(tmp_path)])
     assert r.exit_code == 0, r.output
     (png,) = tmp_path.glob("*.png")
-    text = metadata.read_parameters(png.read_bytes())
+    text = infotext.read_parameters(png.read_bytes())
     assert f'ControlNet 0: "Module: invert, Model: {net_dir.name}, Weight: 0.7, Guidance Start: 0.0' in text
     (pipe,) = loaded
     assert isinstance(pipe, StableDiffusionPipeline)

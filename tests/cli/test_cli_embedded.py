@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sdjax
-from sdjax import metadata
+from sdjax import infotext, metadata
 
 pytestmark = pytest.mark.skipif(
     not (Path(sdjax.EMBEDDED_MODEL) / "model_index.json").is_file(),
@@ -33,7 +33,7 @@ def test_generate_with_the_embedded_model(tmp_path):
     (path,) = tmp_path.glob("*.png")
     assert r.stdout.strip() == str(path)
     assert "Denoising" in r.stderr and "total" in r.stderr
-    p = metadata.parameters_from_text(metadata.read_parameters(path))
+    p = metadata.parameters_from_text(infotext.read_parameters(path))
     assert (p.prompt, p.steps, p.seed, p.model) == ("a red circle", 2, 4, "sdjax/embedded")
     info = subprocess.run(
         [*sdjax_command(), "pnginfo", str(path)], capture_output=True, text=True, env=env, timeout=300

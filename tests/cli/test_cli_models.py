@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 import sdjax
-from sdjax import cli, metadata
+from sdjax import cli, infotext, metadata
 from sdjax.cli import models as cli_models
 
 pytestmark = pytest.mark.skipif(
@@ -62,7 +62,7 @@ def test_names_from_the_models_directory_give_the_python_apis_image(models, tmp_
     r = run(prompt, "--prompt-syntax", "a1111", *names, "--steps", "2", "--seed", "3", "-q", "-o", str(tmp_path))
     assert r.exit_code == 0, r.output
     (png,) = tmp_path.glob("*.png")
-    text = metadata.read_parameters(png)
+    text = infotext.read_parameters(png)
     assert text.startswith(prompt + "\n")  # the tag stays in the prompt, as A1111 writes it
     assert "Model: tiny, VAE: shift" in text and "Clip skip: 2" in text
     data = (models / "Lora" / "ink-lora.safetensors").read_bytes()
@@ -131,8 +131,8 @@ def test_ti_hashes_name_the_embeddings_a_prompt_uses(tmp_path):
     h = {name: hashlib.sha256(name.encode()).hexdigest()[:12] for name in ("inky", "blue", "a:b")}
     texts = ["an inky, (inky:1.2) cat", "inkyness; not blue-ish", "a:b"]
     # "blue-ish" holds "blue" as a word (A1111's tokenizer splits at "-"); "inkyness" does not hold "inky"
-    assert metadata.ti_hashes(texts, files) == f"inky: {h['inky']}, blue: {h['blue']}, ab: {h['a:b']}"
-    assert metadata.ti_hashes(["inkyness", "bluer"], files[:2]) == ""
+    assert infotext.ti_hashes(texts, files) == f"inky: {h['inky']}, blue: {h['blue']}, ab: {h['a:b']}"
+    assert infotext.ti_hashes(["inkyness", "bluer"], files[:2]) == ""
 
 
 def test_infotext_fields_and_batch_keys_of_model_settings():

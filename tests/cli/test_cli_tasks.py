@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from sdjax import StableDiffusionPipeline, cli, metadata
+from sdjax import StableDiffusionPipeline, cli, infotext, metadata, policy
 from sdjax.core import images as image_lib
 
 runner = CliRunner()
@@ -45,12 +45,12 @@ def test_img2img_file_reproduces_through_the_api(tiny, files, tmp_path, sd):
     r = _generate("-m", tiny, "--image", str(files / "in.png"), "--strength", "0.5", "--out", str(tmp_path))
     assert r.exit_code == 0, r.output
     path = tmp_path / r.output.split()[0].split("/")[-1]
-    text = metadata.read_parameters(path)
+    text = infotext.read_parameters(path)
     assert "Denoising strength: 0.5" in text and "Size: 64x64" in text
     params = metadata.parameters_from_text(text)
     assert (params.denoising_strength, params.task) == (0.5, "txt2img")  # the init image is not in the file
     # A1111's rule: int(0.999 * ... ) -> 4 * 0.5 = 2 steps + 1 from step 1 of 4
-    assert metadata.a1111_start_step(4, 0.5) == 1
+    assert policy.a1111_start_step(4, 0.5) == 1
     again = metadata.generate_images(
         sd, [metadata.ImageParameters(**{**params.__dict__, "init_image": Image.open(files / "in.png")})]
     )
@@ -77,7 +77,7 @@ def test_inpaint_keeps_unmasked_pixels_and_records_the_mask_settings(tiny, files
     out = np.asarray(Image.open(path))
     keep = np.asarray(Image.open(files / "mask.png")) == 0
     np.testing.assert_array_equal(out[keep], np.asarray(Image.open(files / "in.png"))[keep])  # A1111's overlay
-    params = metadata.parameters_from_text(metadata.read_parameters(path))
+    params = metadata.parameters_from_text(infotext.read_parameters(path))
     assert params.denoising_strength == 1.0 and params.mask_blur == 0
 
 
@@ -128,13 +128,13 @@ def test_hires_fix_doubles_the_size_and_records_it(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     path = tmp_path / r.output.split()[0].split("/")[-1]
     assert Image.open(path).size == (64, 64)
-    params = metadata.parameters_from_text(metadata.read_parameters(path))
+    params = metadata.parameters_from_text(infotext.read_parameters(path))
     assert params.hires is not None and (params.hires.scale, params.hires.steps, params.hires.upscaler) == (
         2,
         2,
         "latent",
     )
-    assert "Hires upscaler: Latent" in metadata.read_parameters(path)
+    assert "Hires upscaler: Latent" in infotext.read_parameters(path)
 
 
 @pytest.mark.parametrize(

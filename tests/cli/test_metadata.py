@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 import sdjax
-from sdjax import metadata, samplers
+from sdjax import infotext, metadata, samplers
 from sdjax.metadata import GenerationRequest, ImageParameters
 
 PARAMS = ImageParameters(
@@ -32,7 +32,7 @@ def test_format_is_automatic1111s():
 
 
 def test_no_negative_prompt_line_when_empty():
-    text = metadata.format_parameters(ImageParameters("cat", "", 4, "ddim", 7.0, 0, 64, 64))
+    text = infotext.format_parameters(ImageParameters("cat", "", 4, "ddim", 7.0, 0, 64, 64))
     assert text == "cat\nSteps: 4, Sampler: DDIM, CFG scale: 7.0, Seed: 0, Size: 64x64"
 
 
@@ -44,7 +44,7 @@ def test_parse_a_file_written_by_automatic1111():
         "Size: 512x640, Model hash: 6ce0161689, Model: v1-5-pruned-emaonly, "
         'Lora hashes: "lora_a: abc123, lora_b: def456", Version: v1.10.1'
     )
-    raw = metadata.parse_parameters(text)
+    raw = infotext.parse_parameters(text)
     assert raw["Prompt"] == "masterpiece, (best quality:1.2), 1girl"
     assert raw["Negative prompt"] == "lowres, bad anatomy"
     assert raw["Schedule type"] == "Karras"
@@ -99,8 +99,8 @@ def test_values_with_separators_are_json_quoted():
     ],
 )
 def test_sampler_names(spelling, registry, shown):
-    assert metadata.sampler_id(spelling) == registry
-    assert metadata.sampler_display_name(spelling) == shown
+    assert infotext.sampler_id(spelling) == registry
+    assert infotext.sampler_display_name(spelling) == shown
 
 
 def test_unknown_sampler_survives_a_round_trip():
@@ -132,15 +132,15 @@ def test_png_bytes_are_deterministic_and_readable(tmp_path):
     pixels = np.random.default_rng(0).integers(0, 256, (16, 24, 3), dtype=np.uint8)
     for prompt in ("latin-1 prompt", "not latin-1: 猫"):  # tEXt and iTXt
         p = ImageParameters(prompt, "", 2, "ddim", 7.5, 5, 24, 16)
-        a = metadata.png_bytes(pixels, p.infotext())
-        assert a == metadata.png_bytes(Image.fromarray(pixels), p.infotext())
+        a = infotext.png_bytes(pixels, p.infotext())
+        assert a == infotext.png_bytes(Image.fromarray(pixels), p.infotext())
         path = tmp_path / "x.png"
         path.write_bytes(a)
-        assert metadata.read_parameters(path) == p.infotext() == metadata.read_parameters(a)
+        assert infotext.read_parameters(path) == p.infotext() == infotext.read_parameters(a)
         with Image.open(path) as im:  # what AUTOMATIC1111's PNG Info reads
             assert im.info["parameters"] == p.infotext()
             np.testing.assert_array_equal(np.asarray(im), pixels)
-    assert metadata.read_parameters(metadata.png_bytes(pixels)) is None
+    assert infotext.read_parameters(infotext.png_bytes(pixels)) is None
 
 
 def test_request_gives_each_image_its_own_seed():
@@ -170,10 +170,10 @@ def test_generate_images_refuses_mixed_shapes():
 
 
 def test_model_label(tmp_path):
-    assert metadata.model_label(None) == "sdjax/embedded"
-    assert metadata.model_label("embedded") == "sdjax/embedded"
-    assert metadata.model_label(sdjax.EMBEDDED_MODEL) == "sdjax/embedded"
-    assert metadata.model_label("org/name") == "org/name"
+    assert infotext.model_label(None) == "sdjax/embedded"
+    assert infotext.model_label("embedded") == "sdjax/embedded"
+    assert infotext.model_label(sdjax.EMBEDDED_MODEL) == "sdjax/embedded"
+    assert infotext.model_label("org/name") == "org/name"
     folder = tmp_path / "my-model"
     folder.mkdir()
-    assert metadata.model_label(str(folder)) == "my-model"
+    assert infotext.model_label(str(folder)) == "my-model"

@@ -225,9 +225,9 @@ def test_cli_generates_with_forge_guidance_semantics(flux_models, tmp_path):
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, result.output
     (png,) = sorted(tmp_path.glob("*.png"))
-    from sdjax import metadata
+    from sdjax import infotext, metadata
 
-    params = metadata.parameters_from_text(metadata.read_parameters(png))
+    params = metadata.parameters_from_text(infotext.read_parameters(png))
     assert params.distilled_guidance == 2.5 and params.guidance_scale == 1.0  # as Forge writes them
     got = np.asarray(Image.open(png).convert("RGB"), np.int16)
     same = dict(steps=3, height=SIZE, width=SIZE, seed=11, max_sequence_length=512)  # the CLI's: dev's default

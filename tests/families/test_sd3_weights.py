@@ -200,7 +200,7 @@ def test_load_pipeline_and_the_cli_tell_an_sd3_file_by_its_tensors(models, tmp_p
     from PIL import Image
     from typer.testing import CliRunner
 
-    from sdjax import cli, metadata
+    from sdjax import cli, infotext
     from sdjax.families import family_of_file
     from sdjax.pipelines import load_pipeline
 
@@ -232,7 +232,7 @@ def test_load_pipeline_and_the_cli_tell_an_sd3_file_by_its_tensors(models, tmp_p
     assert ok.exit_code == 0, ok.output
     (png,) = (tmp_path / "b").glob("*.png")
     with Image.open(png) as im:  # the CLI's default CFG scale is the family's (7), not the UNet families' 7.5
-        assert float(metadata.parse_parameters(im.info["parameters"])["CFG scale"]) == 7.0
+        assert float(infotext.parse_parameters(im.info["parameters"])["CFG scale"]) == 7.0
     # the MMDiT alone with the encoders as separate files (--clip-l, --clip-g, --t5): the same image as the folder
     separate = ["--clip-l", str(files["clip_l"]), "--clip-g", str(files["clip_g"]), "--t5", str(files["t5"])]
     args[3] = str(files["mmdit"])

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from sdjax import samplers
-from sdjax.metadata import sampler_id
+from sdjax.infotext import sampler_id
 
 SAMPLERS = samplers.available()
 

@@ -17,7 +17,7 @@ from fake_pipeline import FakePipeline
 from PIL import Image
 from server_helpers import check_image, live_server
 
-from sdjax import metadata, preprocess
+from sdjax import infotext, metadata, preprocess
 from sdjax.samplers import a1111
 
 openai = pytest.importorskip("openai", reason="the test extra installs openai")
@@ -47,7 +47,7 @@ def test_openai_images_generate(server):
         check_image(image.b64_json, prompt="a lighthouse", seed=21 + k)
     result = api.images.generate(prompt="a lighthouse", size="64x64", response_format="url", extra_body={"seed": 21})
     png = httpx.get(result.data[0].url).content
-    assert metadata.parameters_from_text(metadata.read_parameters(png)).seed == 21
+    assert metadata.parameters_from_text(infotext.read_parameters(png)).seed == 21
 
 
 def test_openai_errors_are_its_exceptions(server):

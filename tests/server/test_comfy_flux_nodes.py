@@ -246,7 +246,7 @@ def test_zero_out_at_cfg_above_one_on_other_families_and_split_sigmas_img2img():
     from fake_pipeline import FakePipeline
     from test_comfy_api import default_workflow
 
-    from sdjax.metadata import a1111_start_step
+    from sdjax.policy import a1111_start_step
 
     pipe = FakePipeline()
     wf = default_workflow(steps=4)

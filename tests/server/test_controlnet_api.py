@@ -14,7 +14,7 @@ from PIL import Image
 from server_helpers import client, live_server
 from test_server_errors import assert_error
 
-from sdjax import cli, metadata, preprocess
+from sdjax import cli, infotext, preprocess
 
 A1111 = "/sdapi/v1/txt2img"
 
@@ -54,7 +54,7 @@ def test_unit_gives_the_api_image(setup):
     r = c.post(A1111, json=_body(b64))
     assert r.status_code == 200, r.text
     png = base64.b64decode(r.json()["images"][0])
-    text = metadata.read_parameters(png)
+    text = infotext.read_parameters(png)
     assert 'ControlNet 0: "Module: invert, Model: tiny_canny, Weight: 0.7, Guidance Start: 0.0' in text
     # A no-op progress callback taking the latents, as the server's: the same compiled program (no second compile).
     ref = pipe.generate(

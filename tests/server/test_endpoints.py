@@ -19,7 +19,7 @@ from PIL import Image
 from server_helpers import check_image, client, decode_png, live_server
 from test_server_errors import assert_error
 
-from sdjax import metadata
+from sdjax import infotext
 from sdjax.samplers import a1111
 from sdjax.server import Limits, schemas
 from sdjax.server.schemas import FieldError, decode_image
@@ -44,7 +44,7 @@ def png_b64(size=(16, 16), text: str | None = None, fmt="PNG") -> str:
     image = Image.new("RGB", size, (10, 200, 30))
     buf = io.BytesIO()
     if text is not None:
-        buf.write(metadata.png_bytes(image, text))
+        buf.write(infotext.png_bytes(image, text))
     else:
         image.save(buf, format=fmt)
     return base64.b64encode(buf.getvalue()).decode()

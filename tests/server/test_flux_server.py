@@ -13,7 +13,7 @@ import t5_reference
 from compile_counter import counting_compiles
 from server_helpers import client, decode_png, live_server
 
-from sdjax import cli, metadata
+from sdjax import cli, infotext, metadata
 
 STEPS = 2
 
@@ -68,7 +68,7 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models
             assert tagged.status_code == 200, tagged.text
     assert config["default_guidance_scale"] == 1.0
     pixels, text = decode_png(r.json()["images"][0])
-    raw = metadata.parse_parameters(text)
+    raw = infotext.parse_parameters(text)
     assert float(raw["CFG scale"]) == 1.0
     assert float(raw["Distilled CFG Scale"]) == flux_dev.distilled_guidance_scale == 3.5
     expected = metadata.generate_images(
@@ -82,7 +82,7 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models
     np.testing.assert_allclose(pixels, expected, atol=1)
     # Forge's field: the distilled guidance of the request, written back and run
     pixels5, text5 = decode_png(r5.json()["images"][0])
-    assert float(metadata.parse_parameters(text5)["Distilled CFG Scale"]) == 5.0
+    assert float(infotext.parse_parameters(text5)["Distilled CFG Scale"]) == 5.0
     expected5 = metadata.generate_images(
         flux_dev,
         metadata.GenerationRequest(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from server_helpers import client, decode_png, live_server
 
-from sdjax import metadata
+from sdjax import infotext, metadata
 from sdjax.pipelines.auto import EMBEDDED_MODEL
 from sdjax.text.tokenizer import CLIPTokenizer
 
@@ -30,7 +30,7 @@ def check_structure(text: str, params: metadata.ImageParameters) -> None:
     lines = text.split("\n")
     assert text.splitlines() == lines  # no \r, U+2028 and the like: every reader sees the same lines
     assert sum(line.startswith("Negative prompt:") for line in lines) == (1 if params.negative_prompt else 0)
-    raw = metadata.parse_parameters(text)
+    raw = infotext.parse_parameters(text)
     assert (raw["Steps"], raw["Seed"], raw["Size-1"], raw["Size-2"]) == (
         str(params.steps),
         str(params.seed),

@@ -23,7 +23,7 @@ from PIL import Image
 from server_helpers import client, live_server
 from typer.testing import CliRunner
 
-from sdjax import cli, metadata
+from sdjax import cli, infotext, metadata
 
 STEPS = 3
 
@@ -73,9 +73,9 @@ def test_cli_generate_on_the_tiny_model(sd1_dir, pipe, tmp_path, monkeypatch):
     assert [p.name for p in first] == ["00000-5.png", "00001-6.png"]
     h, w = pipe.default_size
     for k, path in enumerate(first):
-        p = metadata.parameters_from_text(metadata.read_parameters(path))
+        p = metadata.parameters_from_text(infotext.read_parameters(path))
         assert p == metadata.ImageParameters("a red square", "", STEPS, "pndm", 7.5, 5 + k, w, h, model=sd1_dir.name)
-        assert f"Sampler: PLMS, CFG scale: 7.5, Seed: {5 + k}, Size: {w}x{h}" in metadata.read_parameters(path)
+        assert f"Sampler: PLMS, CFG scale: 7.5, Seed: {5 + k}, Size: {w}x{h}" in infotext.read_parameters(path)
         # the CLI's image is the pipeline's for that seed alone (it does not depend on the batch)
         np.testing.assert_allclose(pixels(path.read_bytes()), direct(pipe, "a red square", 5 + k), atol=2)
     r = CliRunner().invoke(cli.app, args)
@@ -110,7 +110,7 @@ def test_server_batches_real_requests(pipe):
         ]
         want = [("a cat", 1), ("a cat", 2), ("a dog", 9)]
         for png, (prompt, seed) in zip(got, want):
-            p = metadata.parameters_from_text(metadata.read_parameters(png))
+            p = metadata.parameters_from_text(infotext.read_parameters(png))
             assert (p.prompt, p.seed, p.steps, p.width, p.height, p.model, p.sampler) == (
                 prompt,
                 seed,
@@ -138,7 +138,7 @@ def test_another_sampler_than_the_models(pipe):
         assert r.status_code == 200, r.text
         png = base64.b64decode(r.json()["images"][0])
         # A1111's "Euler a" (Automatic schedule) is Euler a over uniform sigmas: "Euler a Uniform" to the library
-        assert metadata.parameters_from_text(metadata.read_parameters(png)).sampler == "Euler a Uniform"
+        assert metadata.parameters_from_text(infotext.read_parameters(png)).sampler == "Euler a Uniform"
         np.testing.assert_allclose(pixels(png), direct(pipe, "a dog", 9, "Euler a Uniform"), atol=2)
 
 

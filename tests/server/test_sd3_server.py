@@ -11,7 +11,7 @@ import t5_reference
 from compile_counter import counting_compiles
 from server_helpers import client, decode_png, live_server
 
-from sdjax import cli, metadata
+from sdjax import cli, infotext, metadata
 from sdjax.families import FAMILIES
 
 STEPS = 2
@@ -52,7 +52,7 @@ def test_a1111_and_openai_give_the_library_image_with_sd3_defaults(sd3):
         assert len(compiles) == warm, f"{len(compiles) - warm} compilations while serving"
     assert config["default_guidance_scale"] == 7.0 == FAMILIES["sd3"].defaults.guidance_scale
     pixels, text = decode_png(r.json()["images"][0])
-    raw = metadata.parse_parameters(text)
+    raw = infotext.parse_parameters(text)
     assert float(raw["CFG scale"]) == 7.0 and raw["Sampler"] and int(raw["Steps"]) == STEPS
     assert raw["Negative prompt"] == "blurry"
     sampler = config["default_sampler"]

@@ -13,7 +13,7 @@ import pytest
 from fake_pipeline import FakePipeline, expected
 from server_helpers import live_server
 
-from sdjax import metadata
+from sdjax import infotext, metadata
 
 CHROMIUM = os.environ.get("SDJAX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
@@ -102,7 +102,7 @@ def test_generate_from_the_page(page, tmp_path):
             figures[1].query_selector("a.download").click()
         path = tmp_path / "download.png"
         info.value.save_as(path)
-        text = metadata.read_parameters(path)
+        text = infotext.read_parameters(path)
         assert metadata.parameters_from_text(text).seed == 78
         from PIL import Image
 
@@ -135,7 +135,7 @@ def test_page_shows_errors_and_recovers(page):
         page.click("#generate")
         page.wait_for_selector("figure.result")
         img = page.get_attribute("figure.result img", "src")
-        assert metadata.read_parameters(base64.b64decode(img.split(",", 1)[1])).startswith("x\nSteps: 4")
+        assert infotext.read_parameters(base64.b64decode(img.split(",", 1)[1])).startswith("x\nSteps: 4")
 
 
 def test_inpaint_from_the_page(page, tmp_path, sd1_dir):

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from sdjax import metadata
+from sdjax import infotext, metadata
 from sdjax.cli import generate_options as opt
 from sdjax.cli.common import (
     DType,
@@ -207,7 +207,7 @@ def _prepare(o: GenerateOptions, pipe, weights, model_hash, units, err: Console)
     width, height = task.pop("width"), task.pop("height")
     refiner_pipe = _load_refiner(o, err)
     if o.refiner is not None:
-        task.update(refiner=metadata.model_label(o.refiner), refiner_switch=o.refiner_start)
+        task.update(refiner=infotext.model_label(o.refiner), refiner_switch=o.refiner_start)
     if weights.loras:
         _load_loras(pipe, weights.loras, err)
     if hasattr(pipe, "distilled_guidance_scale") and pipe.transformer.config.guidance_embeds:
@@ -215,8 +215,8 @@ def _prepare(o: GenerateOptions, pipe, weights, model_hash, units, err: Console)
             pipe.distilled_guidance_scale if o.distilled_guidance is None else o.distilled_guidance
         )
     task.update(clip_skip=o.clip_skip, loras=weights.tags, vae=weights.vae_label, model_hash=model_hash,
-                lora_hashes=metadata.lora_hashes(weights.tag_files),
-                ti_hashes=metadata.ti_hashes([o.prompt, o.negative_prompt or ""],
+                lora_hashes=infotext.lora_hashes(weights.tag_files),
+                ti_hashes=infotext.ti_hashes([o.prompt, o.negative_prompt or ""],
                                              [(p.stem, p) for p in weights.embeddings]))  # fmt: skip
     if units:
         if o.refiner is not None or o.hires_scale is not None:
@@ -330,11 +330,11 @@ def _write_pngs(out: Path, images, arrays, grid: bool, timings: Timings) -> list
     paths = []
     for k, (params, array) in enumerate(zip(images, arrays)):
         path = out / f"{number + k:05d}-{params.seed}.png"
-        path.write_bytes(metadata.png_bytes(array, params.infotext()))
+        path.write_bytes(infotext.png_bytes(array, params.infotext()))
         paths.append(path)
     if grid:
         path = out / f"grid-{number:05d}.png"
-        path.write_bytes(metadata.png_bytes(image_grid(arrays), images[0].infotext()))
+        path.write_bytes(infotext.png_bytes(image_grid(arrays), images[0].infotext()))
         paths.append(path)
     timings.save = time.perf_counter() - t0
     return paths

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from sdjax import metadata
+from sdjax import infotext, metadata
 
 
 def _task_options(
@@ -162,7 +162,7 @@ def _a1111_sampler(sampler: str, schedule: str) -> str:
     except ConfigError as e:
         raise typer.BadParameter(str(e), param_hint="--schedule") from None
     try:
-        return metadata.sampler_id(a1111.canonical(sampler, schedule))
+        return infotext.sampler_id(a1111.canonical(sampler, schedule))
     except a1111.UnsupportedSamplerError as e:
         raise typer.BadParameter(str(e), param_hint="--sampler") from None
     except ConfigError as e:
@@ -188,7 +188,7 @@ def _request(
         width=width or dw,
         height=height or dh,
         sampler=sampler or pipe.default_sampler,
-        model=metadata.model_label(model),
+        model=infotext.model_label(model),
         **task,
     )
     texts = [prompt, negative_prompt]

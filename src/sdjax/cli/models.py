@@ -24,7 +24,7 @@ class Weights:
     """What `generate` loads and what its infotext says about it."""
 
     model: str | None  # a folder, file or Hub id for `load_pipeline`; None: the embedded model
-    model_label: str | None  # infotext "Model" (None: `metadata.model_label(model)`)
+    model_label: str | None  # infotext "Model" (None: `infotext.model_label(model)`)
     model_file: Path | None  # a single-file checkpoint (hashed for "Model hash")
     vae: str | None
     vae_label: str  # infotext "VAE": A1111 writes the VAE's file name

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from sdjax import metadata
+from sdjax import infotext
 
 
 def pnginfo(
@@ -20,7 +20,7 @@ def pnginfo(
     status = 0
     for path in files:
         try:
-            text = metadata.read_parameters(path)
+            text = infotext.read_parameters(path)
         except Exception as e:  # a file that is not an image, or a truncated or corrupt one: one line, go on
             typer.echo(f"{path}: {_unreadable(e)}", err=True)
             status = 1
@@ -30,14 +30,14 @@ def pnginfo(
             status = 1
             continue
         if as_json:
-            typer.echo(json.dumps({"file": str(path), **metadata.parse_parameters(text)}, ensure_ascii=False))
+            typer.echo(json.dumps({"file": str(path), **infotext.parse_parameters(text)}, ensure_ascii=False))
         else:
             typer.echo(f"{path}:\n{text}\n" if len(files) > 1 else text)
     raise typer.Exit(status)
 
 
 def _unreadable(error: Exception) -> str:
-    """Why `metadata.read_parameters` could not read a file, in words (for `pnginfo`)."""
+    """Why `infotext.read_parameters` could not read a file, in words (for `pnginfo`)."""
     from PIL import UnidentifiedImageError
 
     if isinstance(error, UnidentifiedImageError):

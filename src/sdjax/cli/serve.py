@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from sdjax import metadata
+from sdjax import infotext
 from sdjax.cli.common import (
     DType,
     DTypeOpt,
@@ -430,7 +430,7 @@ def _server_config(o: ServeOptions, server, models: _Models, pipe, sizes, batch,
         h, w = pipe.default_size
         allowed = sizes or ((w, h),)
     return server.ServerConfig(
-        model_name=models.model_label or metadata.model_label(models.model),
+        model_name=models.model_label or infotext.model_label(models.model),
         checkpoint=models.checkpoint,
         vae_name=models.vae_label,
         max_batch=o.max_batch,

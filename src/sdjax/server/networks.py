@@ -79,7 +79,7 @@ class Networks:
 
     def lora_hashes(self, loras: tuple[tuple[str, float], ...]) -> str:
         """A1111's `Lora hashes` infotext value for the LoRAs `prompt_loras` returned."""
-        from sdjax.metadata import lora_hashes
+        from sdjax.infotext import lora_hashes
 
         return lora_hashes([(name, self.md.resolve("lora", name).path) for name, _ in loras], self.md.hashes)
 

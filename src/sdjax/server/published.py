@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from sdjax.metadata import sampler_display_name, sampler_id
+from sdjax.infotext import sampler_display_name, sampler_id
 from sdjax.server.a1111_info import label
 from sdjax.server.schemas import UPSCALERS, A1111Txt2ImgRequest, Defaults, FieldError, Limits, a1111_sampler
 

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from sdjax.metadata import GenerationRequest, ImageParameters, png_bytes, sampler_id
+from sdjax.infotext import png_bytes, sampler_id
+from sdjax.metadata import GenerationRequest, ImageParameters
 from sdjax.server import models_api
 from sdjax.server.batching import Batcher, Outcome, ShuttingDown
 from sdjax.server.errors import APIError, ClientGone

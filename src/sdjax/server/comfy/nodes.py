@@ -28,7 +28,7 @@ naming the node and input (`graph.NodeError`), never skipped:
   parts together and cannot swap them per prompt); EmptySD3LatentImage on a model with 4 latent channels.
 
 Step rules: a KSampler with `steps` s and `denoise` d on an image runs ComfyUI's s steps at the end of an
-`int(s / d)`-step schedule; sdjax writes that as A1111's img2img rule (`metadata.a1111_start_step`: total steps T and
+`int(s / d)`-step schedule; sdjax writes that as A1111's img2img rule (`policy.a1111_start_step`: total steps T and
 a strength that makes it run s of them). KSamplerAdvanced's `start_at_step` k runs steps k.. of its schedule.
 
 Seeds: ComfyUI draws noise with torch's RNG, sdjax with JAX's (`fold_in(PRNGKey(seed), 0)`), so no seed gives

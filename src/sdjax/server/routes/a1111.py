@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 
-from sdjax.metadata import GenerationRequest, parse_parameters, sampler_display_name, strip_lora_tags, ti_hashes
+from sdjax.infotext import parse_parameters, sampler_display_name, ti_hashes
+from sdjax.metadata import GenerationRequest, strip_lora_tags
 from sdjax.samplers import a1111
 from sdjax.server import controlnet as controlnet_api
 from sdjax.server import models_api

@@ -12,7 +12,7 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from sdjax.metadata import sampler_display_name, sampler_id
+from sdjax.infotext import sampler_display_name, sampler_id
 from sdjax.server.state import ServerState
 
 

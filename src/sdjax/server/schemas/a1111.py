@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_display_name, sampler_id
+from sdjax.infotext import sampler_display_name, sampler_id
+from sdjax.metadata import SEED_MAX, GenerationRequest
 from sdjax.policy import A1111
 from sdjax.server.errors import APIError
 from sdjax.server.schemas.common import (

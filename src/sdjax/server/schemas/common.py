@@ -24,7 +24,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from sdjax.metadata import SEED_MAX, GenerationRequest, sampler_display_name, sampler_id
+from sdjax.infotext import sampler_display_name, sampler_id
+from sdjax.metadata import SEED_MAX, GenerationRequest
 from sdjax.server.errors import APIError
 
 # A base64 image (PNG, JPEG or WebP; or a `data:image/...;base64,` URL), as the published schema describes it:
