@@ -100,6 +100,37 @@ def sampler_id(name: str) -> str:
     return f"{label} {schedule}" if schedule is not None else name
 
 
+class SamplerChoiceError(ValueError):
+    """An A1111 sampler + schedule pair that sdjax cannot run; `field` is "sampler" or "schedule" (which of the
+    two a face names in its error: `--sampler` / `--schedule`, `sampler_name` / `scheduler`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def a1111_sampler(name: str, schedule: str = "Automatic", *, registry_fallback: bool = False) -> str:
+    """The sampler an A1111 (sampler, schedule) pair means, as the one string every face and the infotext use
+    (`samplers.a1111.canonical`, "Automatic" resolved: "DPM++ 2M" -> "DPM++ 2M Karras"). With
+    `registry_fallback`, a registry name that is no A1111 sampler ("pndm") with "Automatic" is served as it is.
+    Raises `SamplerChoiceError` naming the field at fault."""
+    from sdjax.config import ConfigError
+    from sdjax.samplers import a1111, available, schedules
+
+    try:
+        schedules.find_schedule(schedule)
+    except ConfigError as e:
+        raise SamplerChoiceError("schedule", str(e)) from None
+    try:
+        return sampler_id(a1111.canonical(name, schedule))
+    except a1111.UnsupportedSamplerError as e:
+        if registry_fallback and schedule.lower() == "automatic" and sampler_id(name) in available():
+            return sampler_id(name)
+        raise SamplerChoiceError("sampler", str(e)) from None
+    except ConfigError as e:
+        raise SamplerChoiceError("schedule", str(e)) from None
+
+
 def sampler_display_name(name: str) -> str:
     """AUTOMATIC1111's name of a sampler ("euler_a" -> "Euler a"), as written in infotext; else the name."""
     from sdjax import samplers

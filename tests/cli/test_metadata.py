@@ -177,3 +177,24 @@ def test_model_label(tmp_path):
     folder = tmp_path / "my-model"
     folder.mkdir()
     assert infotext.model_label(str(folder)) == "my-model"
+
+
+@pytest.mark.parametrize(
+    "pair, fallback, expected",
+    [
+        (("DPM++ 2M", "Automatic"), False, "dpmpp_2m_karras"),  # A1111 1.6+: "Automatic" is Karras for DPM++ 2M
+        (("Euler a", "Automatic"), False, "Euler a Uniform"),  # its own (uniform) schedule, named
+        (("pndm", "Automatic"), True, "pndm"),  # a registry name the server defaults to
+        (("pndm", "Automatic"), False, "sampler"),
+        (("nope", "Automatic"), True, "sampler"),
+        (("Euler", "Bogus"), False, "schedule"),
+        (("Euler a", "Karras"), False, "schedule"),
+    ],
+)
+def test_a1111_sampler_choice_is_one_rule_for_every_face(pair, fallback, expected):
+    if expected in ("sampler", "schedule"):
+        with pytest.raises(infotext.SamplerChoiceError) as e:
+            infotext.a1111_sampler(*pair, registry_fallback=fallback)
+        assert e.value.field == expected
+    else:
+        assert infotext.a1111_sampler(*pair, registry_fallback=fallback) == expected

@@ -154,19 +154,10 @@ def _control_units(models, images, modules, scales, starts, ends) -> tuple:
 
 def _a1111_sampler(sampler: str, schedule: str) -> str:
     """--sampler + --schedule as one sampler string, with A1111's meaning of "Automatic"."""
-    from sdjax.config import ConfigError
-    from sdjax.samplers import a1111, schedules
-
     try:
-        schedules.find_schedule(schedule)
-    except ConfigError as e:
-        raise typer.BadParameter(str(e), param_hint="--schedule") from None
-    try:
-        return infotext.sampler_id(a1111.canonical(sampler, schedule))
-    except a1111.UnsupportedSamplerError as e:
-        raise typer.BadParameter(str(e), param_hint="--sampler") from None
-    except ConfigError as e:
-        raise typer.BadParameter(str(e), param_hint="--schedule") from None
+        return infotext.a1111_sampler(sampler, schedule)
+    except infotext.SamplerChoiceError as e:
+        raise typer.BadParameter(str(e), param_hint=f"--{e.field}") from None
 
 
 def _request(

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sdjax import infotext
 from sdjax.infotext import sampler_display_name, sampler_id
 from sdjax.metadata import SEED_MAX, GenerationRequest
 from sdjax.policy import A1111
@@ -130,25 +131,14 @@ def a1111_sampler(body: A1111Txt2ImgRequest, defaults: Defaults) -> str:
     """The sampler for `sampler_name` + `scheduler` with A1111's meaning ("Automatic": the sampler's own schedule,
     Karras for "DPM++ 2M"), as the one string `sdjax.samplers.a1111.canonical` writes. A registry name that is
     no A1111 sampler (the server's default, e.g. "pndm") is served as it is with "Automatic"."""
-    from sdjax.samplers import a1111, schedules
-
     name = body.sampler_name or body.sampler_index
     scheduler = (body.scheduler or "").strip() or "Automatic"
     if not name and scheduler.lower() == "automatic":  # the server's default sampler, as the other APIs run it
         return sampler_id(defaults.sampler)
-    name = name or defaults.sampler
     try:
-        schedules.find_schedule(scheduler)
-    except schedules.UnknownScheduleError as e:
-        raise FieldError("scheduler", str(e)) from None
-    try:
-        return sampler_id(a1111.canonical(name, scheduler))
-    except a1111.UnsupportedSamplerError as e:
-        if scheduler.lower() == "automatic" and sampler_id(name) in samplers_available():
-            return sampler_id(name)
-        raise FieldError("sampler_name", str(e)) from None
-    except schedules.UnsupportedScheduleError as e:
-        raise FieldError("scheduler", str(e)) from None
+        return infotext.a1111_sampler(name or defaults.sampler, scheduler, registry_fallback=True)
+    except infotext.SamplerChoiceError as e:
+        raise FieldError("scheduler" if e.field == "schedule" else "sampler_name", str(e)) from None
 
 
 def samplers_available() -> list[str]:
