@@ -17,6 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
+from sdjax.finetune.flow_cli import FLOW_CLI, FLOW_ORDER, lora_trainer
+
 train_app = typer.Typer(
     no_args_is_help=True,
     help="Fine-tune a model: `sdjax train lora` trains a LoRA (SD 1.x / 2.x / XL) and writes a kohya/A1111 file; "
@@ -186,12 +188,21 @@ SHARED: dict[str, tuple[Any, Any]] = {
         0,
     ),
     "validation_seed": (Annotated[int, typer.Option(help="Seed of every validation image.")], 0),
+    "tensorboard": (
+        Annotated[bool, typer.Option(help="TensorBoard event files of the loss and lr in RUN_DIR/tensorboard/.")],
+        False,
+    ),
+    "cache_latents": (
+        Annotated[bool, typer.Option(help="Encode every image once with the VAE before training (no random crops).")],
+        False,
+    ),
     "validation_steps": (
         Annotated[int | None, typer.Option(help="Denoising steps of validation images. Default: the pipeline's.")],
         None,
     ),
 }
-EXTRAS = " ema_decay validation_prompts validation_every validation_seed validation_steps"
+EXTRAS = " ema_decay validation_prompts validation_every validation_seed validation_steps tensorboard"
+SHARED.update(FLOW_CLI)  # `train lora`'s flow-matching options (Flux, SD 3): finetune.flow_cli
 LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]
 
 
@@ -222,7 +233,7 @@ def _options(order: str):
     "data out model steps rank alpha lora_dropout lr lr_schedule warmup batch_size accumulation resolution bucketing "
     "bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image train_text_encoder "
     "prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft" + EXTRAS
+    "run_dir save_every resume peft cache_latents" + EXTRAS + FLOW_ORDER
 )
 def lora(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
@@ -235,12 +246,13 @@ def lora(
     input_perturbation: Annotated[float, typer.Option(help="Input perturbation (e.g. 0.1).")] = 0.0,
     **shared: Any,
 ) -> None:
-    """Train a LoRA on a folder of captioned images; writes OUT (kohya/A1111) and a run directory."""
+    """Train a LoRA on a folder of captioned images; writes OUT (kohya/A1111; Flux and SD 3: diffusers' layout)
+    and a run directory."""
     options = {k: v for k, v in locals().items() if k not in ("data", "out", "shared")} | shared
     _require_train_extra()
-    from sdjax.finetune.run import LoraTrainConfig, train_lora
+    config_cls, train = lora_trainer(options)  # Flux / SD 3 models and flow options: finetune.flow_run
 
-    _run("train lora", LoraTrainConfig, train_lora, data, out, options)
+    _run("train lora", config_cls, train, data, out, options)
 
 
 @train_app.command("textual-inversion")
@@ -301,3 +313,37 @@ def dreambooth(
     from sdjax.finetune.dreambooth import DreamBoothConfig, train_dreambooth
 
     _run("train dreambooth", DreamBoothConfig, train_dreambooth, instance_data, out, options)
+
+
+@train_app.command("finetune")
+@_options(
+    "data out model single_file steps lr lr_schedule warmup batch_size accumulation resolution bucketing bucket_step "
+    "random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image prediction_type min_snr_gamma "
+    "noise_offset input_perturbation mixed_precision gradient_checkpointing cache_latents seed run_dir save_every "
+    "resume" + EXTRAS
+)
+def finetune(
+    data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
+    out: Annotated[Path, typer.Option(help="The diffusers folder to write (the base model with the trained UNet).")],
+    single_file: Annotated[
+        Path | None, typer.Option(help="Also write the model as one A1111 / original-layout .safetensors file.")
+    ] = None,
+    lr: Annotated[float, typer.Option("--lr", "--learning-rate", help="AdamW learning rate.")] = 1e-5,
+    mixed_precision: Annotated[
+        Precision, typer.Option(help="bf16: bfloat16 compute, float32 master weights and optimiser.")
+    ] = Precision.no,
+    bucket_step: Annotated[int, typer.Option(help="Bucket side multiple in pixels.")] = 64,
+    caption_dropout: Annotated[float, typer.Option(help="Share of empty captions.")] = 0.0,
+    shuffle_tags: Annotated[bool, typer.Option(help="Shuffle comma-separated tags.")] = False,
+    keep_tokens: Annotated[int, typer.Option(help="Tags kept in front when shuffling.")] = 0,
+    input_perturbation: Annotated[float, typer.Option(help="Input perturbation (e.g. 0.1).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the data order and noise.")] = 0,
+    **shared: Any,
+) -> None:
+    """Fine-tune the whole UNet on a folder of captioned images; writes OUT (a diffusers folder), optionally an
+    A1111 single file, and a run directory."""
+    options = {k: v for k, v in locals().items() if k not in ("data", "out", "shared")} | shared
+    _require_train_extra()
+    from sdjax.finetune.full import FinetuneConfig, train_finetune
+
+    _run("train finetune", FinetuneConfig, train_finetune, data, out, options)

@@ -205,23 +205,43 @@ def process_caption(caption: str, cfg: DataConfig, rng: np.random.Generator) -> 
     return caption
 
 
-def load_example(item: Item, cfg: DataConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """`(pixels CHW float32 in [-1, 1], SDXL time ids (orig_h, orig_w, crop_top, crop_left, h, w))`: the image
-    resized to cover its bucket, cropped to it (center or random) and maybe flipped."""
-    from PIL import Image
-
-    im = _open_rgb(item.path)
+def _resized(item: Item) -> tuple[int, int]:
+    """`(height, width)` of `item`'s image resized to cover its bucket."""
     bh, bw = item.bucket
-    scale = max(bh / im.height, bw / im.width)
-    rh, rw = max(bh, round(im.height * scale)), max(bw, round(im.width * scale))
-    if (rh, rw) != (im.height, im.width):
-        im = im.resize((rw, rh), Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC)
+    scale = max(bh / item.size[0], bw / item.size[1])
+    return max(bh, round(item.size[0] * scale)), max(bw, round(item.size[1] * scale))
+
+
+def example_choices(item: Item, cfg: DataConfig, rng: np.random.Generator) -> tuple[int, int, bool]:
+    """`(crop top, crop left, flipped)` of one example, drawn from `rng` in `load_example`'s order (a latent cache
+    replays them without opening the image: `LatentCache`)."""
+    (bh, bw), (rh, rw) = item.bucket, _resized(item)
     if cfg.random_crop:
         top, left = int(rng.integers(0, rh - bh + 1)), int(rng.integers(0, rw - bw + 1))
     else:
         top, left = (rh - bh) // 2, (rw - bw) // 2
+    return top, left, bool(cfg.flip and rng.random() < 0.5)
+
+
+def load_example(item: Item, cfg: DataConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`(pixels CHW float32 in [-1, 1], SDXL time ids (orig_h, orig_w, crop_top, crop_left, h, w))`: the image
+    resized to cover its bucket, cropped to it (center or random) and maybe flipped."""
+    return crop_example(item, *example_choices(item, cfg, rng))
+
+
+def crop_example(item: Item, top: int, left: int, flipped: bool) -> tuple[np.ndarray, np.ndarray]:
+    """`load_example` with its choices given."""
+    from PIL import Image
+
+    im = _open_rgb(item.path)
+    bh, bw = item.bucket
+    rh, rw = _resized(dataclasses.replace(item, size=(im.height, im.width)))
+    if (rh, rw) != (im.height, im.width):
+        scale = max(bh / im.height, bw / im.width)
+        im = im.resize((rw, rh), Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC)
+    top, left = min(top, rh - bh), min(left, rw - bw)  # (an image that changed since the scan)
     x = np.asarray(im, np.float32)[top : top + bh, left : left + bw] / 127.5 - 1.0
-    if cfg.flip and rng.random() < 0.5:
+    if flipped:
         x = x[:, ::-1]
     time_ids = np.asarray([item.size[0], item.size[1], top, left, bh, bw], np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1)), time_ids
@@ -256,6 +276,18 @@ class Sampler:
         n = len(self.epoch_batches(0))
         epoch, within = divmod(int(step), n)
         return list(self.epoch_batches(epoch)[within]), epoch
+
+    def plan(self, step: int) -> list[tuple[int, tuple[int, int, bool], str]]:
+        """Micro-batch `step` without opening an image: per example `(item index, (top, left, flipped), caption)`,
+        the very draws of `load` (a latent cache's batches)."""
+        indices, _ = self.batch(step)
+        out = []
+        for j, i in enumerate(indices):
+            rng = np.random.default_rng((self.seed, int(step), j, 11))
+            item = self.dataset.items[i]
+            choices = example_choices(item, self.cfg, rng)
+            out.append((i, choices, process_caption(item.caption, self.cfg, rng)))
+        return out
 
     def load(self, step: int) -> dict:
         """Micro-batch `step`: `pixels (B, 3, h, w)`, `time_ids (B, 6)`, `captions` (list), `paths`."""

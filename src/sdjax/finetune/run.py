@@ -11,6 +11,7 @@ noise are functions of the seed and the step, so a resumed run repeats the unbro
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import time
@@ -68,8 +69,14 @@ class TrainConfig:
     validation_every: int = 0  # updates between validation images (0: before the first update and at the end only)
     validation_seed: int = 0
     validation_steps: int | None = None  # denoising steps of validation images (default: the pipeline's)
+    cache_latents: bool = False  # encode every image once before training (`finetune.cache`); trainers opt in
+    tensorboard: bool = False  # TensorBoard event files of the loss and learning rate in RUN_DIR/tensorboard/
 
     written: ClassVar[str] = "the LoRA"  # what `out` holds (in the error of a wrong suffix)
+    out_suffix: ClassVar[str] = ".safetensors"  # "": `out` is a folder
+    # Whether this config's trainer reads a latent cache; looked up on the config's own class only (a subclass's
+    # trainer builds its own batches, so it opts in itself).
+    latent_cache: ClassVar[bool] = False
 
     def __post_init__(self):
         prompts = self.validation_prompts
@@ -85,12 +92,18 @@ class TrainConfig:
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
         if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
             raise ValueError(f"resolution={self.resolution} must be a positive multiple of 8")
-        if not str(self.out).endswith(".safetensors"):
-            raise ValueError(f"out={self.out}: {self.written} is written as a .safetensors file")
+        if self.out_suffix and not str(self.out).endswith(self.out_suffix):
+            raise ValueError(f"out={self.out}: {self.written} is written as a {self.out_suffix} file")
         if self.save_every < 0 or self.warmup < 0:
             raise ValueError("save_every and warmup must be 0 or more")
         self._check_extras()
         self.data_config(self.resolution or 512).check()
+        if self.cache_latents:
+            if not type(self).__dict__.get("latent_cache", False):
+                raise ValueError(f"cache_latents (--cache-latents): {type(self).__name__} runs have no latent cache")
+            from sdjax.finetune import cache as cache_lib
+
+            cache_lib.check(self.data_config(self.resolution or 512))
         if not Path(self.data).expanduser().is_dir():
             raise data_lib.DataError(f"data folder {self.data} does not exist or is not a folder")
 
@@ -111,6 +124,8 @@ class TrainConfig:
         steps = self.validation_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise ValueError(f"validation_steps={steps!r} (--validation-steps) must be a positive integer")
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("tensorboard=True (--tensorboard) needs tensorboardX: pip install 'sdjax[train]'")
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
         return data_lib.DataConfig(
@@ -140,6 +155,8 @@ class LoraTrainConfig(TrainConfig):
     caption_dropout: float = 0.0
     peft: bool = False  # also write diffusers' pytorch_lora_weights.safetensors into the run directory
     comment: str = ""
+
+    latent_cache: ClassVar[bool] = True
 
     def check(self) -> None:
         """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
@@ -327,12 +344,22 @@ def lora_validator(cfg: LoraTrainConfig, pipe, params: dict, resolution: int, lo
 def _inputs(conditioning, batch: dict, clip_skip: int) -> dict:
     ids = np.asarray(conditioning.tokenize(batch["captions"]), np.int32)
     n = len(batch["captions"])
-    return {
-        "pixels": batch["pixels"],
-        "ids": ids,
-        "clip_skip": np.full((n,), clip_skip, np.int32),
-        "time_ids": batch["time_ids"],
-    }
+    images = {k: batch[k] for k in ("pixels", "latents") if k in batch}  # latents: from a latent cache
+    return {**images, "ids": ids, "clip_skip": np.full((n,), clip_skip, np.int32), "time_ids": batch["time_ids"]}
+
+
+def _batches(cfg: TrainConfig, models, frozen: dict, sampler, log: Callable[[str], None]):
+    """`(batches(micro) -> host arrays, frozen)`: images the step encodes with the VAE, or with `cfg.cache_latents`
+    latents from a cache built now with `models.vae` (`finetune.cache`); the VAE then leaves the step's frozen
+    params (it is not in the compiled step)."""
+    conditioning = models.conditioning
+    if not cfg.cache_latents:
+        return (lambda micro: _inputs(conditioning, sampler.load(micro), cfg.clip_skip)), frozen
+    from sdjax.finetune import cache as cache_lib
+
+    cache = cache_lib.build(sampler.dataset, sampler.cfg, models, frozen["vae"], cfg.seed, log)
+    frozen = {k: v for k, v in frozen.items() if k != "vae"}
+    return (lambda micro: _inputs(conditioning, cache.batch(sampler, micro), cfg.clip_skip)), frozen
 
 
 def write_lora(
@@ -374,7 +401,11 @@ def train_lora(
     """Train a LoRA on the images of `data` and write it to `out` (kohya `.safetensors`); `options` are the
     fields of `LoraTrainConfig`. `stop_after` ends the run after that many updates of this call (checkpointed,
     without writing `out`): for tests of resuming and for time-boxed runs."""
+    from sdjax.finetune import flow_run  # Flux / SD 3 (flow matching): finetune.flow_run
+    from sdjax.finetune import step as step_lib
 
+    if flow_run.is_flow_run(options):
+        return flow_run.train_flow_lora(data, out, on_step=on_step, log=log, stop_after=stop_after, **options)
     cfg = LoraTrainConfig(data=str(data), out=str(out), **options)
     cfg.check()
     run_dir = cfg.run_path
@@ -391,6 +422,8 @@ def train_lora(
     prediction_type = objective.prediction_type
     frozen, state, train_step, schedule = _lora_step(cfg, pipe, params, dtype, objective)
     sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
+    cache_models = step_lib.Models(conditioning, pipe.unet, pipe.vae, dtype)  # the VAE a latent cache runs
+    batches, frozen = _batches(cfg, cache_models, frozen, sampler, log)
 
     def finish(state: dict) -> None:
         write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(dataset.items))
@@ -400,7 +433,7 @@ def train_lora(
         state,
         frozen,
         train_step,
-        lambda micro: _inputs(conditioning, sampler.load(micro), cfg.clip_skip),
+        batches,
         mesh=mesh,
         schedule=schedule,
         finish=finish,
@@ -456,6 +489,7 @@ def run_loop(
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     loss_log = run_dir / "loss.jsonl"
     _log_lines(loss_log, start)
+    board = _board(run_dir, start) if cfg.tensorboard else None
     replicated = NamedSharding(mesh, PartitionSpec())
     state, frozen, ema = jax.device_put((state, frozen, ema), replicated)
     key = jax.random.PRNGKey(cfg.seed)
@@ -479,21 +513,36 @@ def run_loop(
         row = {"step": update, "loss": loss, "lr": float(schedule(update)), "seconds": round(seconds, 4)}
         with loss_log.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if board is not None:
+            board.add_scalar("train/loss", loss, update)
+            board.add_scalar("train/lr", row["lr"], update)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at update {update}; lower lr ({cfg.lr}) or check the data")
         if (cfg.save_every and done % cfg.save_every == 0) or done == end:
             manager.save(done * cfg.accumulation, args=_save_args(_with_ema(state, ema)), force=True)
+            if board is not None:
+                board.flush()
         if validate is not None and validation_lib.due(done, cfg.validation_every, cfg.steps):
             validate(state[trained] if ema is None else ema, done)
         if on_step is not None:
             on_step(done, cfg.steps, loss, seconds)
     manager.wait_until_finished()
     manager.close()
+    if board is not None:
+        board.close()
     if end == cfg.steps:
         finish(state if ema is None else {**state, trained: ema})
         if loss_log.is_file():
             plot_losses(loss_log, run_dir / "loss.png")
     return losses, start, end
+
+
+def _board(run_dir: Path, start: int):
+    """A tensorboardX writer into `run_dir/tensorboard/` (scalars `train/loss`, `train/lr` per update, the
+    loss.jsonl steps); a resumed run's file purges the older files' events from update `start` on."""
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start or None, flush_secs=30)
 
 
 def _with_ema(state: dict, ema: Any) -> dict:

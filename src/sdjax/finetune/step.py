@@ -1,7 +1,8 @@
 """One LoRA training step of a latent-diffusion model (SD 1.x / 2.x / XL): the logic of diffusers'
 `train_text_to_image_lora.py` as one jitted function.
 
-- Latents: the VAE posterior sample of the batch (`core.autoencoder.encode`, its scaling rules), frozen.
+- Latents: the VAE posterior sample of the batch (`core.autoencoder.encode`, its scaling rules), frozen; or the
+  batch's cached latents (`finetune.cache`), the VAE then not in the step.
 - Noise: DDPM forward process `x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps` with the scheduler config's betas,
   timesteps uniform in `[0, num_train_timesteps)`; noise offset (`eps + offset * n`, n of shape `(B, C, 1, 1)`;
   Guttenberg 2023) and input perturbation (Ning et al. 2023: `x_t` from `eps + p * n'`, the target from `eps`).
@@ -166,13 +167,25 @@ def encode_latents(models: Models, vae_params, pixels, key):
     return jax.lax.stop_gradient(autoencoder.encode(models.vae, vae_params, pixels, eps, models.dtype))
 
 
+def batch_latents(models: Models, frozen: dict, batch: dict, key):
+    """The batch's latents: `batch["latents"]` when a latent cache gave them (`finetune.cache`; no VAE in the
+    step), else the VAE posterior sample of `batch["pixels"]` with noise from `key`."""
+    if "latents" in batch:
+        latents = jnp.asarray(batch["latents"], jnp.float32)
+    else:
+        latents = encode_latents(models, frozen["vae"], batch["pixels"], key)
+    # The rest of the step compiles the same with and without the VAE in front (no fusion across the latents).
+    return jax.lax.optimization_barrier(latents)
+
+
 def make_loss(models: Models, objective: Objective, alphas_cumprod: np.ndarray) -> Callable:
-    """`loss(lora, frozen, batch, key)`: pixels -> latents (frozen VAE), text -> context, the diffusion loss."""
+    """`loss(lora, frozen, batch, key)`: pixels -> latents (frozen VAE; or cached latents), text -> context, the
+    diffusion loss."""
     ac = jnp.asarray(alphas_cumprod, jnp.float32)
 
     def loss(lora, frozen, batch, key):
         k_vae, k_draw, k_unet = jax.random.split(key, 3)
-        latents = encode_latents(models, frozen["vae"], batch["pixels"], k_vae)
+        latents = batch_latents(models, frozen, batch, k_vae)
         text_inputs = {k: batch[k] for k in ("ids", "clip_skip", "time_ids")}
         context, kwargs = encode_text(lora, frozen, models, text_inputs)
         draws = draw(k_draw, latents.shape, objective)

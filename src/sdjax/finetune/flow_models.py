@@ -1,0 +1,259 @@
+"""What a flow-matching LoRA run needs of each family (Flux.1, SD 3 / 3.5): the denoiser call of the training
+step, the LoRA targets, the captions' text states, and the LoRA file.
+
+- `FluxAdapter.predict`: diffusers' `train_dreambooth_lora_flux.py` call of `FluxTransformer2DModel`: the noisy
+  latents packed into 2x2 patches (`_pack_latents`), image ids of that grid (`_prepare_latent_image_ids`), zero
+  text ids, `timestep / 1000`, dev's guidance input (the script's `--guidance_scale`, 3.5; schnell has none), the
+  prediction unpacked.
+- `SD3Adapter.predict`: `train_dreambooth_lora_sd3.py`'s call of `SD3Transformer2DModel`: the latents as they are,
+  the timestep in [0, T].
+- Targets: PEFT's `target_modules` rule on diffusers' module names (a module is adapted when its name is a target
+  or ends with "." + a target), the scripts' defaults: Flux's attention projections of both streams
+  (`attn.to_q/k/v`, `attn.to_out.0`, `attn.add_q/k/v_proj`, `attn.to_add_out`; the single blocks' `attn.to_q/k/v`)
+  and the double blocks' MLPs (`ff.net.0.proj`, `ff.net.2`, `ff_context.*`); SD 3's attention projections. Only
+  Linear layers can be targets; a target that matches nothing is an error naming it.
+- Initialisation: the scripts' `init_lora_weights="gaussian"`: down ~ N(0, 1/r), up = 0.
+- Text: each distinct caption is encoded once (`TextStates`, the family's conditioning `encode` under `jit`, one
+  caption at a time so it compiles once) and kept on the host in the compute dtype; the step gets the states.
+- Files: diffusers' `pytorch_lora_weights.safetensors` layout (`transformer.<module>.lora_A.weight` `(r, in)`,
+  `.lora_B.weight` `(out, r)`, float32) with the alpha, rank and targets in its `lora_adapter_metadata`, as
+  `FluxPipeline.save_lora_weights` writes them: `load_lora_weights` of diffusers and sdjax's readers
+  (`families.flux.lora`, `families.sd3.lora`) read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.traverse_util import flatten_dict
+
+from sdjax.finetune.lora import LoraConfigError
+from sdjax.loading.lora import METADATA_KEY
+from sdjax.models.convert import LIST_ATTRIBUTES, torch_key_to_path
+
+COMPONENT = "transformer"
+FLUX_TARGETS = (  # train_dreambooth_lora_flux.py's default `--lora_layers`
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+SD3_TARGETS = (  # train_dreambooth_lora_sd3.py's default `--lora_layers`
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+)
+_LISTS = LIST_ATTRIBUTES | {"single_transformer_blocks"}
+_INDEXED = re.compile(r"^(.+)_(\d+)$")
+_BLOCK = re.compile(r"^\w*transformer_blocks\.\d+\.")  # a block's prefix, for the names in an error
+
+
+# ------------------------------------------------------------------------------------------------ adapters
+@dataclasses.dataclass(frozen=True, eq=False)
+class FluxAdapter:
+    """The Flux.1 transformer as the training scripts call it (see the module docstring)."""
+
+    transformer: Any  # models.flux.FluxTransformer2DModel
+    dtype: Any = jnp.float32
+    guidance_scale: float = 3.5
+
+    family = "flux"
+    component = COMPONENT
+    default_targets = FLUX_TARGETS
+    default_weighting = "none"
+    default_precondition = False
+    latent_multiple = 2  # latents are packed in 2x2 patches
+
+    def predict(self, params: dict, x_bchw: jax.Array, timesteps_b: jax.Array, cond: dict) -> jax.Array:
+        from sdjax.models import flux as flux_model
+
+        b, _, h, w = x_bchw.shape
+        text = cond["text"].astype(self.dtype)
+        tokens = flux_model.pack_latents(x_bchw.astype(self.dtype))
+        img_ids = jnp.asarray(flux_model.image_ids(h, w))
+        txt_ids = jnp.asarray(flux_model.text_ids(text.shape[1]))
+        timestep = (timesteps_b.astype(jnp.float32) / 1000.0).astype(self.dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = jnp.full((b,), self.guidance_scale, jnp.float32)
+        out = self.transformer.apply(
+            {"params": params}, tokens, text, cond["pooled"].astype(self.dtype), timestep, img_ids, txt_ids, guidance
+        )
+        return flux_model.unpack_latents(out.astype(jnp.float32), h, w)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SD3Adapter:
+    """The SD 3 / 3.5 transformer as `train_dreambooth_lora_sd3.py` calls it."""
+
+    transformer: Any  # models.sd3.SD3Transformer2DModel
+    dtype: Any = jnp.float32
+    guidance_scale: float = 0.0  # unused: SD 3 has no guidance input
+
+    family = "sd3"
+    component = COMPONENT
+    default_targets = SD3_TARGETS
+    default_weighting = "logit_normal"
+    default_precondition = True
+
+    @property
+    def latent_multiple(self) -> int:
+        return int(self.transformer.config.patch_size)
+
+    def predict(self, params: dict, x_bchw: jax.Array, timesteps_b: jax.Array, cond: dict) -> jax.Array:
+        out = self.transformer.apply(
+            {"params": params},
+            x_bchw.astype(self.dtype),
+            cond["text"].astype(self.dtype),
+            cond["pooled"].astype(self.dtype),
+            timesteps_b.astype(jnp.float32),
+        )
+        return out.astype(jnp.float32)
+
+
+def adapter_for(pipe: Any, dtype: Any, *, guidance_scale: float, remat: bool = False) -> FluxAdapter | SD3Adapter:
+    """The adapter of a loaded Flux or SD 3 pipeline (its transformer with per-block remat when asked)."""
+    transformer = pipe.transformer.clone(remat=True) if remat else pipe.transformer
+    name = type(pipe).__name__
+    if name == "FluxPipeline":
+        return FluxAdapter(transformer, dtype, guidance_scale)
+    if name == "StableDiffusion3Pipeline":
+        return SD3Adapter(transformer, dtype)
+    raise ValueError(f"flow-matching LoRA training supports Flux.1 and SD 3 / 3.5 models, not a {name}")
+
+
+# ------------------------------------------------------------------------------------------------ targets
+def diffusers_module(path: Sequence[str]) -> str:
+    """A kernel path's diffusers module name: `("single_transformer_blocks_0", "attn", "to_q", "kernel")` ->
+    `"single_transformer_blocks.0.attn.to_q"` (list indices dotted, other underscores kept)."""
+    parts: list[str] = []
+    for segment in path[:-1]:
+        m = _INDEXED.match(segment)
+        parts += [m.group(1), m.group(2)] if m and m.group(1) in _LISTS else [segment]
+    name = ".".join(parts)
+    if torch_key_to_path(name + ".weight")[:-1] != tuple(path[:-1]):
+        raise ValueError(f"cannot name {'/'.join(path)} as a diffusers module (got {name!r})")
+    return name
+
+
+def matches(module: str, target: str) -> bool:
+    """PEFT's list rule (`check_target_module_exists`): the name itself or a dotted suffix."""
+    return module == target or module.endswith("." + target)
+
+
+def target_paths(params: Mapping[str, Any], targets: Sequence[str], *, source: str = "the transformer") -> list:
+    """The kernel paths of `params` whose diffusers module name matches one of `targets`, sorted; a
+    `LoraConfigError` names a target that matches nothing or matches a layer that is not a Linear."""
+    if isinstance(targets, str) or not targets or not all(isinstance(t, str) and t.strip() for t in targets):
+        raise LoraConfigError(f"lora_layers={targets!r} (--lora-layers) must be module names such as 'attn.to_q'")
+    kernels = {p: tuple(v.shape) for p, v in flatten_dict(dict(params)).items() if p[-1] == "kernel"}
+    names = {p: diffusers_module(p) for p in kernels}
+    found: set[tuple[str, ...]] = set()
+    for target in targets:
+        hits = [p for p, name in names.items() if matches(name, target)]
+        if not hits:
+            examples = sorted({_BLOCK.sub("", n) for n in names.values()})[:16]
+            raise LoraConfigError(
+                f"lora_layers: {target!r} names no layer of {source} (its Linear and other layers, without the "
+                f"block prefix: {examples})"
+            )
+        convs = [names[p] for p in hits if len(kernels[p]) != 2]
+        if convs:
+            raise LoraConfigError(f"lora_layers: {target!r} matches {convs[0]}, not a Linear layer (no LoRA target)")
+        found.update(hits)
+    return sorted(found)
+
+
+def init_lora(key: jax.Array, params: Mapping[str, Any], targets: Sequence[str], rank: int, **kw) -> dict:
+    """A fresh LoRA `{"transformer": {"a/b/kernel": {"down" (r, in), "up" (out, r)}}}` (float32 numpy) with the
+    scripts' gaussian init: down ~ N(0, 1/r), up = 0."""
+    if int(rank) != rank or rank < 1:
+        raise LoraConfigError(f"rank={rank!r}: a LoRA rank must be a positive integer")
+    flat = flatten_dict(dict(params))
+    layers = {}
+    for i, path in enumerate(target_paths(params, targets, **kw)):
+        fan_in, fan_out = flat[path].shape
+        down = jax.random.normal(jax.random.fold_in(key, i), (rank, fan_in), jnp.float32) / rank
+        layers["/".join(path)] = {"down": np.asarray(down), "up": np.zeros((fan_out, rank), np.float32)}
+    return {COMPONENT: layers}
+
+
+# ------------------------------------------------------------------------------------------------ text
+class TextStates:
+    """The text states `{"text": (L, D), "pooled": (P,)}` of each caption, encoded once (the family's
+    conditioning under `jit`, one caption per call) and kept on the host in `dtype`."""
+
+    def __init__(self, conditioning: Any, params: Mapping[str, Any], dtype: Any = jnp.float32):
+        self.conditioning = conditioning
+        self.params = {c: params[c] for c in conditioning.components if c in params}
+        self.dtype = np.dtype(dtype)
+        self.cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._encode = jax.jit(lambda p, inputs: _text_and_pooled(conditioning.encode(p, inputs, cfg=False)))
+
+    def _inputs(self, caption: str) -> dict[str, np.ndarray]:
+        inputs = dict(self.conditioning.text_inputs([caption], [""]))
+        inputs = {k: v for k, v in inputs.items() if not k.startswith("neg_")}
+        if getattr(self.conditioning, "name", "") == "flux":
+            inputs["embedded_guidance"] = np.zeros((1,), np.float32)  # read by encode, unused here
+        return inputs
+
+    def one(self, caption: str) -> tuple[np.ndarray, np.ndarray]:
+        if caption not in self.cache:
+            text, pooled = self._encode(self.params, self._inputs(caption))
+            self.cache[caption] = (np.asarray(text[0]).astype(self.dtype), np.asarray(pooled[0]).astype(self.dtype))
+        return self.cache[caption]
+
+    def __call__(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        states = [self.one(c) for c in captions]
+        return {"text": np.stack([t for t, _ in states]), "pooled": np.stack([p for _, p in states])}
+
+
+def _text_and_pooled(cond: dict) -> tuple[jax.Array, jax.Array]:
+    return cond["text"], cond["pooled"]
+
+
+# ------------------------------------------------------------------------------------------------ files
+def peft_state_dict(
+    lora: Mapping[str, Mapping[str, Mapping[str, Any]]], *, rank: int, alpha: float, targets: Sequence[str]
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The LoRA as diffusers writes a transformer LoRA: `transformer.<module>.lora_A.weight` / `.lora_B.weight`
+    float32, and the `lora_adapter_metadata` (`transformer.r`, `transformer.lora_alpha`,
+    `transformer.target_modules`, ...) from which `load_lora_weights` builds its `LoraConfig`."""
+    tensors: dict[str, np.ndarray] = {}
+    for component, layers in lora.items():
+        for name, ab in layers.items():
+            module = diffusers_module(tuple(name.split("/")))
+            tensors[f"{component}.{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ab["down"], np.float32))
+            tensors[f"{component}.{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ab["up"], np.float32))
+    config = {
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "target_modules": sorted(targets),
+        "init_lora_weights": "gaussian",
+        "lora_dropout": 0.0,
+        "use_rslora": False,
+        "use_dora": False,
+        "bias": "none",
+    }
+    meta = {f"{c}.{k}": v for c in lora for k, v in config.items()}
+    return tensors, {METADATA_KEY: json.dumps(meta, indent=2, sort_keys=True), "format": "pt"}

@@ -1,0 +1,145 @@
+"""Helpers of the flow-matching LoRA tests (Flux.1, SD 3): the tiny diffusers pipelines saved as folders, a peft
+LoRA on diffusers' transformer, and the loss of diffusers' `train_dreambooth_lora_flux.py` /
+`train_dreambooth_lora_sd3.py` written out as the scripts compute it (their lines, on given latents, noise, `u`
+and text states instead of their random draws and encoders)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from sdjax.finetune import flow_models
+
+
+def save_flux(tmp_path_factory, kind: str, tokenizer_dir):
+    """A tiny diffusers FluxPipeline ("dev" / "schnell") saved as a folder -> (torch pipeline, folder)."""
+    import flux_reference
+
+    torch_pipe = flux_reference.flux_pipeline(kind, seed=0, tokenizer_dir=tokenizer_dir)
+    folder = tmp_path_factory.mktemp(f"flux-{kind}")
+    torch_pipe.save_pretrained(folder, safe_serialization=True)
+    return torch_pipe, folder
+
+
+def save_sd3(tmp_path_factory, tokenizer_dir):
+    import sd3_reference
+
+    torch_pipe = sd3_reference.sd3_pipeline(seed=0, tokenizer_dir=tokenizer_dir)
+    folder = tmp_path_factory.mktemp("sd3")
+    torch_pipe.save_pretrained(folder, safe_serialization=True)
+    return torch_pipe, folder
+
+
+def peft_transformer(torch_transformer, targets, rank: int, alpha: float, seed: int = 0):
+    """A frozen float32 copy of `torch_transformer` with the scripts' peft LoRA (`init_lora_weights="gaussian"`)
+    on `targets`, and nonzero B factors (so both factors' gradients are meaningful)."""
+    import torch
+    from peft import LoraConfig
+
+    model = copy.deepcopy(torch_transformer).float()
+    model.requires_grad_(False)
+    torch.manual_seed(seed)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets)))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def script_loss(family: str, transformer, scheduler_config, batch: dict, *, weighting_scheme: str, guidance=3.5,
+                precondition_outputs: bool = False):  # fmt: skip
+    """The scripts' loss on `batch` (`latents`, `noise`, `u`, `text`, `pooled` numpy) -> torch scalar."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    noise_scheduler_copy = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    model_input = torch.from_numpy(batch["latents"])
+    noise = torch.from_numpy(batch["noise"])
+    u = torch.from_numpy(batch["u"])
+    prompt_embeds, pooled_prompt_embeds = torch.from_numpy(batch["text"]), torch.from_numpy(batch["pooled"])
+
+    def get_sigmas(timesteps, n_dim=4, dtype=torch.float32):
+        sigmas = noise_scheduler_copy.sigmas.to(dtype=dtype)
+        schedule_timesteps = noise_scheduler_copy.timesteps
+        step_indices = [(schedule_timesteps == t).nonzero().item() for t in timesteps]
+        sigma = sigmas[step_indices].flatten()
+        while len(sigma.shape) < n_dim:
+            sigma = sigma.unsqueeze(-1)
+        return sigma
+
+    indices = (u * noise_scheduler_copy.config.num_train_timesteps).long()
+    timesteps = noise_scheduler_copy.timesteps[indices]
+    sigmas = get_sigmas(timesteps, n_dim=model_input.ndim, dtype=model_input.dtype)
+    noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
+    if family == "flux":
+        b, c, h, w = model_input.shape
+        latent_image_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", torch.float32)
+        packed = FluxPipeline._pack_latents(noisy_model_input, b, c, h, w)
+        g = torch.tensor([guidance]).expand(b) if transformer.config.guidance_embeds else None
+        text_ids = torch.zeros(prompt_embeds.shape[1], 3)
+        model_pred = transformer(
+            hidden_states=packed,
+            timestep=timesteps / 1000,
+            guidance=g,
+            pooled_projections=pooled_prompt_embeds,
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=latent_image_ids,
+            return_dict=False,
+        )[0]
+        vae_scale_factor = 8  # any factor: _unpack_latents divides the pixel size by it again
+        model_pred = FluxPipeline._unpack_latents(model_pred, h * vae_scale_factor, w * vae_scale_factor, 8)
+    else:
+        model_pred = transformer(
+            hidden_states=noisy_model_input,
+            timestep=timesteps,
+            encoder_hidden_states=prompt_embeds,
+            pooled_projections=pooled_prompt_embeds,
+            return_dict=False,
+        )[0]
+    if precondition_outputs:
+        model_pred = model_pred * (-sigmas) + noisy_model_input
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
+    target = model_input if precondition_outputs else noise - model_input
+    loss = torch.mean(
+        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
+        1,
+    )
+    return loss.mean()
+
+
+def lora_from_peft(params_t, peft_model, targets, rank: int) -> tuple[dict, dict]:
+    """The sdjax LoRA holding `peft_model`'s LoRA weights, and `{module: (lora_A, lora_B) parameters}`."""
+    import jax
+
+    lora = flow_models.init_lora(jax.random.PRNGKey(0), params_t, targets, rank)
+    named = dict(peft_model.named_parameters())
+    torch_params = {}
+    for name in lora["transformer"]:
+        module = flow_models.diffusers_module(tuple(name.split("/")))
+        a, b = named[f"{module}.lora_A.default.weight"], named[f"{module}.lora_B.default.weight"]
+        lora["transformer"][name] = {"down": a.detach().numpy().copy(), "up": b.detach().numpy().copy()}
+        torch_params[module] = (a, b)
+    assert 2 * len(torch_params) == sum("lora_" in n for n in named), "every peft LoRA layer has its sdjax twin"
+    return lora, torch_params
+
+
+def worst_grad_error(grads: dict, torch_params: dict, tol: float = 1e-4) -> float:
+    """The worst relative (L2) error of the sdjax LoRA gradients against peft's; each at most `tol` (where peft's
+    gradient is exactly zero, sdjax's must be zero to 1e-7)."""
+    worst = 0.0
+    for name, g in grads.items():
+        module = flow_models.diffusers_module(tuple(name.split("/")))
+        for ours, theirs in zip(("down", "up"), torch_params[module]):
+            ref, got = theirs.grad.numpy(), np.asarray(g[ours])
+            if not np.any(ref):  # a layer whose output is unused (SD 3's context pre-only block: add_q_proj)
+                assert np.abs(got).max() <= 1e-7, f"{module} {ours}: gradient {np.abs(got).max():.1e}, peft's is 0"
+                continue
+            err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            worst = max(worst, err)
+            assert err <= tol, f"{module} {ours}: gradient relative error {err:.2e}"
+    return worst
