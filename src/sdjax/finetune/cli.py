@@ -92,11 +92,16 @@ def _plain(value):
 def _run(label: str, config_cls, train, data: Path, out: Path, options: dict) -> None:
     """Check the settings (exit 2 naming a bad one), then train with a progress bar on stderr; the run directory
     and skipped images go to stderr, the written file to stdout."""
+    from sdjax.finetune import distributed
     from sdjax.finetune.data import DataError
 
     options = {k: _plain(v) for k, v in options.items()}
+    hosts = {k: options.pop(k, None) for k in DISTRIBUTED}
     try:
         config_cls(data=str(data), out=str(out), **options).check()
+        if hosts.pop("distributed") or any(v is not None for v in hosts.values()):
+            distributed.initialize(hosts["coordinator"], hosts["num_processes"], hosts["process_id"])
+            distributed.check_supported(validation=bool(options.get("validation_prompts")))
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -201,7 +206,31 @@ SHARED: dict[str, tuple[Any, Any]] = {
         None,
     ),
 }
-EXTRAS = " ema_decay validation_prompts validation_every validation_seed validation_steps tensorboard"
+# Several hosts (`finetune.distributed`): handled before the config is built, never part of it
+SHARED.update(
+    coordinator=(
+        Annotated[
+            str | None,
+            typer.Option(help="Several hosts: the coordinator's host:port (jax.distributed; with the next two)."),
+        ],
+        None,
+    ),
+    num_processes=(Annotated[int | None, typer.Option(help="Several hosts: how many processes train together.")], None),
+    process_id=(Annotated[int | None, typer.Option(help="Several hosts: this process's id, 0 .. N-1.")], None),
+    distributed=(
+        Annotated[
+            bool,
+            typer.Option(
+                "--distributed", help="Several hosts: jax.distributed from the cluster's environment (TPU pod, SLURM)."
+            ),
+        ],
+        False,
+    ),
+)
+DISTRIBUTED = ("coordinator", "num_processes", "process_id", "distributed")
+EXTRAS = " ema_decay validation_prompts validation_every validation_seed validation_steps tensorboard " + " ".join(
+    DISTRIBUTED
+)
 SHARED.update(FLOW_CLI)  # `train lora`'s flow-matching options (Flux, SD 3): finetune.flow_cli
 LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]
 

@@ -91,6 +91,14 @@ def fill_class_images(
     folder = Path(cfg.class_data).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     missing = cfg.num_class_images - len(class_images(folder))
+    if missing > 0:
+        from sdjax.finetune import distributed
+
+        if distributed.process_count() > 1:
+            raise ValueError(
+                f"{folder} lacks {missing} class images, and generating them is not supported over several "
+                "processes: generate them first on one process (or give a full class folder)"
+            )
     written: list[Path] = []
     i = 0
     while len(written) < missing:

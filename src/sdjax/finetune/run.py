@@ -203,7 +203,14 @@ def _mesh(cfg: LoraTrainConfig, log: Callable[[str], None]):
 
     from sdjax.parallel.sharding import make_mesh
 
-    available = jax.devices()
+    available = jax.devices()  # every process's, with several (`finetune.distributed`)
+    if jax.process_count() > 1:  # one program over all processes' devices: the batch must split over all of them
+        if (cfg.devices or len(available)) != len(available) or cfg.batch_size % len(available):
+            raise ValueError(
+                f"batch_size={cfg.batch_size} (devices={cfg.devices}): over {jax.process_count()} processes the "
+                f"batch is split over all {len(available)} devices; give a batch size they divide"
+            )
+        return make_mesh(devices=available)
     n = cfg.devices or math.gcd(cfg.batch_size, len(available))
     if n > len(available) or cfg.batch_size % n:
         raise ValueError(
@@ -471,10 +478,13 @@ def run_loop(
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from sdjax.finetune import distributed
     from sdjax.finetune import ema as ema_lib
     from sdjax.finetune import validation as validation_lib
     from sdjax.parallel.sharding import batch_sharding
 
+    distributed.check_supported(validation=validate is not None)
+    primary = distributed.is_primary()  # the one process that writes logs and outputs (all of them checkpoint)
     run_dir = cfg.run_path
     run_dir.mkdir(parents=True, exist_ok=True)
     manager = _checkpoints(run_dir)
@@ -486,12 +496,14 @@ def run_loop(
         start = micro // cfg.accumulation
         if start:
             log(f"resuming {run_dir} at update {start}")
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     loss_log = run_dir / "loss.jsonl"
-    _log_lines(loss_log, start)
-    board = _board(run_dir, start) if cfg.tensorboard else None
+    board = None
+    if primary:
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+        _log_lines(loss_log, start)
+        board = _board(run_dir, start) if cfg.tensorboard else None
     replicated = NamedSharding(mesh, PartitionSpec())
-    state, frozen, ema = jax.device_put((state, frozen, ema), replicated)
+    state, frozen, ema = distributed.place((state, frozen, ema), replicated)
     key = jax.random.PRNGKey(cfg.seed)
     losses: list[float] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -501,7 +513,7 @@ def run_loop(
         t0 = time.perf_counter()
         micro_losses = []
         for micro in range(update * cfg.accumulation, (update + 1) * cfg.accumulation):
-            batch = jax.device_put(batches(micro), batch_sharding(mesh))
+            batch = distributed.place(batches(micro), batch_sharding(mesh))
             state, loss = train_step(state, frozen, batch, key)
             micro_losses.append(loss)
         done = update + 1
@@ -511,8 +523,9 @@ def run_loop(
         seconds = time.perf_counter() - t0
         losses.append(loss)
         row = {"step": update, "loss": loss, "lr": float(schedule(update)), "seconds": round(seconds, 4)}
-        with loss_log.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        if primary:
+            with loss_log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
         if board is not None:
             board.add_scalar("train/loss", loss, update)
             board.add_scalar("train/lr", row["lr"], update)
@@ -530,7 +543,7 @@ def run_loop(
     manager.close()
     if board is not None:
         board.close()
-    if end == cfg.steps:
+    if end == cfg.steps and primary:
         finish(state if ema is None else {**state, trained: ema})
         if loss_log.is_file():
             plot_losses(loss_log, run_dir / "loss.png")

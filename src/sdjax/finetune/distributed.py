@@ -1,0 +1,79 @@
+"""Training on several hosts (processes) with `jax.distributed`: one program over every process's devices.
+
+    # on each of N hosts (or N processes of one machine, for a test):
+    sdjax train lora --data DIR --out star.safetensors --coordinator 10.0.0.1:1234 --num-processes N --process-id I
+    sdjax train lora --data DIR --out star.safetensors --distributed      # TPU pods, SLURM: JAX finds the rest
+
+Every process runs the same loop on the same data order (the samplers are seeded), so each one can build the whole
+global batch on its host; `place` hands each process's devices their part of it (`make_array_from_callback`),
+and the compiled step sums the gradients over all devices as it does on one host. The state and the frozen params
+are replicated on every device. Only process 0 writes the run directory's logs, config, plots and the output
+files; orbax's checkpoints are written by all processes together (they must see the same run directory: a shared
+file system). Not with several processes: validation images and DreamBooth's class-image generation (each is a
+generation on one process's devices), which are refused before anything compiles.
+
+On CPU the cross-process sums need a collectives backend: `initialize` turns on gloo
+(`jax_cpu_collectives_implementation`), which is how the tests run two processes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
+    """`jax.distributed.initialize` with the given coordinator `host:port`, process count and this process's id
+    (all three, or none of them: JAX then reads them from the TPU pod / SLURM / MPI environment). Must run before
+    anything touches a device."""
+    import jax
+
+    given = [v is not None for v in (coordinator, num_processes, process_id)]
+    if any(given) and not all(given):
+        raise ValueError(
+            "--coordinator, --num-processes and --process-id go together (or none of them, where JAX finds them "
+            "in the cluster's environment)"
+        )
+    if num_processes is not None and (num_processes < 1 or not 0 <= process_id < num_processes):
+        raise ValueError(f"process id {process_id} must lie in [0, {num_processes}) and num_processes be >= 1")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; accelerators have theirs
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files (process 0; always with one process)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def check_supported(*, validation: bool, what: str = "training") -> None:
+    """Refuse, with several processes, what runs a generation on one process's devices."""
+    if process_count() > 1 and validation:
+        raise ValueError(
+            f"validation images are not supported in {what} over {process_count()} processes (each would be a "
+            "generation on one host's devices); leave out --validation-prompt"
+        )
+
+
+def place(tree: Any, sharding: Any) -> Any:
+    """`tree`'s arrays (host arrays, or arrays on this process's devices, equal on every process) as global arrays
+    of `sharding`: `jax.device_put` with one process; with several, each process gives its own devices their
+    parts (`jax.make_array_from_callback`)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(one, tree)
