@@ -19,6 +19,7 @@ STEP_NOISE = 1  # + step index: the noise a stochastic sampler adds at that step
 ENCODE_IMAGE = 1 << 20  # the VAE posterior sample of the init image (img2img, inpainting)
 ENCODE_MASKED_IMAGE = (1 << 20) + 1  # the VAE posterior sample of the masked image (9-channel inpainting)
 FILL_NOISE = (1 << 20) + 2  # A1111's "latent noise" fill of the masked region (inpainting)
+ENCODE_CONTROL = 1 << 21  # + net index: the VAE posterior sample of a ControlNet's control image (SD 3)
 
 
 def as_key_array(keys: Any) -> jax.Array:

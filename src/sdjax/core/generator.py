@@ -140,7 +140,9 @@ def program(
     )
     latents, hooks = spec.task.prepare(ctx, inputs)
     if spec.control is not None:
-        control = spec.control.hook(params["controlnet"], inputs, cond=cond, cfg=spec.cfg, latent_channels=shape[1])
+        control = spec.control.hook(
+            params["controlnet"], inputs, cond=cond, cfg=spec.cfg, latent_channels=shape[1], encode=encode
+        )
         hooks = [*hooks, control]
     # Everything constant over the loop (prepared kernels, embeddings, token ids) is computed here, once.
     model = models.denoiser.bind(params, cond, inputs, cfg=spec.cfg)

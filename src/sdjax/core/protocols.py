@@ -93,9 +93,20 @@ class Control(Protocol):
     `params["controlnet"]`; its per-image arrays are program inputs (the request object's `arrays`), of the shapes
     `example_inputs` gives."""
 
-    def hook(self, params: Any, inputs: dict, *, cond: Any, cfg: bool, latent_channels: int) -> Hook:
+    def hook(
+        self,
+        params: Any,
+        inputs: dict,
+        *,
+        cond: Any,
+        cfg: bool,
+        latent_channels: int,
+        encode: Callable[[jax.Array, int], jax.Array] | None = None,
+    ) -> Hook:
         """Inside the program: the loop hook, from the feature's params, the program inputs and the family's
-        `cond` (which the feature, made for that family, reads)."""
+        `cond` (which the feature, made for that family, reads). `encode(images_nchw, stream)` is the program's
+        VAE encoder (images in [-1, 1] -> the denoiser's latents, the posterior sample drawn from each image's key
+        and the noise stream `stream`), for a feature that conditions on latents (SD 3's ControlNets)."""
         ...
 
     def example_inputs(self, *, batch: int, height: int, width: int, calls: int) -> dict[str, np.ndarray]:

@@ -1,5 +1,8 @@
 """Loading a ControlNet on its own (a folder or Hub repo with `config.json` and weights, or a component folder of a
-pipeline repo) through the same loader as a pipeline's models: the guides' `FlaxControlNetModel.from_pretrained`."""
+pipeline repo) through the same loader as a pipeline's models: the guides' `FlaxControlNetModel.from_pretrained`.
+
+The `_class_name` of its `config.json` picks the model: `ControlNetModel` (SD 1.x/2.x, SDXL; the default) or
+`SD3ControlNetModel` (SD 3 / 3.5, `models.sd3_controlnet`)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from sdjax.loading.components import CONTROLNET, load_model_from
+from sdjax.config import read_json
+from sdjax.loading.components import CONTROLNET, LoadRequest, ModelSpec, load_model, resolve_model_folder
 from sdjax.models.controlnet import ControlNetModel
+
+SD3_CONTROLNET = ModelSpec(
+    "sdjax.models.sd3_controlnet", "SD3ControlNetConfig", "SD3ControlNetModel", "convert_sd3_controlnet", "sd3"
+)
+CONTROLNET_CLASSES = {"ControlNetModel": CONTROLNET, "SD3ControlNetModel": SD3_CONTROLNET}  # config `_class_name`
 
 
 def load_controlnet(
@@ -26,12 +35,14 @@ def load_controlnet(
     from_pt: bool = False,
     config: Any = None,
     allow_pickle: bool = False,
-) -> tuple[ControlNetModel, dict]:
+) -> tuple[Any, dict]:
     """A diffusers ControlNet folder or Hub repo id (`config.json` + `diffusion_pytorch_model[.V].safetensors`,
     shards, old Flax msgpack) -> `(module, params)`, params cast to `dtype`. `from_pt` is accepted for the old
     guides and has no effect (PyTorch weights are always converted); `subfolder` reads a component folder of a
-    pipeline repo (e.g. "controlnet"). A FILE (`control_v11p_sd15_canny.safetensors`, original or diffusers layout)
-    is read by `controlnet_file.load_controlnet_file` (`config`, `allow_pickle` apply there)."""
+    pipeline repo (e.g. "controlnet"). The module is a `ControlNetModel` or, for an `SD3ControlNetModel` config, a
+    `models.sd3_controlnet.SD3ControlNetModel`. A FILE (`control_v11p_sd15_canny.safetensors`, original or
+    diffusers layout; SD 1.x/2.x and SDXL nets only) is read by `controlnet_file.load_controlnet_file` (`config`,
+    `allow_pickle` apply there)."""
     del from_pt
     if Path(os.fspath(path_or_repo_id)).expanduser().is_file():
         from sdjax.loading.controlnet_file import load_controlnet_file
@@ -39,10 +50,11 @@ def load_controlnet(
         return load_controlnet_file(path_or_repo_id, dtype=dtype, config=config, allow_pickle=allow_pickle)
     if config is not None or allow_pickle:
         raise ValueError("config= and allow_pickle= apply to a ControlNet single file; a folder has its config.json")
-    return load_model_from(
-        CONTROLNET,
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+    folder = resolve_model_folder(
         path_or_repo_id,
-        dtype=dtype,
         revision=revision,
         variant=variant,
         local_files_only=local_files_only,
@@ -50,6 +62,21 @@ def load_controlnet(
         cache_dir=cache_dir,
         token=token,
     )
+    spec = _spec_of(folder)
+    return load_model(spec, LoadRequest(Path(subfolder).name if subfolder else spec.model, folder, variant, dtype))
+
+
+def _spec_of(folder: Path) -> ModelSpec:
+    """The model a ControlNet folder holds, by its config's `_class_name` (a `Flax` prefix is ignored; none:
+    `ControlNetModel`, as the old Flax exports wrote)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return CONTROLNET  # the loader names the missing file
+    name = str(read_json(path).get("_class_name") or "ControlNetModel").removeprefix("Flax")
+    if name not in CONTROLNET_CLASSES:
+        known = sorted(CONTROLNET_CLASSES)
+        raise ValueError(f"{path}: _class_name {name!r} is not a ControlNet sdjax loads (known: {known})")
+    return CONTROLNET_CLASSES[name]
 
 
 class FlaxControlNetModel(ControlNetModel):

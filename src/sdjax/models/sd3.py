@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -296,6 +296,12 @@ def check_skip_layers(skip_layers: Iterable[int], num_layers: int) -> frozenset[
     return frozenset(out)
 
 
+def controlnet_sample_index(block: int, num_layers: int, num_samples: int) -> int:
+    """Which of `num_samples` ControlNet block samples transformer block `block` adds: diffusers'
+    `int(index_block / interval_control)` with `interval_control = num_layers / num_samples`, in Python floats."""
+    return int(block / (num_layers / num_samples))
+
+
 class SD3Transformer2DModel(nn.Module):
     """diffusers `SD3Transformer2DModel` (SD 3 medium, SD 3.5 medium / large / large turbo); see the module
     docstring.
@@ -306,7 +312,9 @@ class SD3Transformer2DModel(nn.Module):
     - `encoder_hidden_states_btd`: text states `(B, T, joint_attention_dim)`; `pooled_projections_bd`: pooled CLIP
       embeddings `(B, pooled_projection_dim)`;
     - `timestep_b`: scalar or `(B,)`, as StableDiffusion3Pipeline passes it: the scheduler's t in [0, 1000];
-    - `skip_layers`: block indices to leave out (diffusers' `skip_layers`; static: a Python tuple, not traced).
+    - `skip_layers`: block indices to leave out (diffusers' `skip_layers`; static: a Python tuple, not traced);
+    - `controlnet_block_samples`: a ControlNet's outputs (`models.sd3_controlnet`), each `(B, tokens, inner_dim)`,
+      added to the image stream after every block but the last (`controlnet_sample_index`), or None.
 
     Runtime options (never the numbers, beyond float rounding): `dtype` (compute dtype; see Precision above),
     `attention` (a `sdjax.ops.attention` implementation), `remat` (recompute each block in the backward pass,
@@ -318,7 +326,7 @@ class SD3Transformer2DModel(nn.Module):
     attention: str = "auto"
     remat: bool = False
 
-    def _check_inputs(self, x, ctx, pooled) -> None:
+    def _check_inputs(self, x, ctx, pooled, samples=()) -> None:
         cfg = self.config
 
         def check(ok: bool, name: str, want: str, arr) -> None:
@@ -331,6 +339,9 @@ class SD3Transformer2DModel(nn.Module):
         b, d = x.shape[0], cfg.joint_attention_dim
         check(ctx.ndim == 3 and ctx.shape[::2] == (b, d), "encoder_hidden_states", f"(B={b}, T, {d})", ctx)
         check(jnp.shape(pooled) == (b, cfg.pooled_projection_dim), "pooled_projections", f"(B={b}, P)", pooled)
+        tokens = (b, (x.shape[2] // p) * (x.shape[3] // p), cfg.inner_dim)
+        for k, s in enumerate(samples):
+            check(jnp.shape(s) == tokens, f"controlnet_block_samples[{k}]", f"{tokens} (tokens of the latents)", s)
 
     @nn.compact
     def __call__(
@@ -340,12 +351,14 @@ class SD3Transformer2DModel(nn.Module):
         pooled_projections_bd,
         timestep_b,
         skip_layers: Iterable[int] = (),
+        controlnet_block_samples: Sequence[jax.Array] | None = None,
     ):
         cfg = self.config
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"SD3: unknown attention {self.attention!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
         x, ctx, pooled = hidden_states_bchw, encoder_hidden_states_btd, pooled_projections_bd
-        self._check_inputs(x, ctx, pooled)
+        samples = tuple(controlnet_block_samples or ())
+        self._check_inputs(x, ctx, pooled, samples)
         skip = check_skip_layers(skip_layers, cfg.num_layers)
         b, _, h, w = x.shape
         p, inner = cfg.patch_size, cfg.inner_dim
@@ -360,19 +373,20 @@ class SD3Transformer2DModel(nn.Module):
 
         block_cls = nn.remat(JointTransformerBlock) if self.remat else JointTransformerBlock
         for i in range(cfg.num_layers):
-            if i in skip:
-                continue
-            block = block_cls(
-                cfg.num_attention_heads,
-                cfg.attention_head_dim,
-                cfg.qk_norm,
-                context_pre_only=i == cfg.num_layers - 1,
-                dual=i in cfg.dual_attention_layers,
-                attention=self.attention,
-                dtype=self.dtype,
-                name=f"transformer_blocks_{i}",
-            )
-            x, ctx = block(x, ctx, temb)
+            if i not in skip:
+                block = block_cls(
+                    cfg.num_attention_heads,
+                    cfg.attention_head_dim,
+                    cfg.qk_norm,
+                    context_pre_only=i == cfg.num_layers - 1,
+                    dual=i in cfg.dual_attention_layers,
+                    attention=self.attention,
+                    dtype=self.dtype,
+                    name=f"transformer_blocks_{i}",
+                )
+                x, ctx = block(x, ctx, temb)
+            if samples and i != cfg.num_layers - 1:  # a ControlNet's residual, skipped block or not (diffusers)
+                x = x + samples[controlnet_sample_index(i, cfg.num_layers, len(samples))].astype(jnp.float32)
 
         x = AdaLayerNormContinuous(self.dtype, name="norm_out")(x, temb)
         c = cfg.output_channels

@@ -14,10 +14,15 @@ Arguments as diffusers' ControlNet pipelines take them:
   The default scale is diffusers' per pipeline: 1.0 for text-to-image, 0.8 for image-to-image, 0.5 for SD
   inpainting and 1.0 for SDXL inpainting.
 - `guess_mode`: static; forced on when the first net has `global_pool_conditions`, as diffusers does.
+
+A family with ControlNets of its own names their module in its pipeline class's `controlnet_module` (SD 3:
+`families.sd3.controlnet`, with `control_spec` and `control_request` taking these arguments); `control_spec` and
+`control_request` hand such a pipeline to it. The module here serves the UNet families (SD 1.x/2.x, SDXL).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -25,6 +30,7 @@ import numpy as np
 
 from sdjax.families.sd.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.models.controlnet import ControlNetModel
+from sdjax.models.sd3_controlnet import SD3ControlNetModel
 
 DEFAULT_SCALES = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}  # SD; SDXL inpainting: 1.0
 CONTROL_ARGS = (
@@ -37,8 +43,20 @@ CONTROL_ARGS = (
 
 
 def is_pair(x: Any) -> bool:
-    """Whether `x` is a `(ControlNetModel, params)` pair (what `FlaxControlNetModel.from_pretrained` returns)."""
-    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], ControlNetModel)
+    """Whether `x` is a `(module, params)` pair of a ControlNet (what `FlaxControlNetModel.from_pretrained` and
+    `load_controlnet` return: a `ControlNetModel` or an `SD3ControlNetModel`)."""
+    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], (ControlNetModel, SD3ControlNetModel))
+
+
+def family_controlnet(pipe):
+    """The module of a family's own ControlNets (the pipeline class's `controlnet_module`), or None for the UNet
+    families; a pipeline with neither takes no ControlNet."""
+    target = getattr(pipe, "controlnet_module", "")
+    if target:
+        return importlib.import_module(target)
+    if getattr(pipe, "unet", None) is None:
+        raise ValueError(f"control_image=: {type(pipe).__name__} takes no ControlNet")
+    return None
 
 
 def resolve_nets(pipe, controlnet: Any, params: dict | None) -> list[tuple[ControlNetModel, Any]]:
@@ -156,8 +174,18 @@ def control_size(pipe, control_image: Any, height: int | None, width: int | None
 def control_spec(pipe, controlnet: Any, params: dict | None, guess_mode: bool = False) -> tuple[ControlSpec, tuple]:
     """`controlnet` (see the module docstring) -> (the static `ControlSpec`, the nets' param trees), checked
     against the pipeline's UNet."""
+    family = family_controlnet(pipe)
+    if family is not None:
+        return family.control_spec(pipe, controlnet, params, guess_mode)
     nets = resolve_nets(pipe, controlnet, params)
     modules = [m for m, _ in nets]
+    for k, m in enumerate(modules):
+        if not isinstance(m, ControlNetModel):
+            label = "controlnet" if len(modules) == 1 else f"controlnet[{k}]"
+            raise ValueError(
+                f"{label} is a {type(m).__name__} (a Stable Diffusion 3 / 3.5 ControlNet) but the pipeline is "
+                f"{type(pipe).__name__}: load a ControlNet made for it"
+            )
     check_nets(modules, pipe.unet.config)
     for k, m in enumerate(modules):
         if int(m.config.conditioning_channels) != 3:
@@ -188,9 +216,22 @@ def control_request(
     guess_mode: bool = False,
 ) -> ControlRequest:
     """The ControlNet conditioning of one `generate` call for `count` images of `height` x `width`."""
-    from sdjax.core import images as image_lib
-    from sdjax.preprocess import prepare_control_image
-
+    family = family_controlnet(pipe)
+    if family is not None:
+        return family.control_request(
+            pipe,
+            control_image=control_image,
+            controlnet=controlnet,
+            params=params,
+            count=count,
+            height=height,
+            width=width,
+            task=task,
+            controlnet_conditioning_scale=controlnet_conditioning_scale,
+            control_guidance_start=control_guidance_start,
+            control_guidance_end=control_guidance_end,
+            guess_mode=guess_mode,
+        )
     spec, trees = control_spec(pipe, controlnet, params, guess_mode)
     k = len(trees)
     scale = controlnet_conditioning_scale
@@ -203,6 +244,22 @@ def control_request(
     for s, e in zip(starts, ends):
         if s >= e:
             raise ValueError(f"control_guidance_start={s} must be below control_guidance_end={e}")
+    return ControlRequest(
+        spec=spec,
+        params=trees,
+        images=control_image_arrays(control_image, k, count, width, height),
+        scales=np.tile(np.asarray(scales, np.float32), (count, 1)),
+        starts=np.tile(np.asarray(starts), (count, 1)),
+        ends=np.tile(np.asarray(ends), (count, 1)),
+    )
+
+
+def control_image_arrays(control_image: Any, k: int, count: int, width: int, height: int) -> np.ndarray:
+    """`control_image` (see the module docstring) for `k` nets and `count` generated images -> float32
+    `(count, k, 3, height, width)` in [0, 1]."""
+    from sdjax.core import images as image_lib
+    from sdjax.preprocess import prepare_control_image
+
     per = _images_per_net(control_image, k)
     arrays = []
     for j, images in enumerate(per):
@@ -217,14 +274,7 @@ def control_request(
             prepared.append(prepare_control_image(_checked(im, name), width, height)[0])
         a = np.stack(prepared)
         arrays.append(np.repeat(a, count, axis=0) if len(a) == 1 else a)
-    return ControlRequest(
-        spec=spec,
-        params=trees,
-        images=np.stack(arrays, axis=1),
-        scales=np.tile(np.asarray(scales, np.float32), (count, 1)),
-        starts=np.tile(np.asarray(starts), (count, 1)),
-        ends=np.tile(np.asarray(ends), (count, 1)),
-    )
+    return np.stack(arrays, axis=1)
 
 
 def _checked(image: Any, name: str):

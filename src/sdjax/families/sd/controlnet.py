@@ -63,8 +63,12 @@ class ControlSpec:
             "control_scales": np.zeros((batch, calls, k), np.float32),
         }
 
-    def hook(self, params: Any, inputs: dict, *, cond: Any, cfg: bool, latent_channels: int) -> Hook:
-        """The loop hook; `cond` is the UNet families' conditioning `(context, added UNet arguments)`."""
+    def hook(
+        self, params: Any, inputs: dict, *, cond: Any, cfg: bool, latent_channels: int, encode: Any = None
+    ) -> Hook:
+        """The loop hook; `cond` is the UNet families' conditioning `(context, added UNet arguments)`. `encode` is
+        not used (these nets read the control image itself)."""
+        del encode
         context, added = cond
         trees = tuple(params) if isinstance(params, (list, tuple)) else (params,)
         if len(trees) != len(self.nets):

@@ -1,5 +1,5 @@
 """The Stable Diffusion 3 / 3.5 denoiser: diffusers' `SD3Transformer2DModel` behind the core's one call, with
-skip-layer guidance.
+skip-layer guidance and ControlNet block samples.
 
 The loop and the samplers see the latents `(B, 16, h, w)`, as the transformer does (it patchifies them itself); the
 timestep is the sampler's t in [0, 1000], passed on as StableDiffusion3Pipeline does; the output is the predicted
@@ -16,6 +16,9 @@ scale is <= 1 gets no SLG, as the loop takes its conditional prediction alone). 
 from diffusers' step rule), so a call applies SLG when `t_last <= t <= t_first` (timesteps decrease along the
 schedule). The third call runs (under `lax.cond`) only on steps where some image needs it. `skip_layers` is static
 (part of the compiled program); the scale and the steps are inputs.
+
+A ControlNet's hook (`families.sd3.controlnet`) hands the model `controlnet_block_samples`, which the transformer adds
+to its image stream (`models.sd3`).
 """
 
 from __future__ import annotations
@@ -81,15 +84,16 @@ class SD3Denoiser:
             weight = jnp.where(g > 1, inputs["slg_scale"].astype(jnp.float32) / jnp.where(g > 1, g, 1.0), 0.0)
             t_first, t_last = (inputs["slg_timesteps"][:, k].astype(jnp.float32) for k in (0, 1))
 
-        def call(x, t, text, pooled, skip_layers=()):
+        def call(x, t, text, pooled, skip_layers=(), samples=None):
             timestep = jnp.broadcast_to(jnp.asarray(t, jnp.float32), (x.shape[0],))
-            out = self.transformer.apply(variables, x.astype(self.dtype), text, pooled, timestep, skip_layers)
+            out = self.transformer.apply(variables, x.astype(self.dtype), text, pooled, timestep, skip_layers, samples)
             return out.astype(jnp.float32)
 
-        def model(x_in, t, **kwargs):
+        def model(x_in, t, controlnet_block_samples=None, **kwargs):
             if kwargs:
-                raise TypeError(f"the SD 3 transformer takes no extra inputs, got {sorted(kwargs)}")
-            out = call(x_in, t, text, pooled)
+                raise TypeError(f"the SD 3 transformer takes controlnet_block_samples only, got {sorted(kwargs)}")
+            samples = controlnet_block_samples  # a ControlNet's (families.sd3.controlnet), or None
+            out = call(x_in, t, text, pooled, samples=samples)
             if not slg:
                 return out
             b = out.shape[0] // 2
@@ -97,7 +101,8 @@ class SD3Denoiser:
             active = (t <= t_first) & (t >= t_last) & (weight != 0)
 
             def skipped(_):
-                return call(x_in[b:], t, text[b:], pooled[b:], self.skip_layers)
+                cond_samples = None if samples is None else tuple(s[b:] for s in samples)
+                return call(x_in[b:], t, text[b:], pooled[b:], self.skip_layers, cond_samples)
 
             cond_skip = jax.lax.cond(jnp.any(active), skipped, lambda _: cond_out, None)
             w = jnp.where(active, weight, 0.0).reshape((-1,) + (1,) * (out.ndim - 1))

@@ -15,7 +15,10 @@ sharded safetensors included; `text_encoder_3` may be null in `model_index.json`
   `steps * start < i < steps * stop`, text-to-image only (as diffusers: its img2img and inpaint pipelines have none);
 - `image` + `strength` (0.6): image-to-image; `image` + `mask_image` (+ `strength`, 0.6): inpainting by latent
   blending (StableDiffusion3InpaintPipeline with a 16-channel transformer);
-- `noise`: the initial noise `(N, 16, H/8, W/8)` (diffusers' `latents=`).
+- `noise`: the initial noise `(N, 16, H/8, W/8)` (diffusers' `latents=`);
+- `control_image` + `controlnet` (+ `controlnet_conditioning_scale`, 1.0; `control_guidance_start` / `_end`):
+  StableDiffusion3ControlNetPipeline, text-to-image (`families.sd3.controlnet`); the output size defaults to the
+  model's, not the control image's, as there.
 
 The sampler is flow-matching Euler with the model's shift (3.0) on diffusers' own sigma grid (`sigma_grid=
 "scheduler"`, what the SD 3 pipelines use); img2img's first step follows the "float" strength rule. diffusers'
@@ -72,6 +75,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         (0.0332, 0.0456, 0.0895), (-0.0069, -0.0030, -0.0810), (-0.0596, -0.0465, -0.0293), (-0.1448, -0.1463, -0.1189),
     )  # fmt: skip
     latent_rgb_factors_bias = (0.2394, 0.2135, 0.1925)
+    controlnet_module = "sdjax.families.sd3.controlnet"  # its ControlNets (`pipelines.controlnet` hands them over)
 
     def __init__(
         self,
@@ -256,6 +260,14 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         ):
             if texts:
                 conditioning[key] = _per_image(texts, len(prompts), num_images, key)
+        if kwargs.get("control_image") is not None:
+            if skip_guidance_layers is not None:
+                raise ValueError(
+                    "skip_guidance_layers and control_image cannot be combined (diffusers' "
+                    "StableDiffusion3ControlNetPipeline has no skip-layer guidance)"
+                )
+            dh, dw = self.default_size  # StableDiffusion3ControlNetPipeline: the model's size, not the image's
+            height, width = height or dh, width or dw
         if skip_guidance_layers is not None:
             if image is not None:
                 raise ValueError(
