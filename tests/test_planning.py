@@ -99,3 +99,23 @@ def test_the_python_api_and_the_faces_plan_through_one_function(pipe, monkeypatc
     )
     metadata.generate_images(pipe, request.images())
     assert calls == [("img2img", "diffusers"), ("img2img", "a1111")]
+
+
+def test_the_hires_pass_is_planned_with_its_own_first_step(pipe, monkeypatch):
+    from sdjax.pipelines.recipes import Hires, hires_arrays
+
+    seen = []
+    real = planning.plan_task
+
+    def spy(pipe_, inputs, **kw):
+        task = real(pipe_, inputs, **kw)
+        seen.append((inputs.task, inputs.start_step, task.start_step, kw["steps"]))
+        return task
+
+    monkeypatch.setattr(planning, "plan_task", spy)
+    hires = Hires(scale=1.5, strength=0.5, steps=2)
+    out = hires_arrays(pipe, ["a red circle"], [""], [1], [0], [7.5], steps=2, height=64, width=64, hires=hires)
+    total, start = hires.window(2)
+    assert out.shape == (1, 96, 96, 3)
+    assert seen == [("img2img", start, start, total)]  # the hires rule's step, not A1111's img2img rule
+    assert (total, start) == (4, 2)  # int(2 / min(0.5, 0.999)) = 4 steps, the last 2 of them run

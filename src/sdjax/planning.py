@@ -36,7 +36,8 @@ class TaskInputs:
     """What a request gives for its task. `image` / `mask_image`: one or a list (one per image) of PIL images,
     arrays, paths or bytes; `image` may also be denoiser latents `(N, C, h, w)` (a base model's output for a
     refiner). `strength` None: the policy's default. `paste_back` None: the policy's default (diffusers: only with
-    `padding_mask_crop`). `fill` / `invert_mask`: A1111's masked content and mask mode."""
+    `padding_mask_crop`). `fill` / `invert_mask`: A1111's masked content and mask mode. `start_step`: the first
+    sampler step, set by a recipe with its own step rule (AUTOMATIC1111's hires pass) instead of the policy's."""
 
     image: Any = None
     mask_image: Any = None
@@ -49,6 +50,7 @@ class TaskInputs:
     invert_mask: bool = False
     denoising_start: float | None = None
     denoising_end: float | None = None
+    start_step: int | None = None  # an explicit first step (a recipe's own rule: the hires pass); beats the policy's
 
     @property
     def task(self) -> str:
@@ -83,11 +85,13 @@ def plan_task(
             raise ValueError("image= given as latents cannot be inpainted here; pass pixels")
         latents = np.concatenate([np.asarray(x, np.float32) for x in images])
         strength = 1.0 if inputs.strength is None else inputs.strength
-        return img2img.request([], strength=strength, latents=repeat(latents, count, "image"), **common)
+        return img2img.request(
+            [], strength=strength, latents=repeat(latents, count, "image"), start_step=inputs.start_step, **common
+        )
     images = repeat_list(images, count, "image")
     task = inputs.task
     strength = default_strength(pipe, task, policy) if inputs.strength is None else inputs.strength
-    start_step = policy.start_step(steps, strength)
+    start_step = policy.start_step(steps, strength) if inputs.start_step is None else inputs.start_step
     if mask_image is None:
         _check_not_inpainting_model(pipe, "it needs mask_image= as well as image=")
         return img2img.request(

@@ -1,4 +1,5 @@
-"""Two-pass recipes composed from the core's tasks: the SDXL base -> refiner hand-off and AUTOMATIC1111's hires fix.
+"""Two-pass recipes whose passes are planned as any request is (`sdjax.planning`): the SDXL base -> refiner hand-off and
+AUTOMATIC1111's hires fix.
 
 - base -> refiner: diffusers' "ensemble of experts". The base model denoises the first `switch` fraction of the
   schedule (`denoising_end`) and returns latents; the refiner continues from them, without new noise, over the
@@ -20,11 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from sdjax.core.tasks import TaskRequest
-from sdjax.core.tasks.img2img import Img2Img
-from sdjax.core.tasks.txt2img import Txt2Img
+from sdjax import planning
 from sdjax.pipelines.images import numpy_to_pil, to_uint8
-from sdjax.policy import A1111
+from sdjax.policy import A1111, DIFFUSERS
 
 UPSCALERS = ("latent", "latent-nearest", "lanczos", "nearest")
 
@@ -118,14 +117,15 @@ def hires_arrays(
     )
     if latent:
         f = pipe.vae_scale_factor
-        up = upscale_latents(np.asarray(first, np.float32), th // f, tw // f, hires.upscaler)
-        task = TaskRequest(Img2Img(latents_input=True), {"image_latents": up}, start_step=start)
+        init = upscale_latents(np.asarray(first, np.float32), th // f, tw // f, hires.upscaler)
     else:
         from sdjax.core import images as image_lib
 
         resample = image_lib.Image.LANCZOS if hires.upscaler == "lanczos" else image_lib.Image.NEAREST
-        pil = [im.resize((tw, th), resample=resample) for im in numpy_to_pil(to_uint8(first))]
-        task = TaskRequest(Img2Img(), {"image": np.stack([image_lib.image_array(im) for im in pil])}, start_step=start)
+        init = [im.resize((tw, th), resample=resample) for im in numpy_to_pil(to_uint8(first))]
+    # the second pass is image-to-image from the hires rule's own first step (not a policy's: `Hires.window`)
+    inputs = planning.TaskInputs(image=init, strength=1.0, start_step=start)
+    task = planning.plan_task(pipe, inputs, height=th, width=tw, count=len(args[0]), steps=total, policy=DIFFUSERS)
     return pipe.generate_arrays(
         *args, steps=total, height=th, width=tw, sampler=hires.sampler or sampler, task=task, output=output, **kwargs
     )
@@ -155,17 +155,20 @@ def refine_arrays(
     if base.vae.config.latent_channels != refiner.vae.config.latent_channels:
         raise ValueError("base and refiner disagree on the latent channels: they are not an SDXL base/refiner pair")
     args = (list(prompts), list(negative_prompts), list(seeds), list(image_indices), list(guidance_scales))
+    n = len(args[0])
+    plan = dict(height=height, width=width, count=n, steps=steps, policy=DIFFUSERS)
     latents = base.generate_arrays(
         *args,
         steps=steps,
         height=height,
         width=width,
         sampler=sampler,
-        task=TaskRequest(Txt2Img(), denoising_end=switch),
+        task=planning.plan_task(base, planning.TaskInputs(denoising_end=switch), **plan),
         output="latents",
         **kwargs,
     )
-    task = TaskRequest(Img2Img(add_noise=False, latents_input=True), {"image_latents": latents}, denoising_start=switch)
+    # the refiner continues the base's latents from `switch` (no new noise: diffusers' denoising_start hand-off)
+    task = planning.plan_task(refiner, planning.TaskInputs(image=latents, denoising_start=switch), **plan)
     return refiner.generate_arrays(
         *args, steps=steps, height=height, width=width, sampler=refiner_sampler, task=task, output=output, **kwargs
     )
