@@ -34,8 +34,11 @@ __all__ = [
 
 def train_lora(data, out, **options: Any):
     """Train a LoRA (see `sdjax.finetune.run.train_lora`; Flux.1 / SD 3 models: `finetune.flow_run`)."""
+    from sdjax.finetune import flow_run
     from sdjax.finetune.run import train_lora as run
 
+    if flow_run.is_flow_run(options):  # Flux / SD 3 (flow matching)
+        return flow_run.train_flow_lora(data, out, **options)
     return run(data, out, **options)
 
 

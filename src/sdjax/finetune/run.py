@@ -407,12 +407,10 @@ def train_lora(
 ) -> TrainResult:
     """Train a LoRA on the images of `data` and write it to `out` (kohya `.safetensors`); `options` are the
     fields of `LoraTrainConfig`. `stop_after` ends the run after that many updates of this call (checkpointed,
-    without writing `out`): for tests of resuming and for time-boxed runs."""
-    from sdjax.finetune import flow_run  # Flux / SD 3 (flow matching): finetune.flow_run
+    without writing `out`): for tests of resuming and for time-boxed runs. SD 1.x / 2.x / XL only: Flux and SD 3
+    runs go to `finetune.flow_run` (`sdjax.finetune.train_lora` and the CLI choose)."""
     from sdjax.finetune import step as step_lib
 
-    if flow_run.is_flow_run(options):
-        return flow_run.train_flow_lora(data, out, on_step=on_step, log=log, stop_after=stop_after, **options)
     cfg = LoraTrainConfig(data=str(data), out=str(out), **options)
     cfg.check()
     run_dir = cfg.run_path
