@@ -86,6 +86,7 @@ __all__ = [
     "UnknownSamplerError",
     "available",
     "get_sampler",
+    "kdiffusion_sampler",
     "name_of",
     "SAMPLERS",
     "FLOW_SAMPLERS",
@@ -406,3 +407,6 @@ def name_of(sampler: Sampler) -> str:
 
 # The A1111 layer sits on the registry above (it imports `SAMPLERS` and `get_sampler` lazily).
 from sdjax.samplers.a1111 import a1111_samplers, a1111_schedulers, from_a1111  # noqa: E402
+
+# The k-diffusion form (one denoiser wrapper, sigma schedules, sigma-only step rules), beside the registry above.
+from sdjax.samplers.kdiffusion import kdiffusion_sampler  # noqa: E402

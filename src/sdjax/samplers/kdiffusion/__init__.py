@@ -1,0 +1,174 @@
+"""Samplers in k-diffusion's form (k-diffusion `sampling.py` / `external.py`, ComfyUI's `comfy/k_diffusion`): one
+model wrapper turns the network's output into a denoised estimate (`prediction.py`), schedules are functions that
+produce sigmas (`schedules.py`, the flow shifts included), and step rules act on sigmas only (`rules.py`).
+`KDiffusionSampler` (`sampler.py`) combines the three into the Sampler contract of `sdjax.core.loop.denoise`.
+
+A flow model is then one prediction ("flow") and one schedule ("flow", or any other on its shifted table), and every
+rule runs it unchanged. This layer sits beside the diffusers-parity samplers of `sdjax.samplers`; it does not replace
+them. `kdiffusion_sampler(rule, schedule, prediction, base_config=...)` builds one, reading the model's noise
+schedule and flow shift from a diffusers scheduler config; `from_diffusers(config)` gives the k-diffusion form of a
+diffusers scheduler where one exists (the same numbers: tests/samplers/test_kdiffusion_form.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sdjax.config import ConfigError
+from sdjax.samplers.kdiffusion.prediction import PREDICTIONS, Prediction
+from sdjax.samplers.kdiffusion.rules import RULES, Rule
+from sdjax.samplers.kdiffusion.sampler import KDiffusionSampler, KState
+from sdjax.samplers.kdiffusion.schedules import SCHEDULES, Schedule
+
+__all__ = [
+    "PREDICTIONS",
+    "RULES",
+    "SCHEDULES",
+    "KDiffusionSampler",
+    "KState",
+    "Prediction",
+    "Rule",
+    "Schedule",
+    "from_diffusers",
+    "kdiffusion_sampler",
+]
+
+_FLOW_CLASSES = ("FlowMatchEulerDiscreteScheduler", "FlowMatchHeunDiscreteScheduler")
+_BETA_KEYS = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "trained_betas")
+_SHIFT_KEYS = (
+    "shift",
+    "use_dynamic_shifting",
+    "base_shift",
+    "max_shift",
+    "base_image_seq_len",
+    "max_image_seq_len",
+    "time_shift_type",
+    "shift_terminal",
+)
+
+
+def _config_dict(base_config: Any) -> dict[str, Any]:
+    if base_config is None:
+        return {}
+    if isinstance(base_config, dict):
+        return dict(base_config)
+    config = getattr(base_config, "config", None)  # an sdjax Sampler
+    if isinstance(config, dict):
+        return dict(config)
+    raise TypeError(f"base_config must be a scheduler config dict, a Sampler or None, got {type(base_config).__name__}")
+
+
+def _is_flow(raw: dict[str, Any]) -> bool:
+    return (
+        raw.get("_class_name") in _FLOW_CLASSES
+        or raw.get("prediction_type") == "flow_prediction"
+        or bool(raw.get("use_flow_sigmas"))
+    )
+
+
+def _prediction(raw: dict[str, Any], kind: str | None, timestep: str | None) -> Prediction:
+    if raw.get("rescale_betas_zero_snr"):
+        raise ConfigError("rescale_betas_zero_snr=True (an infinite top sigma) is not supported by this form")
+    if kind is None:
+        kind = "flow" if _is_flow(raw) else raw.get("prediction_type") or "epsilon"
+    elif raw and (kind == "flow") != _is_flow(raw):
+        raise ConfigError(
+            f"prediction {kind!r} does not match the model's scheduler config "
+            f"({'a flow-matching' if _is_flow(raw) else 'a variance-preserving'} model)"
+        )
+    keys = {} if kind == "flow" else {k: raw[k] for k in _BETA_KEYS if raw.get(k) is not None}
+    if kind == "flow" and raw.get("num_train_timesteps") is not None:
+        keys["num_train_timesteps"] = raw["num_train_timesteps"]
+    return Prediction(kind=kind, timestep=timestep, **keys)
+
+
+def _flow_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    keys = {k: raw[k] for k in _SHIFT_KEYS if raw.get(k) is not None}
+    if "flow_shift" in raw and "shift" not in keys:  # DPM-Solver/UniPC spell it flow_shift
+        keys["shift"] = raw["flow_shift"]
+    return keys
+
+
+def kdiffusion_sampler(
+    rule: str = "euler",
+    schedule: str | Schedule | None = None,
+    prediction: str | Prediction | None = None,
+    *,
+    base_config: Any = None,
+    eta: float = 1.0,
+    timestep: str | None = None,
+    **schedule_options,
+) -> KDiffusionSampler:
+    """A k-diffusion-form sampler: step `rule` (`RULES`) on `schedule` (`SCHEDULES` name or a `Schedule`; None:
+    "flow" for a flow model, "normal" otherwise) for a model predicting `prediction` ("epsilon", "v_prediction",
+    "sample", "flow" or a `Prediction`; None: from `base_config`, else epsilon).
+
+    `base_config` (a diffusers scheduler config dict or an sdjax Sampler: the model's) gives the beta schedule and
+    prediction type of a variance-preserving model, and a flow model's shift keys (FlowMatch's `shift`,
+    `use_dynamic_shifting`, ..., or DPM-Solver's `flow_shift`), which apply to the schedule unless
+    `schedule_options` override them. `timestep` picks how sigma becomes the network's timestep
+    (`prediction.py`)."""
+    raw = _config_dict(base_config)
+    if not isinstance(prediction, Prediction):
+        prediction = _prediction(raw, prediction, timestep)
+    elif timestep is not None:
+        raise ValueError("timestep is set on the Prediction object itself")
+    if not isinstance(schedule, Schedule):
+        name = schedule or ("flow" if prediction.flow else "normal")
+        options = _flow_keys(raw) if prediction.flow else {}
+        schedule = Schedule(name=name, **{**options, **schedule_options})
+    elif schedule_options:
+        raise ValueError("schedule options apply to a schedule name, not to a Schedule object")
+    return KDiffusionSampler(rule=rule, schedule=schedule, prediction=prediction, eta=eta)
+
+
+_SIGMA_FLAGS = {"use_karras_sigmas": "karras", "use_exponential_sigmas": "exponential", "use_beta_sigmas": "beta"}
+
+
+def from_diffusers(config: Any, **options) -> KDiffusionSampler:
+    """The k-diffusion form of a diffusers scheduler (config dict or sdjax Sampler) that has one: Euler, Euler a,
+    Heun (VP, spaced or Karras/exponential/beta sigmas), DPM-Solver++ 2M / 2M SDE (midpoint) with Karras,
+    exponential or beta sigmas or flow sigmas, FlowMatch Euler and Heun. `options` go to the Schedule (e.g. the
+    "flux" `grid`). Raises `ConfigError` for the others (their grids or updates have no sigma-only form here)."""
+    raw = _config_dict(config)
+    cls = raw.get("_class_name")
+    sigma_schedule = next((name for flag, name in _SIGMA_FLAGS.items() if raw.get(flag)), None)
+    if cls in _FLOW_CLASSES:
+        if raw.get("stochastic_sampling") or raw.get("invert_sigmas") or sigma_schedule:
+            raise ConfigError(f"{cls} with stochastic_sampling/invert_sigmas/use_*_sigmas has no k-diffusion form here")
+        rule = "euler" if cls == "FlowMatchEulerDiscreteScheduler" else "heun"
+        return kdiffusion_sampler(rule, "flow", "flow", base_config=raw, timestep="scaled", **options)
+    simple_k = {
+        "EulerDiscreteScheduler": "euler",
+        "EulerAncestralDiscreteScheduler": "euler_ancestral",
+        "HeunDiscreteScheduler": "heun",
+    }
+    if cls in simple_k:
+        if raw.get("interpolation_type", "linear") != "linear" or raw.get("final_sigmas_type", "zero") != "zero":
+            raise ConfigError(f"{cls}: interpolation_type/final_sigmas_type other than the defaults are not mapped")
+        if raw.get("timestep_type", "discrete") != "discrete":
+            raise ConfigError(f"{cls}: timestep_type={raw['timestep_type']!r} is not mapped")
+        if sigma_schedule:
+            return kdiffusion_sampler(simple_k[cls], sigma_schedule, base_config=raw, timestep="log", **options)
+        spacing = {"spacing": raw.get("timestep_spacing", "linspace"), "steps_offset": raw.get("steps_offset", 0)}
+        return kdiffusion_sampler(simple_k[cls], "spaced", base_config=raw, timestep="linear", **spacing, **options)
+    if cls == "DPMSolverMultistepScheduler":
+        algorithm = raw.get("algorithm_type", "dpmsolver++")
+        if raw.get("solver_order", 2) != 2 or raw.get("solver_type", "midpoint") != "midpoint":
+            raise ConfigError("DPMSolverMultistepScheduler: only solver_order=2 with solver_type='midpoint' is mapped")
+        if raw.get("final_sigmas_type", "zero") != "zero" or raw.get("euler_at_final"):
+            raise ConfigError("DPMSolverMultistepScheduler: only final_sigmas_type='zero' is mapped")
+        rule = {"dpmsolver++": "dpmpp_2m", "sde-dpmsolver++": "dpmpp_2m_sde"}.get(algorithm)
+        if rule is None:
+            raise ConfigError(f"DPMSolverMultistepScheduler: algorithm_type={algorithm!r} is not mapped")
+        if raw.get("use_flow_sigmas"):
+            return kdiffusion_sampler(rule, "flow", "flow", base_config=raw, timestep="floor", grid="solver", **options)
+        if sigma_schedule:
+            rounded = sigma_schedule == "karras" and raw.get("beta_schedule") != "squaredcos_cap_v2"
+            t = "round" if rounded else "floor"  # diffusers casts the timesteps to int64
+            return kdiffusion_sampler(rule, sigma_schedule, base_config=raw, timestep=t, **options)
+        raise ConfigError(
+            "DPMSolverMultistepScheduler on its integer timestep grid has no sigma-schedule form here; use "
+            "use_karras_sigmas/use_exponential_sigmas/use_beta_sigmas or a k-diffusion schedule"
+        )
+    raise ConfigError(f"{cls!r} has no k-diffusion form here")

@@ -1,0 +1,177 @@
+"""A sampler made of (prediction, schedule, step rule) that speaks the loop's Sampler contract
+(`sdjax.core.loop.denoise`, docs/DEVELOPING.md), so it runs wherever the diffusers-parity samplers run.
+
+The host builds per-model-call tables once: the sigma each call sees (then the final 0), the timestep the network is
+fed (`Prediction.timesteps`), the step it belongs to (from, to) and its stage (0, or 1 for a two-stage rule's
+correction call). `step` converts the model output to x0 once (`Prediction.denoised`) and hands the rule sigmas only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdjax import rng
+from sdjax.config import ConfigError
+from sdjax.samplers.common import F32, require_noise, shape_tuple, state_class
+from sdjax.samplers.kdiffusion.prediction import Prediction
+from sdjax.samplers.kdiffusion.rules import Rule, get_rule, init_memory
+from sdjax.samplers.kdiffusion.schedules import Schedule
+
+
+@state_class
+class KState:
+    sigmas: jax.Array  # (M + 1,) the sigma of each model call, then the final one (0)
+    timesteps: jax.Array  # (M,) what the network is fed
+    step_from: jax.Array  # (M,) the sigma the call's step starts from
+    step_to: jax.Array  # (M,) the sigma it ends at
+    stage: jax.Array  # (M,) 0, or 1 for the second call of a two-stage step
+    memory: dict | None = None  # the rule's memory (`rules.py`), after set_timesteps
+
+
+@dataclasses.dataclass(frozen=True)
+class KDiffusionSampler:
+    """k-diffusion form: `rule` (a `rules.RULES` name) on `schedule`'s sigmas for a model described by
+    `prediction`; `eta` scales the ancestral / SDE noise (1: the rules' defaults)."""
+
+    rule: str = "euler"
+    schedule: Schedule = Schedule()
+    prediction: Prediction = Prediction()
+    eta: float = 1.0
+
+    def __post_init__(self):
+        get_rule(self.rule)
+        self.schedule.check(self.prediction)
+
+    @property
+    def step_rule(self) -> Rule:
+        return get_rule(self.rule)
+
+    @property
+    def order(self) -> int:
+        """Model calls per step (img2img starts at model call `t_start * order`, as for diffusers' Heun)."""
+        return self.step_rule.stages
+
+    @property
+    def stochastic(self) -> bool:
+        return self.step_rule.stochastic and self.eta != 0
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return self.prediction.num_train_timesteps
+
+    # -------------------------------------------------------------------------------------------- tables
+    def tables(self, num_inference_steps: int, shape=None) -> dict[str, np.ndarray]:
+        n = int(num_inference_steps)
+        if n != num_inference_steps or n < 1:
+            raise ValueError(f"num_inference_steps must be a positive int, got {num_inference_steps!r}")
+        mu = self.schedule.mu(shape)  # None unless the schedule shifts by resolution
+        return _tables(self, n, mu, None if mu is None else shape_tuple(shape))
+
+    def num_model_calls(self, num_inference_steps: int) -> int:
+        # Every schedule ends in 0, and a two-stage rule's step to 0 is one call: 2n - 1 calls.
+        n = int(num_inference_steps)
+        return n if self.step_rule.stages == 1 else 2 * n - 1
+
+    def timesteps_for(self, num_inference_steps: int, shape=None) -> np.ndarray:
+        return np.array(self.tables(num_inference_steps, shape)["timesteps"], dtype=F32)
+
+    def sigmas_for(self, num_inference_steps: int, shape=None) -> np.ndarray:
+        """The schedule's `n + 1` sigmas (float32), before any two-stage interleaving."""
+        return np.asarray(self.schedule.sigmas(int(num_inference_steps), self.prediction, shape), dtype=F32)
+
+    # ------------------------------------------------------------------------------- what the loop calls
+    def create_state(self) -> KState:
+        empty = jnp.zeros((0,), jnp.float32)
+        return KState(sigmas=empty, timesteps=empty, step_from=empty, step_to=empty, stage=empty)
+
+    def set_timesteps(self, state: KState, num_inference_steps: int, shape=None) -> KState:
+        if shape is None:
+            raise ValueError(
+                "KDiffusionSampler.set_timesteps needs the latent shape (the state holds the rule's memory)"
+            )
+        tables = self.tables(num_inference_steps, shape)
+        return KState(
+            **{k: jnp.asarray(v) for k, v in tables.items()},
+            memory=init_memory(self.step_rule, shape_tuple(shape)),
+        )
+
+    def init_noise_sigma(self, state: KState) -> jax.Array:
+        return self.prediction.start_scale(_f32(state).sigmas[0])
+
+    def scale_model_input(self, state: KState, sample: jax.Array, step_index) -> jax.Array:
+        sigma = _f32(state).sigmas[step_index]
+        return (sample.astype(jnp.float32) * self.prediction.input_scale(sigma)).astype(sample.dtype)
+
+    def step(self, state: KState, model_output: jax.Array, step_index, sample: jax.Array, noise=None):
+        if state.memory is None:
+            raise ValueError("KDiffusionSampler.step: call set_timesteps(state, num_inference_steps, shape) first")
+        state = _f32(state)
+        if self.stochastic:
+            noise = require_noise(f"KDiffusionSampler({self.rule})", noise, sample)
+        x = sample.astype(jnp.float32)
+        denoised = self.prediction.denoised(model_output.astype(jnp.float32), x, state.sigmas[step_index])
+        out, memory = self.step_rule.fn(
+            self.prediction,
+            x,
+            denoised,
+            state.step_from[step_index],
+            state.step_to[step_index],
+            state.memory,
+            noise=noise if noise is not None else jnp.zeros_like(x),
+            stage=state.stage[step_index],
+            eta=self.eta,
+        )
+        return out.astype(sample.dtype), dataclasses.replace(state, memory=memory)
+
+    def add_noise_at(self, state: KState, original: jax.Array, noise: jax.Array, index) -> jax.Array:
+        """`original` on the path at the sigma of model call `index` (the final 0 at `num_model_calls`)."""
+        sigma = _f32(state).sigmas[jnp.asarray(index, jnp.int32)]
+        x0 = original.astype(jnp.float32)
+        return self.prediction.noised(x0, noise.astype(jnp.float32), sigma).astype(original.dtype)
+
+    def draw_noise(self, keys: jax.Array, step_index, state, sample_shape) -> jax.Array:
+        """Standard normal noise from each image's key (`sdjax.rng.step_noise`), as the other samplers draw it."""
+        shape = shape_tuple(sample_shape)
+        keys = rng.as_key_array(keys)
+        if keys.shape[0] != shape[0]:
+            raise ValueError(f"draw_noise: {keys.shape[0]} keys for a batch of {shape[0]} (sample_shape {shape})")
+        return rng.step_noise(keys, step_index, shape[1:])
+
+
+def _f32(state: KState) -> KState:
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), state)
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(sampler: KDiffusionSampler, n: int, mu: float | None, shape) -> dict[str, np.ndarray]:
+    sigmas = sampler.schedule.sigmas(n, sampler.prediction, shape)  # float64, n + 1, ending in 0
+    if sigmas[-1] != 0 or np.any(np.diff(sigmas) >= 0):
+        raise ConfigError(f"schedule {sampler.schedule.name!r} gave sigmas that do not descend to 0: {sigmas}")
+    calls, frm, to, stage = [], [], [], []
+    for k in range(n):
+        calls.append(sigmas[k])
+        frm.append(sigmas[k])
+        to.append(sigmas[k + 1])
+        stage.append(0)
+        if sampler.step_rule.stages == 2 and sigmas[k + 1] > 0:
+            calls.append(sigmas[k + 1])
+            frm.append(sigmas[k])
+            to.append(sigmas[k + 1])
+            stage.append(1)
+    calls64 = np.asarray(calls, dtype=np.float64)
+    out: dict[str, Any] = {
+        "sigmas": np.concatenate([calls64, [0.0]]).astype(F32),
+        "timesteps": sampler.prediction.timesteps(calls64),
+        "step_from": np.asarray(frm).astype(F32),
+        "step_to": np.asarray(to).astype(F32),
+        "stage": np.asarray(stage, dtype=F32),
+    }
+    for value in out.values():
+        value.setflags(write=False)
+    return out
