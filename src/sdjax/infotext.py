@@ -21,6 +21,16 @@ also escape U+0085, U+2028 and U+2029 (JSON leaves them raw).
 `metadata.ImageParameters.infotext` fills the fields; `metadata.parameters_from_text` reads a request back from what
 `parse_parameters` returns. Sampler names (`sampler_id`, `sampler_display_name`) and the `Model`, `Lora hashes` and
 `TI hashes` values are written here too.
+
+The family conditioning options of a request (`ImageParameters.conditioning`: the texts of the text encoders that
+read their own, and zero negative embeddings) have keys of sdjax's own (`CONDITIONING_KEYS`): neither AUTOMATIC1111
+nor Forge writes them (Forge reads one prompt for every encoder; SD.Next's "Prompt2" / "Negative2" are its refiner's
+prompts, and its per-encoder texts live inside the prompt after "TE2:" / "TE3:"). `Prompt 2` / `Prompt 3` and
+`Negative prompt 2` / `Negative prompt 3` are diffusers' `prompt_2` / `prompt_3` (Flux: T5's text; SD 3: CLIP-G's,
+then T5's) and their negatives, always JSON-quoted (an empty text is a text: the encoder reads the empty prompt, not
+the main prompt); `Zero negative: True` is ComfyUI's ConditioningZeroOut as the negative (zero embeddings and pooled
+output). A negative handed over at a step (`metadata.NegativeSwitch`) is `Negative switch at step: k`, `Negative
+prompt after switch: "..."` and these keys with " after switch".
 """
 
 from __future__ import annotations
@@ -44,6 +54,21 @@ _PARAM_RE = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
 
 
 _SIZE_RE = re.compile(r"^(\d+)x(\d+)$")
+
+# ImageParameters.conditioning option -> its infotext key, in the order they are written (and read back)
+CONDITIONING_KEYS = {
+    "prompt_2": "Prompt 2",
+    "prompt_3": "Prompt 3",
+    "negative_prompt_2": "Negative prompt 2",
+    "negative_prompt_3": "Negative prompt 3",
+    "zero_negative": "Zero negative",
+}
+_FLAGS = ("zero_negative",)  # the options whose values are booleans (written "True", omitted when false)
+
+
+class Quoted(str):
+    """A value `format_parameters` always writes JSON-quoted (so that an empty text survives: A1111's reader
+    unquotes `""` to the empty string, and an unquoted empty value would drop the key)."""
 
 
 # ---------------------------------------------------------------------------------------------- values
@@ -176,6 +201,9 @@ def _prompt_lines(text: str) -> str:
 
 
 def _quote(value: str) -> str:
+    if isinstance(value, Quoted):
+        quoted = json.dumps(str(value), ensure_ascii=False)
+        return quoted.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     if "," not in value and ":" not in value and not value.startswith('"') and not _LINE_BREAK_RE.search(value):
         return value
     quoted = json.dumps(value, ensure_ascii=False)
@@ -219,9 +247,51 @@ def format_parameters(p: Any, extra: dict[str, Any] | None = None) -> str:
         "Image index": p.image_index or None,  # sdjax: the fold_in index; 0 (omitted) for CLI and server images
         **(extra or {}),
     }
-    params = ", ".join(f"{k}: {_quote(str(v))}" for k, v in fields.items() if v is not None and v != "")
+    params = ", ".join(
+        f"{k}: {_quote(v if isinstance(v, Quoted) else str(v))}"
+        for k, v in fields.items()
+        if v is not None and (v != "" or isinstance(v, Quoted))
+    )
     negative = f"\nNegative prompt: {_prompt_lines(p.negative_prompt)}" if p.negative_prompt else ""
     return f"{_prompt_lines(p.prompt)}{negative}\n{params}".strip()
+
+
+def conditioning_fields(conditioning: Sequence[tuple[str, Any]], suffix: str = "") -> dict[str, Any]:
+    """The infotext fields of a request's family conditioning options (`CONDITIONING_KEYS` + `suffix`, in that
+    order); raises ValueError for an option that has no key (it would be lost on the way back)."""
+    options = dict(conditioning)
+    unknown = sorted(set(options) - set(CONDITIONING_KEYS))
+    if unknown:
+        raise ValueError(f"conditioning options {unknown} have no infotext key; known: {list(CONDITIONING_KEYS)}")
+    out: dict[str, Any] = {}
+    for name, key in CONDITIONING_KEYS.items():
+        if name not in options:
+            continue
+        value = options[name]
+        if name in _FLAGS:
+            out[key + suffix] = True if value else None
+        else:
+            out[key + suffix] = Quoted(str(value))
+    return out
+
+
+def conditioning_from_fields(raw: dict[str, str], suffix: str = "") -> tuple[tuple[str, Any], ...]:
+    """The family conditioning options of parsed infotext (`parse_parameters`), in `CONDITIONING_KEYS`' order:
+    what `conditioning_fields` wrote (with the same `suffix`)."""
+    out: list[tuple[str, Any]] = []
+    for name, key in CONDITIONING_KEYS.items():
+        key += suffix
+        if key not in raw:
+            continue
+        value = raw[key]
+        if name in _FLAGS:
+            if value not in ("True", "False"):
+                raise ValueError(f"{key}: {value!r} is not True or False")
+            if value == "True":
+                out.append((name, True))
+        else:
+            out.append((name, value))
+    return tuple(out)
 
 
 def parse_parameters(text: str) -> dict[str, str]:

@@ -21,6 +21,9 @@ import numpy as np
 
 from sdjax import planning
 from sdjax.infotext import (
+    Quoted,
+    conditioning_fields,
+    conditioning_from_fields,
     format_parameters,
     number,
     parse_parameters,
@@ -38,6 +41,49 @@ class Progress(Protocol):
 
 # A1111's names of the hires-fix upscalers sdjax implements (`sdjax.pipelines.recipes.UPSCALERS`).
 UPSCALER_NAMES = {"latent": "Latent", "latent-nearest": "Latent (nearest)", "lanczos": "Lanczos", "nearest": "Nearest"}
+
+
+# the family conditioning options that belong to the negative prompt (a NegativeSwitch replaces them)
+NEGATIVE_OPTIONS = ("negative_prompt_2", "negative_prompt_3", "zero_negative")
+SWITCH_SUFFIX = " after switch"  # the infotext keys of a NegativeSwitch's options: "Zero negative after switch"
+
+
+@dataclasses.dataclass(frozen=True)
+class NegativeSwitch:
+    """The negative conditioning from model call `step` on (ComfyUI's ConditioningSetTimestepRange pair that hands
+    the negative over at a step, e.g. SD 3's example: the negative prompt first, zero conditioning after): the
+    steps before `step` use the image's negative prompt and options, the rest `negative_prompt` with
+    `conditioning` (the family's negative options, `NEGATIVE_OPTIONS`). `generate_images` runs it as two
+    generations: model calls [0, step) returning latents, then [step, n) from them without new noise, which is the
+    one-stage run with the negative swapped for a sampler whose step reads only the latent and its sigma (euler)."""
+
+    step: int
+    negative_prompt: str = ""
+    conditioning: tuple[tuple[str, Any], ...] = ()
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "Negative switch at step": self.step,
+            "Negative prompt" + SWITCH_SUFFIX: Quoted(self.negative_prompt),
+            **conditioning_fields(self.conditioning, SWITCH_SUFFIX),
+        }
+
+
+def switch_fraction(sampler: Any, steps: int, step: int) -> float:
+    """The `denoising_end` that stops a `steps`-step run of `sampler` after model call `step` - 1 exactly
+    (`core.tasks.base.window` keeps the calls whose timestep is at least the rounded cutoff); ValueError where no
+    whole-number cutoff lies between the two timesteps, or the sampler makes more than one call per step."""
+    from sdjax.core.tasks.base import sampler_timesteps, window
+
+    if int(sampler.order) != 1 or not 0 < step < steps:
+        raise ValueError(f"a negative switch needs a one-call-per-step sampler and 0 < step < {steps}; got {step}")
+    t = np.asarray(sampler_timesteps(sampler, steps), np.float64)
+    cutoff = int(np.floor(t[step - 1]))
+    end = 1.0 - cutoff / sampler.num_train_timesteps
+    if not t[step] < cutoff or window(sampler, steps, denoising_end=end) != (0, step):
+        raise ValueError(f"no denoising_end stops this {steps}-step schedule after step {step} (timesteps "
+                         f"{t[step - 1]:.3f}, {t[step]:.3f})")  # fmt: skip
+    return end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +134,7 @@ class ImageParameters:
     # options of the family's conditioning (`Conditioning.host_inputs`) with this image's value, e.g. Flux's
     # `prompt_2` (its T5 text) or `zero_negative` (zero negative embeddings); their names are part of the shape key
     conditioning: tuple[tuple[str, Any], ...] = ()
+    negative_switch: NegativeSwitch | None = None  # another negative from a step on (text-to-image, one-step samplers)
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -119,6 +166,8 @@ class ImageParameters:
             self.loras,
             self.vae,
             tuple(name for name, _ in self.conditioning),
+            self.negative_switch
+            and (self.negative_switch.step, tuple(n for n, _ in self.negative_switch.conditioning)),
         )
 
     def extra_fields(self) -> dict[str, Any]:
@@ -152,6 +201,9 @@ class ImageParameters:
         if self.refiner:
             out["Refiner"] = self.refiner
             out["Refiner switch at"] = number(self.refiner_switch) if self.refiner_switch is not None else None
+        out.update(conditioning_fields(self.conditioning))  # Prompt 2, ..., Zero negative
+        if self.negative_switch is not None:
+            out.update(self.negative_switch.fields())
         return out
 
     def infotext(self) -> str:
@@ -212,6 +264,7 @@ class GenerationRequest:
     lora_hashes: str = ""
     ti_hashes: str = ""
     conditioning: tuple[tuple[str, Any], ...] = ()
+    negative_switch: NegativeSwitch | None = None
     init_image: Any = dataclasses.field(default=None, compare=False, repr=False)
     mask_image: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -246,6 +299,7 @@ class GenerationRequest:
                 lora_hashes=self.lora_hashes,
                 ti_hashes=self.ti_hashes,
                 conditioning=self.conditioning,
+                negative_switch=self.negative_switch,
                 init_image=self.init_image,
                 mask_image=self.mask_image,
             )
@@ -296,6 +350,8 @@ def generate_images(
         common["guidance"] = [default if d is None else d for d in distilled]
     for name, _ in p.conditioning:  # the family's options, one value per image (the shape key fixes the names)
         common[name] = [dict(im.conditioning)[name] for im in images]
+    if p.negative_switch is not None:
+        return _switched(pipeline, images, args, common)
     if p.control and (p.hires is not None or p.refiner_switch is not None):
         raise ValueError("ControlNet runs with txt2img, img2img and inpainting; not with the hires fix or a refiner")
     if p.hires is not None:
@@ -341,6 +397,29 @@ def generate_images(
             control_guidance_end=[u.guidance_end for u in units],
         )
     return pipeline.generate_arrays(*args, **common)
+
+
+def _switched(pipeline: Any, images: Sequence[ImageParameters], args: tuple, common: dict) -> np.ndarray:
+    """Text-to-image with a `NegativeSwitch`: model calls [0, k) with the images' negatives, returning latents
+    that keep their noise, then [k, n) from them with the switch's negatives and no noise added."""
+    p = images[0]
+    if p.init_image is not None or p.control or p.hires is not None or p.refiner_switch is not None:
+        raise ValueError("a negative switch runs with text-to-image alone (no image, ControlNet, hires fix or refiner)")
+    k = p.negative_switch.step
+    end = switch_fraction(pipeline._sampler(p.sampler), p.steps, k)
+    plan = dict(height=p.height, width=p.width, count=len(images), steps=p.steps, policy=A1111)
+    task = planning.plan_task(pipeline, planning.TaskInputs(denoising_end=end), **plan)
+    latents = pipeline.generate_arrays(*args, **dict(common, task=task, output="latents"))
+    negatives = [im.negative_switch.negative_prompt for im in images]
+    if p.loras:
+        negatives = strip_lora_tags(negatives, p.loras)
+    second = {name: value for name, value in common.items() if name not in NEGATIVE_OPTIONS}
+    for name, _ in p.negative_switch.conditioning:
+        second[name] = [dict(im.negative_switch.conditioning)[name] for im in images]
+    # (denoising_start only turns the added noise off: start_step puts the start at call k)
+    inputs = planning.TaskInputs(image=latents, denoising_start=1.0, start_step=k)
+    second["task"] = planning.plan_task(pipeline, inputs, **plan)
+    return pipeline.generate_arrays(args[0], negatives, *args[2:], **second)
 
 
 def strip_lora_tags(texts: list[str], loras: tuple[tuple[str, float | tuple[float, float]], ...]) -> list[str]:
@@ -413,6 +492,18 @@ def parameters_from_text(text: str) -> ImageParameters:
             model_hash=raw.get("Model hash", ""),
             lora_hashes=raw.get("Lora hashes", ""),
             ti_hashes=raw.get("TI hashes", ""),
+            conditioning=conditioning_from_fields(raw),
+            negative_switch=_switch_from_fields(raw),
         )
     except (KeyError, ValueError) as e:
         raise ValueError(f"infotext has a malformed field: {e}; fields: {raw}") from None
+
+
+def _switch_from_fields(raw: dict[str, str]) -> NegativeSwitch | None:
+    if "Negative switch at step" not in raw:
+        return None
+    return NegativeSwitch(
+        int(raw["Negative switch at step"]),
+        raw.get("Negative prompt" + SWITCH_SUFFIX, ""),
+        conditioning_from_fields(raw, SWITCH_SUFFIX),
+    )

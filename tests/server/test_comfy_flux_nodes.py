@@ -4,7 +4,7 @@ ConditioningZeroOut, CLIPTextEncodeFlux, CLIPTextEncodeSD3, ConditioningCombine,
 Zero conditioning is checked against PyTorch diffusers given zero negative embeddings (`negative_prompt_embeds` and
 the pooled ones set to zeros, with sdjax's noise: tests/inject.py), then each workflow's image against the sdjax
 pipeline's Python API with the texts, guidance and `zero_negative` the nodes mean. What a node cannot mean on sdjax
-(ConditioningCombine of two prompts, the two-stage hand-off of SplitSigmas, empty_padding "none" with a text left
+(ConditioningCombine of two prompts, decoding SplitSigmas' high half, empty_padding "none" with a text left
 out) is refused in ComfyUI's error shape, naming the node and input."""
 
 from __future__ import annotations
@@ -230,11 +230,12 @@ def test_sd3_refusals(sd3):
     bad["16"] = {"class_type": "CLIPTextEncodeFlux", "inputs": {"clip": ["43", 0], "clip_l": "a", "t5xxl": "b",
                  "guidance": 3.5}}  # fmt: skip
     refused(c, bad, "16", "clip", "CLIPTextEncodeFlux", "Stable Diffusion 3")
-    # SplitSigmas: high_sigmas leave noise for a second sampler; low_sigmas need an image latent
+    # SplitSigmas: high_sigmas leave noise for a second sampler (decoding it is refused: tests/server/
+    # test_comfy_two_stage.py runs the two stages); low_sigmas need an image latent
     split = sd3_text_workflow()
     split["67"] = {"class_type": "SplitSigmas", "inputs": {"sigmas": ["64", 0], "step": 1}}
     split["65"]["inputs"]["sigmas"] = ["67", 0]
-    refused(c, split, "65", "sigmas", "high_sigmas", "two-stage")
+    refused(c, split, "8", "samples", "leftover noise", "one generation")
     split["65"]["inputs"]["sigmas"] = ["67", 1]
     refused(c, split, "67", "step", "image latent")
 

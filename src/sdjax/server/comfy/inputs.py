@@ -18,6 +18,12 @@ Conditioning beyond one prompt text:
 - `ConditioningCombine`: ComfyUI runs the model once per conditioning and averages the predictions; sdjax runs one
   conditioning per prompt, so it serves the combination of two equal conditionings (whose average is either) and
   refuses others by name.
+- `ConditioningSetTimestepRange`: the conditioning counts only at the steps whose sigma lies between the sigmas of
+  its `start` and `end` percents (ComfyUI: `percent_to_sigma` of the model's sampling; a step at sigma s uses it when
+  `sigma(end) <= s <= sigma(start)`, and the conditionings active at a step are averaged). (0, 1) is every step: the
+  conditioning itself. A pair of negatives meeting at one percent (the SD 3 example's: the negative prompt for the
+  first 10% of the schedule, zero conditioning after) is a negative handed over at a step (`comfy.custom`'s
+  `_negative_switch`); other ranges are refused by name (`comfy.nodes`).
 """
 
 from __future__ import annotations
@@ -187,14 +193,24 @@ class Inputs(loaders.Loaders):
         cond = self.value(node, "conditioning")
         return (dataclasses.replace(cond, text="", texts=(), zero=True, text_node=node.id),)
 
+    def n_ConditioningSetTimestepRange(self, node: Node, _) -> tuple:
+        """The conditioning with ComfyUI's step range (it replaces a range set before); checked where it is used."""
+        start, end = float(node.inputs["start"]), float(node.inputs["end"])
+        if start >= end:
+            raise NodeError(node.id, "value_bigger_than_max", f"start: {start} must be below end ({end}); the "
+                            "conditioning would count at no step", "start")  # fmt: skip
+        cond = self.value(node, "conditioning")
+        if (start, end) == (0.0, 1.0):
+            return (dataclasses.replace(cond, span=(0.0, 1.0), span_node=""),)
+        return (dataclasses.replace(cond, span=(start, end), span_node=node.id),)
+
     def n_ConditioningCombine(self, node: Node, _) -> tuple:
+        """Two equal conditionings are either; two others are kept as the pair ComfyUI averages, which the sampler
+        refuses where the model evaluates it (`comfy.nodes`: at cfg 1 a negative is never evaluated)."""
         first, second = self.value(node, "conditioning_1"), self.value(node, "conditioning_2")
-        if first != second:
-            raise NodeError(node.id, "node_not_supported", "conditioning_2: ComfyUI runs the model on each "
-                            "conditioning and averages the two predictions; sdjax runs one conditioning per prompt, "
-                            "so it combines only equal conditionings (whose average is either)",
-                            "conditioning_2")  # fmt: skip
-        return (first,)
+        if first == second:
+            return (first,)
+        return (dataclasses.replace(first, parts=(first, second), parts_node=node.id),)
 
     def n_ControlNetApplyAdvanced(self, node: Node, _) -> tuple:
         positive, negative = self.value(node, "positive"), self.value(node, "negative")

@@ -18,10 +18,13 @@ naming the node and input (`graph.NodeError`), never skipped:
 - a KSampler fed by a decoded and re-encoded image (pixel-space second passes), a third pass, a second pass with
   another model, prompts, cfg or seed than the first, or whose first pass is decoded too (sdjax keeps only the
   final images); LatentUpscale(By) of an encoded image; VAEDecode of a latent no sampler made;
-- KSamplerAdvanced with add_noise "disable", end_at_step before the last step, or leftover noise; the same hand-off
-  through SplitSigmas' high_sigmas or SamplerCustom's add_noise false; ConditioningZeroOut as the positive prompt, or
-  as the negative at cfg > 1 on a model of another family than Flux and SD 3; ConditioningCombine of two different
-  conditionings (ComfyUI averages two predictions);
+- two sampling stages (KSamplerAdvanced's end_at_step with leftover noise, SplitSigmas' high_sigmas, then a sampler
+  adding no noise) that are not the one-stage run (`comfy.custom`: another sampler, prompts or cfg in the second
+  stage, a sampler with a history or noise of its own); KSamplerAdvanced's end_at_step without leftover noise;
+  ConditioningZeroOut as the positive prompt, or as the negative at cfg > 1 on a model of another family than Flux
+  and SD 3; ConditioningCombine of two different conditionings (ComfyUI averages two predictions) and
+  ConditioningSetTimestepRange other than 0..1 (a conditioning for some steps only), where the model evaluates them,
+  except a negative handed over at one step (`comfy.custom._negative_switch`: `metadata.NegativeSwitch`);
 - denoise < 1 on an empty latent; a sampler or scheduler sdjax lacks; positive and negative with different CLIP
   settings or ControlNets; a checkpoint, LoRA, VAE or ControlNet the server does not have;
 - a UNETLoader or CLIP loader that does not name the served model's parts (`comfy.loaders`: sdjax loads a model's
@@ -44,12 +47,26 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
+from sdjax.infotext import CONDITIONING_KEYS
 from sdjax.metadata import SEED_MAX, GenerationRequest
 from sdjax.server.comfy import loaders
 from sdjax.server.comfy.custom import CustomSampling, sampler_of
 from sdjax.server.comfy.graph import Graph, Node, NodeError, failed_validation
 from sdjax.server.comfy.inputs import ENCODER_OPTIONS, Inputs, mask_image
-from sdjax.server.comfy.values import Clip, Cond, Context, Guider, Latent, Model, Output, Pixels, Plan, Stage
+from sdjax.server.comfy.values import (
+    Clip,
+    Cond,
+    Context,
+    Guider,
+    Latent,
+    Model,
+    Output,
+    Pick,
+    Pixels,
+    Plan,
+    Sigmas,
+    Stage,
+)
 from sdjax.server.schemas import FieldError, check_common
 
 __all__ = ["Context", "Plan", "plan"]
@@ -201,6 +218,10 @@ class _Planner(Inputs, CustomSampling):
     # ------------------------------------------------------------------ sampling and decoding
     def n_VAEDecode(self, node: Node, _) -> tuple:
         latent, vae = self.value(node, "samples"), self.value(node, "vae")
+        if latent.kind == "partial":
+            raise NodeError(node.id, "node_not_supported", f"samples: the latent of node {latent.node} holds leftover "
+                            "noise for a second sampler; sdjax runs the two stages as one generation and decodes only "
+                            "its end", "samples")  # fmt: skip
         if latent.kind != "sampled":
             raise NodeError(
                 node.id,
@@ -250,53 +271,43 @@ class _Planner(Inputs, CustomSampling):
         return self._stage(node, latent, int(node.inputs["seed"]), total, strength)
 
     def n_KSamplerAdvanced(self, node: Node, _) -> tuple:
+        """KSampler with `noise_seed`, run over steps `start_at_step..end_at_step` of its `steps`-step schedule: the
+        custom sampling path (`comfy.custom`) with that window, so that `end_at_step` with leftover noise and
+        `add_noise` "disable" from the same step are the two stages it serves."""
         latent = self.value(node, "latent_image")
-        steps, start, end = (
-            int(node.inputs["steps"]),
-            int(node.inputs["start_at_step"]),
-            int(node.inputs["end_at_step"]),
-        )
-        if node.inputs["add_noise"] != "enable":
-            raise NodeError(
-                node.id,
-                "node_not_supported",
-                "add_noise: 'disable' continues another sampler's latent; not served",
-                "add_noise",
-            )
-        if end < steps:
-            raise NodeError(
-                node.id,
-                "node_not_supported",
-                "end_at_step: stopping before the last step (and "
-                "return_with_leftover_noise) is not served; use end_at_step >= steps",
-                "end_at_step",
-            )
-        if start >= steps:
-            raise NodeError(node.id, "value_bigger_than_max", "start_at_step: must be below steps", "start_at_step")
-        strength = None
+        steps, start, end = (int(node.inputs[n]) for n in ("steps", "start_at_step", "end_at_step"))
+        add_noise = node.inputs["add_noise"] == "enable"
+        if end < steps and node.inputs["return_with_leftover_noise"] != "enable":
+            raise NodeError(node.id, "node_not_supported", f"end_at_step: stopping at step {end} of {steps} without "
+                            "return_with_leftover_noise jumps from there to a clean image (ComfyUI sets the last "
+                            "sigma to 0); not served: use end_at_step >= steps, or return_with_leftover_noise "
+                            "'enable' for a second sampler", "end_at_step")  # fmt: skip
+        if start >= min(end, steps):
+            raise NodeError(node.id, "value_bigger_than_max", "start_at_step: must be below steps and end_at_step",
+                            "start_at_step")  # fmt: skip
         if latent.kind == "upscaled" or (latent.kind == "sampled" and not latent.second):
             latent = dataclasses.replace(latent, kind="upscaled", upscaler=latent.upscaler or "latent")
-            if start > 0:
-                raise NodeError(node.id, "node_not_supported", "start_at_step: a hires pass is served from step 0 "
-                                "(or with KSampler's denoise)", "start_at_step")  # fmt: skip
+            for bad, name in ((start > 0, "start_at_step"), (end < steps, "end_at_step"), (not add_noise, "add_noise")):
+                if bad:
+                    raise NodeError(node.id, "node_not_supported", f"{name}: a hires pass is served from step 0 to "
+                                    "the end with added noise (or with KSampler's denoise)", name)  # fmt: skip
             return self._second_pass(node, latent, int(node.inputs["noise_seed"]), steps, 1.0, "noise_seed")
-        if start > 0:
-            if latent.kind != "image":
-                raise NodeError(
-                    node.id,
-                    "node_not_supported",
-                    "start_at_step: above 0 needs an image latent (VAEEncode)",
-                    "start_at_step",
-                )
-            strength = (steps - start - 0.5) / steps
-        elif latent.kind == "image":
-            strength = (steps - 0.5) / steps
-        return self._stage(node, latent, int(node.inputs["noise_seed"]), steps, strength, seed_field="noise_seed")
+        model, positive, negative = (self.value(node, n) for n in ("model", "positive", "negative"))
+        guider = Guider(model, positive, negative, float(node.inputs["cfg"]), node.id)
+        sigmas = Sigmas(model, node.inputs["scheduler"], steps, 1.0, node.id, start=start,
+                        stop=end if end < steps else None, split=node.id, split_field="start_at_step")  # fmt: skip
+        noise = Pick(int(node.inputs["noise_seed"]) if add_noise else None, node.id)
+        return self._custom(node, noise, guider, Pick(node.inputs["sampler_name"], node.id), sigmas, latent)[:1]
 
     def _stage(self, node: Node, latent: Latent, seed: int, steps: int, strength: float | None, seed_field="seed",
                custom: tuple[Guider, str, dict[str, str]] | None = None):  # fmt: skip
         """One generation: a KSampler's (its model, prompts, cfg, sampler) or, with `custom`, a SamplerCustomAdvanced's
         (its guider, sampler string and the fields naming its steps, cfg and sampler on the nodes that set them)."""
+        if latent.kind == "partial":
+            raise NodeError(node.id, "node_not_supported", f"latent_image: it holds the leftover noise of node "
+                            f"{latent.node} (a first stage); a sampler that adds no noise continues it over the rest "
+                            "of that schedule (KSamplerAdvanced, SamplerCustom, SamplerCustomAdvanced + DisableNoise), "
+                            f"not {node.class_type}", "latent_image")  # fmt: skip
         if latent.kind == "sampled":
             raise NodeError(
                 node.id,
@@ -308,6 +319,11 @@ class _Planner(Inputs, CustomSampling):
             model, positive, negative = (self.value(node, n) for n in ("model", "positive", "negative"))
             custom = (Guider(model, positive, negative, float(node.inputs["cfg"]), node.id), _sampler(node), {})
         guider, sampler, fields = custom
+        switch = None
+        if guider.cfg > 1 and guider.negative.parts:  # SD 3's example: another negative from a step on
+            name_node = fields.get("sampler", f"{node.id}:").partition(":")[0]
+            name = self.graph.nodes[name_node].inputs["sampler_name"]
+            guider, switch = self._negative_switch(guider, latent, sampler, steps, name)
         model, positive, negative = guider.model, guider.positive, guider.negative
         options = self._options(guider)
         if positive.clip != negative.clip and not negative.zero:  # (errors name the guider, which has the prompts)
@@ -343,6 +359,7 @@ class _Planner(Inputs, CustomSampling):
             vae=vae or "",
             prompt_syntax=_syntax(self.ctx.pipeline, positive.text, negative.text),
             conditioning=options,
+            negative_switch=switch,
         )
         if latent.kind == "image":
             request = dataclasses.replace(
@@ -363,10 +380,13 @@ class _Planner(Inputs, CustomSampling):
 
         family, (positive, negative) = loaders.family(self.ctx.pipeline), (guider.positive, guider.negative)
         prompts = "conditioning" if self.graph.nodes[guider.node].class_type == "BasicGuider" else "positive"
+        cfg = guider.cfg > 1  # sdjax evaluates the negative only then (ComfyUI skips it at cfg 1)
+        _one_conditioning(positive)
+        if cfg:
+            _one_conditioning(negative)
         if positive.zero:
             raise NodeError(guider.node, "node_not_supported", f"{prompts}: zero conditioning (ConditioningZeroOut) "
                             "is served as the negative prompt only", prompts)  # fmt: skip
-        cfg = guider.cfg > 1  # sdjax evaluates the negative only then (ComfyUI skips it at cfg 1)
         if negative.zero and cfg and family not in ("flux", "sd3"):
             raise NodeError(guider.node, "node_not_supported", "negative: zero conditioning (ConditioningZeroOut) "
                             f"with cfg > 1 is served on Flux.1 and SD 3 models; the served model is "
@@ -384,7 +404,8 @@ class _Planner(Inputs, CustomSampling):
                 out.append((prefix + names[encoder], text))
         if negative.zero and cfg:
             out.append(("zero_negative", True))
-        return tuple(out)
+        order = list(CONDITIONING_KEYS)  # the infotext's order: a request read back from its PNG is equal
+        return tuple(sorted(out, key=lambda item: order.index(item[0])))
 
     def _second_pass(self, node: Node, latent: Latent, seed: int, steps: int, denoise: float, seed_field: str):
         """A KSampler on an upscaled first-pass latent: A1111's hires fix on the first pass's generation, which
@@ -401,6 +422,8 @@ class _Planner(Inputs, CustomSampling):
             (bool(first.first_decoded), "latent_image", f"the first pass's images are decoded (node "
              f"{first.first_decoded}); they are not kept when a second pass follows"),
             (bool(first.request.control), "positive", "ControlNet does not run with the hires fix"),
+            (first.request.negative_switch is not None, "negative", "a negative handed over at a step "
+             "(ConditioningSetTimestepRange) does not run with the hires fix"),
             ((model, positive, negative) != first.inputs[:3], "positive", "the second pass must use the first "
              "pass's model, LoRAs and prompts"),
             (float(node.inputs["cfg"]) != first.inputs[3], "cfg", "the second pass must use the first pass's cfg"),
@@ -478,6 +501,30 @@ class _Planner(Inputs, CustomSampling):
         except FieldError as e:
             raise NodeError(node.id, "value_not_in_list", e.detail_message, "model") from None
         return tuple((n, s[0] if isinstance(s, tuple) and s[0] == s[1] else s) for n, s in found)
+
+
+def _one_conditioning(cond: Cond) -> None:
+    """A conditioning the model evaluates must be one for every step: not ConditioningCombine's pair of two (ComfyUI
+    averages their predictions), nor a ConditioningSetTimestepRange other than 0..1 (ComfyUI uses it at some steps
+    only; a pair of ranges swaps the conditioning at the step where the boundary's sigma falls)."""
+    ranged = [c for c in (cond.parts or (cond,)) if c.span != (0.0, 1.0)]
+    if ranged:
+        c = ranged[0]
+        rest = (
+            f"ComfyUI swaps the two conditionings combined by node {cond.parts_node} at the step where that "
+            "percent's sigma falls"
+            if cond.parts
+            else "ComfyUI leaves it out at the other steps"
+        )
+        span = f"{c.span[0]:g}..{c.span[1]:g}"
+        raise NodeError(c.span_node, "node_not_supported", f"start: ConditioningSetTimestepRange {span} conditions "
+                        f"part of the schedule; {rest}. sdjax runs one conditioning at every step of a generation and "
+                        "cannot change it between steps: use the range 0..1", "start")  # fmt: skip
+    if cond.parts:
+        raise NodeError(cond.parts_node, "node_not_supported", "conditioning_2: ComfyUI runs the model on each "
+                        "conditioning and averages the two predictions; sdjax runs one conditioning per prompt, "
+                        "so it combines only equal conditionings (whose average is either)",
+                        "conditioning_2")  # fmt: skip
 
 
 def _sampler(node: Node) -> str:

@@ -58,6 +58,12 @@ class Cond:
     guidance: float | None = None
     texts: tuple[tuple[str, str], ...] = ()
     zero: bool = False
+    # ConditioningSetTimestepRange's (start, end) percents of the schedule; (0, 1): every step
+    span: tuple[float, float] = (0.0, 1.0)
+    span_node: str = dataclasses.field(default="", compare=False)
+    # ConditioningCombine of two different conditionings: the pair ComfyUI averages (this Cond is the first's)
+    parts: tuple[Any, ...] = ()
+    parts_node: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,12 @@ class Sigmas:
     start: int = 0
     stop: int | None = None  # None: `steps`, the last sigma
     split: str = dataclasses.field(default="", compare=False)  # the SplitSigmas that cut them (named in errors)
+    split_field: str = dataclasses.field(default="step", compare=False)  # its input that sets `start` / `stop`
+
+    @property
+    def schedule(self) -> tuple:
+        """What fixes the sigmas before any split: two halves of one schedule share it."""
+        return (self.model, self.scheduler, self.steps, self.denoise)
 
     @property
     def last(self) -> int:
@@ -100,8 +112,22 @@ class Pick:
 
 
 @dataclasses.dataclass(frozen=True)
+class Handoff:
+    """A first sampling stage that stops before its schedule's end (SplitSigmas' high_sigmas, KSamplerAdvanced's
+    end_at_step with return_with_leftover_noise): its latent keeps the noise of step `sigmas.last` for a second
+    sampler that adds none. Nothing runs until that second sampler continues it (`comfy.custom`)."""
+
+    node: str  # the first stage's sampler node
+    noise: Pick  # its seed (RandomNoise's, or the node's own noise_seed)
+    guider: Guider
+    pick: Pick  # its sampler name
+    sigmas: Sigmas  # the high part: steps `start` to `last` of the schedule
+    source: Any  # the Latent it sampled (empty, or an encoded image)
+
+
+@dataclasses.dataclass(frozen=True)
 class Latent:
-    kind: str  # "empty" | "image" | "sampled"
+    kind: str  # "empty" | "image" | "sampled" | "upscaled" | "partial" (a first stage's, with leftover noise)
     width: int
     height: int
     batch: int = 1
@@ -112,6 +138,7 @@ class Latent:
     stage: int = -1  # sampled and upscaled latents: the index of their stage
     second: bool = False  # sampled: made by a second (hires) pass
     upscaler: str = ""  # upscaled: sdjax's hires upscaler ("latent", "latent-nearest")
+    handoff: Handoff | None = None  # partial: the first stage a second sampler continues
 
 
 @dataclasses.dataclass(frozen=True)
