@@ -63,6 +63,31 @@ POS_EMBED_THETA = 10000.0  # diffusers `get_1d_sincos_pos_embed_from_grid`
 
 
 # ---------------------------------------------------------------------------------------------- config
+def check_mmdit_config(config: Any, *, joint: bool = True) -> None:
+    """What a transformer config and its ControlNet's (`models.sd3_controlnet.SD3ControlNetConfig`) both require,
+    raising `ConfigError` named after the config's class: a q/k norm in `QK_NORMS`; with `joint` (text blocks) a text
+    stream as wide as the image stream; `dual_attention_layers` among the block indices; a positive or null
+    `pos_embed_max_size`; a width divisible by 4 (the 2-D sinusoids split it in four). A `dual_attention_layers`
+    list (JSON) becomes a tuple, since configs are jit-static and must hash."""
+    if isinstance(config.dual_attention_layers, list):
+        object.__setattr__(config, "dual_attention_layers", tuple(config.dual_attention_layers))
+    name, width = type(config).__name__, config.inner_dim
+    if config.qk_norm not in QK_NORMS:
+        raise ConfigError(f"{name}: qk_norm={config.qk_norm!r} is not supported (choose one of {QK_NORMS})")
+    if joint and config.caption_projection_dim != width:
+        raise ConfigError(
+            f"{name}: caption_projection_dim {config.caption_projection_dim} must equal num_attention_heads * "
+            f"attention_head_dim = {width} (the text stream is as wide as the image stream)"
+        )
+    bad = [i for i in config.dual_attention_layers if not 0 <= i < config.num_layers]
+    if bad:
+        raise ConfigError(f"{name}: dual_attention_layers {bad} are not block indices below {config.num_layers}")
+    if config.pos_embed_max_size is not None and config.pos_embed_max_size < 1:
+        raise ConfigError(f"{name}: pos_embed_max_size must be a positive int or null, got {config.pos_embed_max_size}")
+    if width % 4:
+        raise ConfigError(f"{name}: the width {width} must be a multiple of 4 (2-D sinusoidal positions)")
+
+
 @dataclasses.dataclass(frozen=True)
 class SD3TransformerConfig:
     """The keys of a diffusers `SD3Transformer2DModel` `config.json`, with diffusers' defaults.
@@ -92,25 +117,7 @@ class SD3TransformerConfig:
         return config_from_dict(cls, dict(raw), source=source)
 
     def __post_init__(self):
-        if isinstance(self.dual_attention_layers, list):  # configs are jit-static: hashable
-            object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
-        name = type(self).__name__
-        if self.qk_norm not in QK_NORMS:
-            raise ConfigError(f"{name}: qk_norm={self.qk_norm!r} is not supported (choose one of {QK_NORMS})")
-        if self.caption_projection_dim != self.inner_dim:
-            raise ConfigError(
-                f"{name}: caption_projection_dim {self.caption_projection_dim} must equal num_attention_heads * "
-                f"attention_head_dim = {self.inner_dim} (the text stream is as wide as the image stream)"
-            )
-        bad = [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"{name}: dual_attention_layers {bad} are not block indices below {self.num_layers}")
-        if self.pos_embed_max_size is not None and self.pos_embed_max_size < 1:
-            raise ConfigError(
-                f"{name}: pos_embed_max_size must be a positive int or null, got {self.pos_embed_max_size}"
-            )
-        if self.inner_dim % 4:
-            raise ConfigError(f"{name}: the width {self.inner_dim} must be a multiple of 4 (2-D sinusoidal positions)")
+        check_mmdit_config(self)
 
     @property
     def inner_dim(self) -> int:

@@ -46,7 +46,13 @@ from sdjax.config import ConfigError, config_from_dict
 from sdjax.models.convert import convert_state_dict
 from sdjax.models.flux import AdaLayerNormZero, CombinedTimestepTextProjEmbeddings, FeedForward, layer_norm, modulate
 from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
-from sdjax.models.sd3 import QK_NORMS, JointAttention, JointTransformerBlock, PatchEmbed, SD3TransformerConfig
+from sdjax.models.sd3 import (
+    JointAttention,
+    JointTransformerBlock,
+    PatchEmbed,
+    SD3TransformerConfig,
+    check_mmdit_config,
+)
 
 Dtype = Any
 
@@ -87,11 +93,8 @@ class SD3ControlNetConfig:
         return config_from_dict(cls, dict(raw), source=source)
 
     def __post_init__(self):
-        if isinstance(self.dual_attention_layers, list):  # configs are jit-static: hashable
-            object.__setattr__(self, "dual_attention_layers", tuple(self.dual_attention_layers))
+        check_mmdit_config(self, joint=self.joint)
         name = type(self).__name__
-        if self.qk_norm not in QK_NORMS:
-            raise ConfigError(f"{name}: qk_norm={self.qk_norm!r} is not supported (choose one of {QK_NORMS})")
         if self.pos_embed_type not in POS_EMBED_TYPES:
             raise ConfigError(f"{name}: pos_embed_type={self.pos_embed_type!r} must be one of {POS_EMBED_TYPES}")
         if self.num_layers < 1:
@@ -99,26 +102,11 @@ class SD3ControlNetConfig:
         if self.extra_conditioning_channels < 0:
             n = self.extra_conditioning_channels
             raise ConfigError(f"{name}: extra_conditioning_channels must be >= 0, got {n}")
-        if self.joint_attention_dim is None:
-            if self.dual_attention_layers or self.qk_norm is not None:
-                raise ConfigError(
-                    f"{name}: dual_attention_layers and qk_norm apply to joint blocks; a net without "
-                    f"joint_attention_dim runs single blocks, which have neither"
-                )
-        elif self.caption_projection_dim != self.inner_dim:
+        if not self.joint and (self.dual_attention_layers or self.qk_norm is not None):
             raise ConfigError(
-                f"{name}: caption_projection_dim {self.caption_projection_dim} must equal num_attention_heads * "
-                f"attention_head_dim = {self.inner_dim} (the text stream is as wide as the image stream)"
+                f"{name}: dual_attention_layers and qk_norm apply to joint blocks; a net without "
+                f"joint_attention_dim runs single blocks, which have neither"
             )
-        bad = [i for i in self.dual_attention_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"{name}: dual_attention_layers {bad} are not block indices below {self.num_layers}")
-        if self.pos_embed_max_size is not None and self.pos_embed_max_size < 1:
-            raise ConfigError(
-                f"{name}: pos_embed_max_size must be a positive int or null, got {self.pos_embed_max_size}"
-            )
-        if self.inner_dim % 4:
-            raise ConfigError(f"{name}: the width {self.inner_dim} must be a multiple of 4 (2-D sinusoidal positions)")
 
     @property
     def inner_dim(self) -> int:

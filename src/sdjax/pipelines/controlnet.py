@@ -16,8 +16,10 @@ Arguments as diffusers' ControlNet pipelines take them:
 - `guess_mode`: static; forced on when the first net has `global_pool_conditions`, as diffusers does.
 
 A family with ControlNets of its own names their module in its pipeline class's `controlnet_module` (SD 3:
-`families.sd3.controlnet`, with `control_spec` and `control_request` taking these arguments); `control_spec` and
-`control_request` hand such a pipeline to it. The module here serves the UNet families (SD 1.x/2.x, SDXL).
+`families.sd3.controlnet`). `control_spec` hands such a pipeline to the module's `control_spec` (same arguments);
+`control_request` asks it `check_task(task)` before any net is loaded and `check_size(pipe, spec, height, width)`
+after, and takes its `DEFAULT_SCALE`; the scales, windows and control images are read here for every family. The
+nets of the UNet families (SD 1.x/2.x, SDXL) are resolved here.
 """
 
 from __future__ import annotations
@@ -218,26 +220,14 @@ def control_request(
     """The ControlNet conditioning of one `generate` call for `count` images of `height` x `width`."""
     family = family_controlnet(pipe)
     if family is not None:
-        return family.control_request(
-            pipe,
-            control_image=control_image,
-            controlnet=controlnet,
-            params=params,
-            count=count,
-            height=height,
-            width=width,
-            task=task,
-            controlnet_conditioning_scale=controlnet_conditioning_scale,
-            control_guidance_start=control_guidance_start,
-            control_guidance_end=control_guidance_end,
-            guess_mode=guess_mode,
-        )
+        family.check_task(task)  # before any net is loaded
     spec, trees = control_spec(pipe, controlnet, params, guess_mode)
+    if family is not None:
+        family.check_size(pipe, spec, height, width)
     k = len(trees)
     scale = controlnet_conditioning_scale
     if scale is None:
-        sdxl = getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
-        scale = 1.0 if sdxl and task == "inpaint" else DEFAULT_SCALES[task]
+        scale = default_scale(pipe, family, task)
     scales = per_net("controlnet_conditioning_scale", scale, k)
     starts = per_net("control_guidance_start", control_guidance_start, k, lo=0.0, hi=1.0)
     ends = per_net("control_guidance_end", control_guidance_end, k, lo=0.0, hi=1.0)
@@ -252,6 +242,15 @@ def control_request(
         starts=np.tile(np.asarray(starts), (count, 1)),
         ends=np.tile(np.asarray(ends), (count, 1)),
     )
+
+
+def default_scale(pipe, family, task: str) -> float:
+    """diffusers' `controlnet_conditioning_scale` default for this pipeline and task: the family module's
+    `DEFAULT_SCALE`, else (the UNet families) `DEFAULT_SCALES[task]`, 1.0 for SDXL inpainting."""
+    if family is not None:
+        return float(family.DEFAULT_SCALE)
+    sdxl = getattr(pipe.unet.config, "addition_embed_type", None) == "text_time"
+    return 1.0 if sdxl and task == "inpaint" else DEFAULT_SCALES[task]
 
 
 def control_image_arrays(control_image: Any, k: int, count: int, width: int, height: int) -> np.ndarray:

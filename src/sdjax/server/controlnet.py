@@ -4,6 +4,10 @@ txt2img/img2img requests, `GET /controlnet/model_list`, `GET /controlnet/module_
 
 ControlNets are served from `--controlnet-dir` (one diffusers ControlNet folder per name; a request names a net by
 its folder name, optionally followed by the extension's " [hash]" suffix, so no name reaches outside the folder).
+A net runs on a model of its family: SD 1.x/2.x and SDXL nets (`ControlNetModel` folders or single files) on those
+models, SD 3 / 3.5 nets (`SD3ControlNetModel` folders) on SD 3 models, text-to-image only. `check_units` checks a
+request's units as the library will run them before it is queued, so a unit the served model cannot run is a 422
+naming it (`args[i].model`), not a failed generation; ComfyUI's planner uses it for its sampler nodes.
 Each unit: `image` (base64; `input_image` is the older key), `module` (the preprocessor, "none" by default),
 `model`, `weight`, `guidance_start`, `guidance_end`, `enabled`; `control_mode` only "Balanced" (0); `resize_mode`
 "Just Resize" (0) or "Crop and Resize" (1, the extension's default; both stretch the map to the output size, as
@@ -26,13 +30,14 @@ A unit and `/controlnet/detect` read these the same way, so the preview is the m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from sdjax import planning
 from sdjax.metadata import ControlUnit, GenerationRequest
 from sdjax.server.schemas import FieldError, ImageB64, Limits, decode_image
 
@@ -248,18 +253,60 @@ def apply(
         raise FieldError("alwayson_scripts.controlnet.args", "expected a list of units")
     nets = list_controlnets(controlnet_dir)
     size = (request.width, request.height)
-    units = tuple(u for u in (_unit(raw, i, nets, limits, size) for i, raw in enumerate(args)) if u is not None)
+    parsed = [(i, _unit(raw, i, nets, limits, size)) for i, raw in enumerate(args)]
+    enabled = [(i, u) for i, u in parsed if u is not None]
+    units = tuple(u for _, u in enabled)
     if units and (request.hires is not None or request.refiner_switch is not None):
         raise FieldError("alwayson_scripts.controlnet", "ControlNet does not run with the hires fix")
     if not units:
         return request
-    from sdjax.pipelines.controlnet import control_spec
 
-    try:
-        control_spec(pipeline, [u.model for u in units], None)  # loads (cached on the pipeline) and checks the family
-    except (ValueError, KeyError, OSError) as e:
-        raise FieldError("alwayson_scripts.controlnet.args", str(e.args[0] if e.args else e)) from None
+    fields = [f"alwayson_scripts.controlnet.args[{i}].model" for i, _ in enabled]
+
+    def field(k: int | None) -> str:
+        return "alwayson_scripts.controlnet.args" if k is None else fields[k]
+
+    task = planning.task_name(request.init_image, request.mask_image)
+    check_units(pipeline, units, width=request.width, height=request.height, task=task, field=field)
     return dataclasses.replace(request, control=units)
+
+
+def _reason(e: BaseException) -> str:
+    return str(e.args[0] if e.args else e)
+
+
+def check_units(
+    pipeline: Any,
+    units: Sequence[ControlUnit],
+    *,
+    width: int,
+    height: int,
+    task: str,
+    field: Callable[[int | None], str],
+) -> None:
+    """A generation's ControlNet units checked as the generation will check them, before it is queued, so that what
+    cannot run is a `FieldError` (422; a node error in ComfyUI) rather than a failed generation: each unit alone (its
+    net loaded, cached on the pipeline, and checked against the served model's family and transformer or UNet; the
+    `task` ("txt2img", "img2img", "inpaint"), which SD 3 nets restrict to text-to-image; the `width` x `height`
+    output, which an SD 3 net's position table bounds; its weight and window), then the units together (several nets
+    must agree to be summed). `field(k)` names unit k in the request, `field(None)` all of them."""
+    from sdjax.pipelines.controlnet import control_request, control_spec
+
+    for k, u in enumerate(units):
+        try:
+            control_request(
+                pipeline, control_image=u.image, controlnet=u.model, params=None, count=1, height=height, width=width,
+                task=task, controlnet_conditioning_scale=u.weight, control_guidance_start=u.guidance_start,
+                control_guidance_end=u.guidance_end,
+            )  # fmt: skip
+        except (ValueError, KeyError, OSError, TypeError) as e:
+            raise FieldError(field(k), f"ControlNet {Path(u.model).name!r}: {_reason(e)}") from None
+    if len(units) > 1:
+        try:
+            control_spec(pipeline, [u.model for u in units], None)
+        except (ValueError, KeyError, OSError, TypeError) as e:
+            names = [Path(u.model).name for u in units]
+            raise FieldError(field(None), f"ControlNets {names}: {_reason(e)}") from None
 
 
 class DetectRequest(BaseModel):

@@ -44,9 +44,8 @@ import numpy as np
 
 from sdjax import rng
 from sdjax.core.loop import Hook
-from sdjax.families.sd.controlnet import ControlRequest
 from sdjax.models.sd3_controlnet import SD3ControlNetModel
-from sdjax.pipelines.controlnet import control_image_arrays, per_net, resolve_nets
+from sdjax.pipelines.controlnet import resolve_nets
 
 INPUTS = ("control_image", "control_scales")
 SAMPLES = "controlnet_block_samples"  # the denoiser's keyword for the summed samples (`families.sd3.denoiser`)
@@ -231,30 +230,22 @@ def control_spec(pipe, controlnet: Any, params: dict | None, guess_mode: bool = 
     return SD3ControlSpec(tuple(modules), offset), tuple(trees)
 
 
-def control_request(
-    pipe,
-    *,
-    control_image: Any,
-    controlnet: Any,
-    params: dict | None,
-    count: int,
-    height: int,
-    width: int,
-    task: str,
-    controlnet_conditioning_scale: Any = None,
-    control_guidance_start: Any = 0.0,
-    control_guidance_end: Any = 1.0,
-    guess_mode: bool = False,
-) -> ControlRequest:
-    """The ControlNet conditioning of one SD 3 `generate` call for `count` images of `height` x `width`."""
+DEFAULT_SCALE = 1.0  # StableDiffusion3ControlNetPipeline's controlnet_conditioning_scale
+
+
+def check_task(task: str) -> None:
+    """SD 3 ControlNets run text-to-image only (`pipelines.controlnet.control_request` asks before loading a net)."""
     if task != "txt2img":
         raise ValueError(
-            "control_image: SD 3 ControlNets run text-to-image only (diffusers has no SD 3 ControlNet "
-            "image-to-image pipeline, and its inpainting one needs an inpainting net); drop image= / mask_image="
+            f"SD 3 ControlNets run text-to-image only, not {task} (diffusers has no SD 3 ControlNet image-to-image "
+            f"pipeline, and its inpainting one needs an inpainting net): generate without an init image and mask "
+            f"(image=, mask_image=), or without the ControlNet"
         )
-    spec, trees = control_spec(pipe, controlnet, params, guess_mode)
-    k = len(trees)
-    f = pipe.vae_scale_factor
+
+
+def check_size(pipe, spec: SD3ControlSpec, height: int, width: int) -> None:
+    """Refuse an output of more patches on a side than a net's position table holds (`pos_embed_max_size`)."""
+    f, k = pipe.vae_scale_factor, len(spec.nets)
     for j, net in enumerate(spec.nets):
         cfg = net.config
         m, p = cfg.pos_embed_max_size, cfg.patch_size
@@ -265,18 +256,3 @@ def control_request(
                 f"{label}: a {width}x{height} image is more than its pos_embed_max_size={m} patches on a side "
                 f"(at most {m * p * f} pixels)"
             )
-    scale = 1.0 if controlnet_conditioning_scale is None else controlnet_conditioning_scale
-    scales = per_net("controlnet_conditioning_scale", scale, k)
-    starts = per_net("control_guidance_start", control_guidance_start, k, lo=0.0, hi=1.0)
-    ends = per_net("control_guidance_end", control_guidance_end, k, lo=0.0, hi=1.0)
-    for s, e in zip(starts, ends):
-        if s >= e:
-            raise ValueError(f"control_guidance_start={s} must be below control_guidance_end={e}")
-    return ControlRequest(
-        spec=spec,
-        params=trees,
-        images=control_image_arrays(control_image, k, count, width, height),
-        scales=np.tile(np.asarray(scales, np.float32), (count, 1)),
-        starts=np.tile(np.asarray(starts), (count, 1)),
-        ends=np.tile(np.asarray(ends), (count, 1)),
-    )

@@ -366,12 +366,30 @@ class _Planner(Inputs, CustomSampling):
                 request, init_image=latent.image, denoising_strength=strength, mask_image=latent.mask
             )
         self._check(node, request, latent, positive, negative, fields)
+        self._check_control(guider, request)
         loras = self._loras(self.graph.nodes[guider.node], model, positive.clip)
         if loras:
             request = dataclasses.replace(request, loras=loras, lora_hashes=self.ctx.networks.lora_hashes(loras))
         inputs = (model, positive, negative, guider.cfg, seed)
         self.stages.append(Stage(node.id, request, vae_fixed=latent.kind == "image", inputs=inputs))
         return (Latent("sampled", latent.width, latent.height, latent.batch, node=node.id, stage=len(self.stages) - 1),)
+
+    def _check_control(self, guider: Guider, r: GenerationRequest) -> None:
+        """The generation's ControlNets checked as the library will run them (the task and output size their family
+        allows, e.g. SD 3 nets: text-to-image within their position table), refused naming the guider's prompt."""
+        if not r.control:
+            return
+        from sdjax import planning
+        from sdjax.server.controlnet import check_units
+
+        prompts = "conditioning" if self.graph.nodes[guider.node].class_type == "BasicGuider" else "positive"
+        task = planning.task_name(r.init_image, r.mask_image)
+        try:
+            check_units(
+                self.ctx.pipeline, r.control, width=r.width, height=r.height, task=task, field=lambda k: prompts
+            )
+        except FieldError as e:
+            raise NodeError(guider.node, "node_not_supported", f"{prompts}: {e.detail_message}", prompts) from None
 
     def _options(self, guider: Guider) -> tuple[tuple[str, Any], ...]:
         """The family conditioning options of a guider's prompts (`GenerationRequest.conditioning`): the encoders'
