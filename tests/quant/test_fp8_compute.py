@@ -29,7 +29,7 @@ def test_dense_fp8_is_the_product_of_the_quantized_operands():
     w = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.float32)
     b = jnp.asarray(rng.standard_normal(48), jnp.float32)
     q, scale = quant.scheme.quantize_kernel(w, "fp8")
-    y = C.dense_fp8(x, q, scale, b, jnp.float32)
+    y = C.dense_quantized(x, q, scale, b, jnp.float32)
 
     # independent: the input scale and fp8 rounding by hand, the product in float64
     s = float(np.abs(np.asarray(x)).max()) / 448.0
@@ -68,7 +68,7 @@ def test_only_fp8_dense_kernels_take_the_fp8_product():
     weight_only = jax.jit(lambda p, x: M.DequantizingModule(net, jnp.float32).apply({"params": p}, x))
     # by hand: the big layer's fp8 product, then the dequantized conv and the float small layer
     deq = P.dequantize_tree(qp, jnp.float32)
-    h = C.dense_fp8(x, qp["big"]["kernel"], qp["big"]["kernel_scale"], params["big"]["bias"], jnp.float32)
+    h = C.dense_quantized(x, qp["big"]["kernel"], qp["big"]["kernel_scale"], params["big"]["bias"], jnp.float32)
     h = nn.Conv(96, (3,)).apply({"params": deq["conv"]}, h)
     by_hand = nn.Dense(8).apply({"params": deq["small"]}, jax.nn.gelu(h))
     np.testing.assert_allclose(fp8(qp, x), by_hand, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from sdjax.cli import bench, compile, convert, generate, pnginfo, serve
+from sdjax.cli import bench, calibrate, compile, convert, generate, pnginfo, serve
 from sdjax.cli.common import (
     DTYPES,
     QUANTIZE_OPTION,
@@ -84,6 +84,7 @@ app.add_typer(train_app, name="train")
 app.command("compile", no_args_is_help=True)(compile.compile_)
 app.command(no_args_is_help=True)(convert.convert)
 app.command(no_args_is_help=True)(pnginfo.pnginfo)
+app.command()(calibrate.calibrate)
 
 
 def main() -> None:

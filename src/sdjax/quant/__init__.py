@@ -1,11 +1,16 @@
-"""Weight-only quantization (int8 per channel, float8 e4m3 per channel) for every family: docs/quantization.md.
+"""Weight-only quantization (int8 per channel, float8 e4m3 per channel) for every family, and 8-bit x 8-bit compute
+for Dense layers: docs/quantization.md.
 
 `scheme`: one kernel's quantize / dequantize (qwix's arithmetic); `params`: which kernels (`QuantPolicy`) and the
 params-tree transformation; `loading`: the same quantization applied per tensor while a loader converts (so a
 quantized load never holds the denoiser in full precision); `modules`: the dequantizing module wrapper and
-`quantize_pipeline`, which `Pipeline.from_pretrained(..., quantize=)` calls.
+`quantize_pipeline`, which `Pipeline.from_pretrained(..., quantize=)` calls; `compute`: int8 x int8 / fp8 x fp8
+Dense layers (`QuantPolicy(compute=)`); `calibration`: their static input ranges (`calibrate`, `Calibration`);
+`files`: quantized params saved and read back (`save_quantized`, `load_quantized`).
 """
 
+from sdjax.quant.calibration import CALIBRATION_FILE, Calibration, calibrate, use_calibration
+from sdjax.quant.files import load_quantized, save_quantized
 from sdjax.quant.modules import DequantizingModule, quantize_pipeline
 from sdjax.quant.params import (
     QuantPolicy,
@@ -20,17 +25,23 @@ from sdjax.quant.params import (
 from sdjax.quant.scheme import SCHEMES, dequantize_kernel, quantize_kernel
 
 __all__ = [
+    "CALIBRATION_FILE",
+    "Calibration",
     "SCHEMES",
+    "calibrate",
     "DequantizingModule",
     "QuantPolicy",
     "check_quantize",
     "dequantize_kernel",
     "dequantize_tree",
     "has_quantized",
+    "load_quantized",
     "nbytes",
     "quantize_kernel",
     "quantize_params",
     "quantize_pipeline",
     "quantize_tree",
     "resolve_policy",
+    "save_quantized",
+    "use_calibration",
 ]

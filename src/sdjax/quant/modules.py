@@ -20,7 +20,8 @@ of every kernel alive for the whole loop).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -33,12 +34,26 @@ from sdjax.quant import params as params_lib
 class DequantizingModule:
     """A Flax module that takes params with quantized kernels: `apply(variables, *args, **kwargs)` dequantizes
     `variables["params"]` to `dtype` and calls the wrapped module's `apply`. Everything else (`config`, `clone`,
-    fields) is the wrapped module's; `clone` returns a wrapped clone."""
+    fields) is the wrapped module's; `clone` returns a wrapped clone.
 
-    def __init__(self, module: Any, dtype: Any, compute: str | None = None):
+    `compute` ("int8" / "fp8", `sdjax.quant.compute`): Dense layers whose kernel is stored in that type keep it and
+    multiply 8-bit x 8-bit; `amax` (module path -> static input range, from a calibration) and `observe` (the
+    calibration pass's recorder) go to its `QuantizedDense` interceptor."""
+
+    def __init__(
+        self,
+        module: Any,
+        dtype: Any,
+        compute: str | None = None,
+        *,
+        amax: Mapping[str, float] | None = None,
+        observe: Callable[[str, Any], None] | None = None,
+    ):
         self.module = module
         self.dtype = dtype
-        self.compute = compute  # "fp8": Dense layers keep fp8 kernels and multiply in fp8 (`sdjax.quant.compute`)
+        self.compute = compute
+        self.amax = amax
+        self.observe = observe
 
     def apply(self, variables: Mapping[str, Any], *args, **kwargs):
         params = variables["params"]
@@ -46,18 +61,21 @@ class DequantizingModule:
             return self.module.apply(variables, *args, **kwargs)
         arrays = [a for a in args if isinstance(a, jax.Array)]
         params, _ = jax.lax.optimization_barrier((params, arrays))
-        if self.compute == "fp8":
-            params = compute_lib.dequantize_except_dense(params, self.dtype)
-            with nn.intercept_methods(compute_lib.fp8_dense_interceptor):
+        if self.compute is not None:
+            params = compute_lib.dequantize_except_dense(params, self.dtype, self.compute)
+            interceptor = compute_lib.QuantizedDense(self.compute, amax=self.amax, observe=self.observe)
+            with nn.intercept_methods(interceptor):
                 return self.module.apply({**variables, "params": params}, *args, **kwargs)
         params = params_lib.dequantize_tree(params, self.dtype)
         return self.module.apply({**variables, "params": params}, *args, **kwargs)
 
     def clone(self, **kwargs) -> DequantizingModule:
-        return DequantizingModule(self.module.clone(**kwargs), self.dtype, self.compute)
+        return DequantizingModule(
+            self.module.clone(**kwargs), self.dtype, self.compute, amax=self.amax, observe=self.observe
+        )
 
     def __getattr__(self, name: str):
-        if name in ("module", "dtype", "compute"):
+        if name in ("module", "dtype", "compute", "amax", "observe"):
             raise AttributeError(name)
         return getattr(self.module, name)
 
@@ -65,28 +83,59 @@ class DequantizingModule:
         return f"DequantizingModule({type(self.module).__name__})"
 
 
-def wrap(module: Any, dtype: Any, compute: str | None = None) -> Any:
-    """`module` wrapped (once) in a `DequantizingModule`; anything that is not a Flax module as it is."""
-    if isinstance(module, DequantizingModule) or not isinstance(module, nn.Module):
+def wrap(module: Any, dtype: Any, compute: str | None = None, **kwargs) -> Any:
+    """`module` wrapped in a `DequantizingModule` (a wrapped one is wrapped anew around its Flax module, with these
+    options); anything that is not a Flax module as it is. `kwargs`: `amax`, `observe`."""
+    if isinstance(module, DequantizingModule):
+        module = module.module
+    if not isinstance(module, nn.Module):
         return module
-    return DequantizingModule(module, dtype, compute)
+    return DequantizingModule(module, dtype, compute, **kwargs)
 
 
-def _wrap_fields(obj: Any, dtype: Any, compute: str | None = None) -> Any:
-    """A frozen dataclass (a family's denoiser) with its Flax-module fields wrapped."""
-    changes = {f.name: wrap(getattr(obj, f.name), dtype, compute) for f in dataclasses.fields(obj)}
-    changes = {k: v for k, v in changes.items() if v is not getattr(obj, k)}
-    return dataclasses.replace(obj, **changes) if changes else obj
+def install(pipe: Any, policy: params_lib.QuantPolicy, observe: Callable[[str, str, Any], None] | None = None):
+    """Wrap the modules of `policy.components` in `pipe` (its attributes `pipe.unet`, `pipe.text_encoder`, ...,
+    the denoiser's module fields, named as the components) for `policy`: its compute mode, and the static input
+    ranges of its calibration. `observe(component, path, amax)`: the calibration pass's recorder instead. The
+    generator's models are rebuilt (the conditioning too when a text encoder is wrapped) and its cache cleared."""
+    dtype = pipe.dtype
+
+    def options(component: str) -> dict:
+        if observe is not None:
+            return {"observe": functools.partial(observe, component)}
+        if policy.calibration is not None:
+            return {"amax": policy.calibration.amax_for(component)}
+        return {}
+
+    for name in policy.components:
+        if isinstance(getattr(pipe, name, None), (nn.Module, DequantizingModule)):
+            setattr(pipe, name, wrap(getattr(pipe, name), dtype, policy.compute, **options(name)))
+    denoiser = pipe.denoiser
+    changes = {}
+    for f in dataclasses.fields(denoiser):
+        value = getattr(denoiser, f.name)
+        if isinstance(value, (nn.Module, DequantizingModule)):
+            mine = f.name in policy.components
+            changes[f.name] = wrap(value, dtype, policy.compute if mine else None, **(options(f.name) if mine else {}))
+    pipe.denoiser = dataclasses.replace(denoiser, **changes) if changes else denoiser
+    gen = pipe.generator
+    conditioning = gen.models.conditioning
+    if any(c in conditioning.components for c in policy.components):
+        conditioning = pipe._conditioning()
+    gen.models = dataclasses.replace(gen.models, denoiser=pipe.denoiser, conditioning=conditioning)
+    gen.cache.clear()
 
 
 def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantPolicy | None):
     """A loaded pipeline and its params -> `(pipe, params)` with kernels quantized and the modules that read them
     wrapped to dequantize inside the program. `quantize`: `"int8"` / `"fp8"` (the denoiser's kernels,
-    `QuantPolicy` defaults), a `QuantPolicy` (e.g. with the text encoders among its `components`, or another
-    `min_size`), or None (both returned unchanged). Kernels the loader already quantized while converting
-    (`sdjax.quant.loading`, `from_pretrained(quantize=)`) are kept as they are. The pipeline is changed in place:
-    its params, its denoiser, its module attributes (`pipe.unet`, `pipe.text_encoder`, ...) and, when a text
-    encoder is quantized, its conditioning (rebuilt by the family's `_conditioning()` from the wrapped encoders)."""
+    `QuantPolicy` defaults), a `QuantPolicy` (e.g. with the text encoders among its `components`, another
+    `min_size`, a `compute` mode and its `calibration`), or None (both returned unchanged). Kernels the loader
+    already quantized while converting (`sdjax.quant.loading`, `from_pretrained(quantize=)`) are kept as they are.
+    A calibration is checked against the quantized params (`Calibration.check`: another model's file is refused,
+    naming the file and the first layer that differs). The pipeline is changed in place: its params, its denoiser,
+    its module attributes (`pipe.unet`, `pipe.text_encoder`, ...) and, when a text encoder is quantized, its
+    conditioning (rebuilt by the family's `_conditioning()` from the wrapped encoders)."""
     policy = params_lib.resolve_policy(quantize, pipe.denoiser.component)
     if policy is None:
         return pipe, params
@@ -94,17 +143,9 @@ def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantP
     if unknown:
         raise ValueError(f"QuantPolicy.components names {unknown}, which this model's params lack ({sorted(params)})")
     params = params_lib.quantize_params(params, policy)
-    dtype = pipe.dtype
-    for name in policy.components:  # the pipeline's own attributes (pipe.unet, pipe.text_encoder, ...)
-        if isinstance(getattr(pipe, name, None), nn.Module):
-            setattr(pipe, name, wrap(getattr(pipe, name), dtype, policy.compute))
-    pipe.denoiser = _wrap_fields(pipe.denoiser, dtype, policy.compute)
-    gen = pipe.generator
-    conditioning = gen.models.conditioning
-    if any(c in conditioning.components for c in policy.components):
-        conditioning = pipe._conditioning()
-    gen.models = dataclasses.replace(gen.models, denoiser=pipe.denoiser, conditioning=conditioning)
-    gen.cache.clear()
+    if policy.calibration is not None:
+        policy.calibration.check(params, policy)
+    install(pipe, policy)
     pipe.params = params
     pipe.quantization = policy
     return pipe, params

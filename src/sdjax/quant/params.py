@@ -27,7 +27,7 @@ SCALE = KERNEL + SCALE_SUFFIX
 # guidance projection; the memory they would save is negligible and the first and last layers are the most
 # sensitive ones.
 DEFAULT_MIN_SIZE = 16_384
-COMPUTE_MODES = ("fp8",)  # QuantPolicy.compute besides None (weight-only)
+COMPUTE_MODES = ("int8", "fp8")  # QuantPolicy.compute besides None (weight-only); each needs its own scheme
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +41,12 @@ class QuantPolicy:
     components: tuple[str, ...] = ("unet", "transformer")
     min_size: int = DEFAULT_MIN_SIZE
     exclude: tuple[str, ...] = ()
-    # None: weight-only (kernels dequantized to the compute dtype in the program); "fp8": Dense layers multiply
-    # fp8 x fp8 with inputs quantized per call (`sdjax.quant.compute`; needs scheme "fp8")
+    # None: weight-only (kernels dequantized to the compute dtype in the program); "int8" / "fp8": Dense layers
+    # multiply 8-bit x 8-bit, their inputs quantized per call (`sdjax.quant.compute`; needs the same scheme)
     compute: str | None = None
+    # static input ranges of the compute layers (`sdjax.quant.calibration.Calibration`, or the path of its file);
+    # None: each call's own max|x|. Needs `compute`; checked against the model by `quantize_pipeline`.
+    calibration: Any = None
 
     def __post_init__(self):
         scheme_lib.check_scheme(self.scheme, "QuantPolicy.scheme")
@@ -51,8 +54,25 @@ class QuantPolicy:
             raise ValueError(
                 f"QuantPolicy.compute={self.compute!r}: expected None (weight-only) or one of {COMPUTE_MODES}"
             )
-        if self.compute == "fp8" and self.scheme != "fp8":
-            raise ValueError(f"QuantPolicy.compute='fp8' needs scheme='fp8' kernels, got scheme={self.scheme!r}")
+        if self.compute is not None and self.scheme != self.compute:
+            raise ValueError(
+                f"QuantPolicy.compute={self.compute!r} needs scheme={self.compute!r} kernels, got "
+                f"scheme={self.scheme!r}"
+            )
+        if self.calibration is not None:
+            from sdjax.quant.calibration import as_calibration
+
+            calibration = as_calibration(self.calibration)
+            if self.compute is None:
+                raise ValueError(
+                    "QuantPolicy.calibration needs compute='int8' or 'fp8' (weight-only layers take no input scales)"
+                )
+            if calibration.compute != self.compute:
+                raise ValueError(
+                    f"QuantPolicy.calibration: {calibration.name} was recorded for compute={calibration.compute!r}, "
+                    f"this policy has compute={self.compute!r}"
+                )
+            object.__setattr__(self, "calibration", calibration)
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"QuantPolicy.components={self.components!r} must be a tuple of params component names")
 

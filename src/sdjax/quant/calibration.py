@@ -1,0 +1,243 @@
+"""Static input ranges for quantized compute (`QuantPolicy(compute=..., calibration=...)`): a calibration pass over
+a few prompts records, for every Dense layer that multiplies 8-bit x 8-bit, the largest `max|x|` of its input; the
+program then scales that layer's input by this constant instead of reducing over each call's activation.
+
+```python
+policy = QuantPolicy("int8", components=("unet",), compute="int8")
+pipe, params = sdjax.load_pipeline(folder, quantize=policy)
+calibration = sdjax.quant.calibrate(pipe, ["a photo of a cat", "a watercolor landscape"], steps=8)
+calibration.save(f"{folder}/{sdjax.quant.CALIBRATION_FILE}")          # next to the weights
+policy = dataclasses.replace(policy, calibration=f"{folder}/{sdjax.quant.CALIBRATION_FILE}")  # or the object
+pipe, params = sdjax.load_pipeline(folder, quantize=policy)
+```
+
+The pass (`calibrate`) runs the pipeline's own `generate` with each compute layer's `QuantizedDense` interceptor
+reporting its input's `max|x|` to the host (`jax.debug.callback`, every call of every step, both halves of the
+classifier-free-guidance batch) under dynamic scales; the range kept is the maximum over all of them.
+
+The file (JSON) carries the model's fingerprint: for each compute layer (`component/.../kernel`, the params path)
+its kernel's shape and the SHA-256 of its quantized values and per-channel scales. `Calibration.check` (called by
+`quantize_pipeline`) compares it with the loaded model and refuses a calibration recorded for another model,
+naming the file and the first layer (in path order) that is missing, extra, shaped differently or holds other
+weights. A layer never called during the pass is stored with `amax: null` and keeps per-call scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sdjax.quant import compute as compute_lib
+from sdjax.quant import params as params_lib
+
+FORMAT = "sdjax.quant.calibration"
+VERSION = 1
+CALIBRATION_FILE = "quant_calibration.json"  # the name the docs use next to a model's weights
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+    """One compute layer of the calibrated model: its kernel's shape, the SHA-256 of its quantized kernel and
+    scale bytes (the fingerprint), and the largest input `max|x|` seen (None: not called during calibration)."""
+
+    shape: tuple[int, ...]
+    sha256: str
+    amax: float | None
+
+
+def _layer_hash(q: Any, scale: Any) -> str:
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(np.asarray(q)).tobytes())
+    h.update(np.ascontiguousarray(np.asarray(scale, np.float32)).tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(params: Mapping[str, Any], policy: params_lib.QuantPolicy) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`component/.../kernel -> (shape, sha256)` of every kernel `policy.compute` multiplies quantized, in the
+    policy's components of `params` (a pipeline's params, already quantized; abstract params give no hash)."""
+    out = {}
+    for component in policy.components:
+        kernels = compute_lib.compute_kernels(params.get(component, {}), policy.compute, component)
+        for path, (q, scale) in kernels.items():
+            abstract = isinstance(q, jax.ShapeDtypeStruct)  # AOT compiles: shapes only, nothing to hash
+            out[path] = (tuple(int(d) for d in q.shape), None if abstract else _layer_hash(q, scale))
+    return dict(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Calibration:
+    """Static input ranges of a model's compute layers (`layers`: params path -> `LayerRecord`), recorded with
+    `compute` ("int8" / "fp8") by `calibrate` on `prompts` with `steps` sampling steps. `source`: the file it was
+    read from (errors name it)."""
+
+    compute: str
+    layers: Mapping[str, LayerRecord]
+    prompts: tuple[str, ...] = ()
+    steps: int = 0
+    source: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"calibration file {self.source}" if self.source else "the calibration"
+
+    def amax_for(self, component: str) -> dict[str, float]:
+        """`module path inside component -> amax` (the form `QuantizedDense` looks layers up by) of the recorded
+        layers of `component`."""
+        prefix, suffix = component + "/", "/" + params_lib.KERNEL
+        return {
+            path[len(prefix) : -len(suffix)]: rec.amax
+            for path, rec in self.layers.items()
+            if path.startswith(prefix) and path.endswith(suffix) and rec.amax is not None
+        }
+
+    def check(self, params: Mapping[str, Any], policy: params_lib.QuantPolicy) -> None:
+        """Raise a ValueError naming the file and the first differing layer unless this calibration was recorded
+        for this model: the same compute layers (paths and kernel shapes) holding the same quantized weights
+        (abstract params, as `sdjax compile` builds them, are checked by paths and shapes only)."""
+        if policy.compute != self.compute:
+            raise ValueError(f"{self.name} is for compute={self.compute!r}, the policy has {policy.compute!r}")
+        model = fingerprint(params, policy)
+        for path in sorted(set(model) | set(self.layers)):
+            if path not in self.layers:
+                raise ValueError(
+                    f"{self.name} was recorded for another model: it has no layer {path} (kernel {model[path][0]}), "
+                    f"which this model multiplies in {self.compute}"
+                )
+            rec = self.layers[path]
+            if path not in model:
+                raise ValueError(
+                    f"{self.name} was recorded for another model: its layer {path} (kernel {rec.shape}) is not a "
+                    f"{self.compute} compute layer of this model"
+                )
+            shape, digest = model[path]
+            if shape != rec.shape:
+                raise ValueError(
+                    f"{self.name} was recorded for another model: layer {path} has kernel shape {rec.shape} "
+                    f"there and {shape} here"
+                )
+            if digest is not None and digest != rec.sha256:
+                raise ValueError(
+                    f"{self.name} was recorded for other weights: layer {path} (kernel {shape}) holds different "
+                    "values (another checkpoint of the same architecture, or LoRAs fused before calibrating)"
+                )
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "compute": self.compute,
+            "prompts": list(self.prompts),
+            "steps": self.steps,
+            "layers": {
+                path: {"shape": list(rec.shape), "sha256": rec.sha256, "amax": rec.amax}
+                for path, rec in self.layers.items()
+            },
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the calibration as JSON (`CALIBRATION_FILE` next to the model's weights is the convention)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Calibration:
+        """Read a file written by `save`; a missing file, a file that is not a calibration, or one with a missing or
+        malformed field raises an error naming the file."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"calibration file {path} does not exist")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"calibration file {path} is not JSON: {e}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"calibration file {path} is not an sdjax calibration (its 'format' is not {FORMAT!r})")
+        if raw.get("version") != VERSION:
+            raise ValueError(f"calibration file {path}: version {raw.get('version')!r}, this sdjax reads {VERSION}")
+        try:
+            compute = raw["compute"]
+            if compute not in compute_lib.MODES:
+                raise ValueError(f"'compute' is {compute!r}, expected one of {sorted(compute_lib.MODES)}")
+            layers = {}
+            for name, rec in raw["layers"].items():
+                amax = rec["amax"]
+                if amax is not None and not (isinstance(amax, (int, float)) and np.isfinite(amax) and amax >= 0):
+                    raise ValueError(f"layer {name}: 'amax' is {amax!r}, expected a finite number >= 0 or null")
+                layers[name] = LayerRecord(tuple(int(d) for d in rec["shape"]), str(rec["sha256"]), amax)
+            return cls(compute, layers, tuple(raw.get("prompts", ())), int(raw.get("steps", 0)), source=path)
+        except KeyError as e:
+            raise ValueError(f"calibration file {path} lacks the field {e.args[0]!r}") from None
+        except (TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"calibration file {path}: {e}") from None
+
+
+def as_calibration(value: Any) -> Calibration:
+    """`QuantPolicy.calibration` as a `Calibration`: one as it is, a path read with `Calibration.load`."""
+    if isinstance(value, Calibration):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return Calibration.load(value)
+    raise TypeError(f"QuantPolicy.calibration={value!r}: expected a sdjax.quant.Calibration or the path of its file")
+
+
+def calibrate(pipe: Any, prompts: str | Sequence[str], steps: int = 8, **generate_kwargs) -> Calibration:
+    """Record the input ranges of `pipe`'s compute layers over `prompts` (one `pipe.generate` call, a batch of
+    `len(prompts)` images, `steps` sampling steps; `generate_kwargs` pass through, e.g. `seed`, `height`).
+    `pipe` must be quantized with a compute mode (`quantize=QuantPolicy(..., compute="int8" | "fp8")`); its
+    modules are put back as they were afterwards (and its compiled programs dropped). Returns the `Calibration`;
+    `save` it next to the weights, or use it at once with `use_calibration`."""
+    policy = getattr(pipe, "quantization", None)
+    if policy is None or policy.compute is None:
+        raise ValueError(
+            "calibrate(pipe): the pipeline has no quantized compute; load it with "
+            "quantize=sdjax.quant.QuantPolicy('int8', compute='int8') (or 'fp8')"
+        )
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"calibrate(prompts={prompts!r}): expected one or more prompt strings")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"calibrate(steps={steps!r}): expected a positive number of sampling steps")
+    from sdjax.quant.modules import install
+
+    seen: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def observe(component: str, path: str, amax: Any) -> None:
+        key = f"{component}/{path}/{params_lib.KERNEL}"
+        with lock:
+            seen[key] = max(seen.get(key, 0.0), float(amax))
+
+    install(pipe, dataclasses.replace(policy, calibration=None), observe=observe)
+    try:
+        generate_kwargs.setdefault("output_type", "np")
+        pipe.generate(prompts, steps=steps, **generate_kwargs)
+        jax.effects_barrier()
+    finally:
+        install(pipe, policy)
+    layers = {
+        path: LayerRecord(shape, digest, seen.get(path))
+        for path, (shape, digest) in fingerprint(pipe.params, policy).items()
+    }
+    return Calibration(policy.compute, layers, tuple(prompts), steps)
+
+
+def use_calibration(pipe: Any, calibration: Calibration | str | os.PathLike) -> Any:
+    """`pipe` (quantized with a compute mode) running on the static input ranges of `calibration` (a
+    `Calibration` or its file), checked against the model first. Returns the pipeline (changed in place)."""
+    from sdjax.quant.modules import quantize_pipeline
+
+    policy = getattr(pipe, "quantization", None)
+    if policy is None or policy.compute is None:
+        raise ValueError("use_calibration(pipe): the pipeline has no quantized compute (QuantPolicy.compute)")
+    quantize_pipeline(pipe, pipe.params, dataclasses.replace(policy, calibration=calibration))
+    return pipe
