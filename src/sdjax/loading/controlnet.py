@@ -2,7 +2,7 @@
 pipeline repo) through the same loader as a pipeline's models: the guides' `FlaxControlNetModel.from_pretrained`.
 
 The `_class_name` of its `config.json` picks the model: `ControlNetModel` (SD 1.x/2.x, SDXL; the default) or
-`SD3ControlNetModel` (SD 3 / 3.5, `models.sd3_controlnet`)."""
+`SD3ControlNetModel` (SD 3 / 3.5, `models.sd3_controlnet`). Single files: `controlnet_file`."""
 
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ def load_controlnet(
     shards, old Flax msgpack) -> `(module, params)`, params cast to `dtype`. `from_pt` is accepted for the old
     guides and has no effect (PyTorch weights are always converted); `subfolder` reads a component folder of a
     pipeline repo (e.g. "controlnet"). The module is a `ControlNetModel` or, for an `SD3ControlNetModel` config, a
-    `models.sd3_controlnet.SD3ControlNetModel`. A FILE (`control_v11p_sd15_canny.safetensors`, original or
-    diffusers layout; SD 1.x/2.x and SDXL nets only) is read by `controlnet_file.load_controlnet_file` (`config`,
-    `allow_pickle` apply there)."""
+    `models.sd3_controlnet.SD3ControlNetModel`. A FILE is read by `controlnet_file.load_controlnet_file` (`config`,
+    `allow_pickle` apply there): SD 1.x/2.x and SDXL nets in the original or diffusers layout
+    (`control_v11p_sd15_canny.safetensors`), SD 3.5 nets as Stability AI released them
+    (`sd3.5_large_controlnet_canny.safetensors`, `sd3_controlnet_file`)."""
     del from_pt
     if Path(os.fspath(path_or_repo_id)).expanduser().is_file():
         from sdjax.loading.controlnet_file import load_controlnet_file

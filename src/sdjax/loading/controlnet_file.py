@@ -10,6 +10,12 @@
   diffusers `config.json`, its folder, or a dict) replaces the inference, e.g. for shuffle nets
   (`global_pool_conditions`) or an SD 2.1 768 net's `upcast_attention`, which no shape tells.
 - Diffusers layout in one file (`controlnet_cond_embedding.*`, `down_blocks.*`): needs `config`.
+- Stable Diffusion 3.5 ControlNets as Stability AI released them (`sd3.5_large_controlnet_canny.safetensors`,
+  `_depth`, `_blur`: `transformer_blocks.N.attn.qkv.*`, `controlnet_blocks.N.*`, `pos_embed_input.*`): an
+  `SD3ControlNetModel` with the config inferred from the shapes (`sd3_controlnet_file`); a `config` replaces it.
+- An SD 3 ControlNet in the diffusers layout in one file (`transformer_blocks.N.attn.to_q.*`,
+  `pos_embed_input.*`): needs `config` (its `config.json`: no tensor tells e.g. `force_zeros_for_pooled_projection`).
+A file of another kind (a Flux ControlNet, a whole model, a LoRA) fails naming the file and what it looks like.
 
 `.safetensors` only, unless `allow_pickle` (the restricted unpickler of `single_file.open_checkpoint`).
 """
@@ -27,6 +33,8 @@ import jax.numpy as jnp
 from sdjax.config import read_json
 from sdjax.loading import components as comp
 from sdjax.loading import ldm_keys
+from sdjax.loading import sd3_controlnet_file as sai
+from sdjax.loading.controlnet import SD3_CONTROLNET
 from sdjax.loading.ldm_checkpoint import (
     Checkpoint,
     UnknownArchitectureError,
@@ -83,6 +91,11 @@ def infer_config(shapes: Mapping[str, tuple[int, ...]], *, source: str = "checkp
     proj = next(k for k in shapes if k.endswith(".proj_in.weight"))
     linear = len(shape(proj)) == 2
     sd1 = cross == 768 and not linear
+    if not sd1 and any(c % 64 for c in channels):
+        raise UnknownArchitectureError(
+            f"{source}: block widths {channels} are not whole numbers of 64-channel heads (SD 2.x / SDXL nets' "
+            "heads; the file does not store their count): pass config= (the net's config.json)"
+        )
     config: dict[str, Any] = {
         "_class_name": "ControlNetModel",
         "conditioning_channels": shape("input_hint_block.0.weight")[1],
@@ -133,6 +146,8 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, di
             raw, source = _config_dict(config)
         cfg = comp.model_config(comp.CONTROLNET, raw, source=source)
         return load_component(ckpt, "controlnet", comp.CONTROLNET, cfg, "controlnet", prefix, dtype=dtype)
+    if sai.is_sai_layout(keys):
+        return _sd3_sai(ckpt, dtype, config)
     if _has_prefix(keys, "controlnet_cond_embedding."):
         if config is None:
             raise ValueError(
@@ -140,11 +155,79 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, di
                 "folder): its architecture is not inferred from diffusers key names"
             )
         raw, source = _config_dict(config)
+        _check_class(raw, "ControlNetModel", source, where)
         cfg = comp.model_config(comp.CONTROLNET, raw, source=source)
         return comp.model_from_state_dict(
             comp.CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})"
         )
+    if "pos_embed_input.proj.weight" in ckpt and _has_prefix(keys, "controlnet_blocks."):
+        if config is None:
+            raise ValueError(
+                f"{where}: an SD 3 ControlNet in the diffusers layout in one file needs config= (its config.json or "
+                "folder; e.g. force_zeros_for_pooled_projection is in no tensor), or keep it as a diffusers folder "
+                "with its config.json"
+            )
+        raw, source = _config_dict(config)
+        _check_class(raw, "SD3ControlNetModel", source, where)
+        cfg = comp.model_config(SD3_CONTROLNET, raw, source=source)
+        return comp.model_from_state_dict(
+            SD3_CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})"
+        )
     raise UnknownArchitectureError(
-        f"{where}: not a ControlNet (no input_hint_block.* or controlnet_cond_embedding.* keys, with or without "
-        f"{ldm_keys.CONTROLNET_PREFIX}); key families found: {key_families(keys)}"
+        f"{where}: not a ControlNet sdjax loads (SD 1.x/2.x and SDXL: input_hint_block.* with or without "
+        f"{ldm_keys.CONTROLNET_PREFIX}, or controlnet_cond_embedding.*; SD 3 / 3.5: transformer_blocks.* with "
+        f"controlnet_blocks.* and pos_embed_input.*); it looks like {_looks_like(keys)}"
+    )
+
+
+# (a key that starts so, what a file holding it is), first match wins: for the error naming what a file is.
+_LOOKS_LIKE = (
+    ("controlnet_x_embedder.", "a Flux.1 ControlNet (InstantX / diffusers FluxControlNetModel layout)"),
+    ("controlnet_single_blocks.", "a Flux.1 ControlNet (diffusers FluxControlNetModel layout)"),
+    ("double_blocks.", "a Flux.1 model or XLabs Flux ControlNet (Black Forest Labs layout)"),
+    ("single_transformer_blocks.", "a Flux.1 transformer (diffusers layout)"),
+    ("model.diffusion_model.joint_blocks.", "a Stable Diffusion 3 / 3.5 model (its MMDiT), not a ControlNet"),
+    ("joint_blocks.", "a Stable Diffusion 3 / 3.5 MMDiT, not a ControlNet"),
+    ("model.diffusion_model.input_blocks.", "a Stable Diffusion 1.x/2.x/XL model checkpoint, not a ControlNet"),
+    ("lora_unet_", "a LoRA (kohya layout)"),
+    ("lora_te", "a LoRA (kohya layout)"),
+    ("adapter.", "a T2I-Adapter"),
+)
+
+
+def _looks_like(keys: list[str]) -> str:
+    for marker, what in _LOOKS_LIKE:
+        if any(k.startswith(marker) for k in keys):
+            return f"{what}; key families: {key_families(keys)}"
+    if any(".lora_A." in k or ".lora_down." in k for k in keys):
+        return f"a LoRA; key families: {key_families(keys)}"
+    return f"nothing sdjax knows; key families: {key_families(keys)}"
+
+
+def _check_class(raw: Mapping[str, Any], want: str, source: str, where: str) -> None:
+    """Refuse a config.json written for another model class than the file holds."""
+    name = str(raw.get("_class_name") or want).removeprefix("Flax")
+    if name != want:
+        raise ValueError(f"{source}: config for a {name}, but {where} holds {want} weights")
+
+
+def _sd3_sai(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, dict]:
+    """A Stability AI SD 3.5 ControlNet file -> `(SD3ControlNetModel, params)` (`sd3_controlnet_file`)."""
+    where = str(ckpt.path)
+    component = f"controlnet ({where}, Stability AI SD 3.5 layout)"
+    shapes = ckpt.shapes()
+    if config is None:
+        raw, source = sai.infer_config(shapes, component=component), f"{where} (inferred)"
+    else:
+        raw, source = _config_dict(config)
+        _check_class(raw, "SD3ControlNetModel", source, where)
+    cfg = comp.model_config(SD3_CONTROLNET, raw, source=source)
+    if cfg.joint or cfg.use_pos_embed:
+        raise ValueError(
+            f"{source}: joint_attention_dim must be null and use_pos_embed false for {where} (Stability's layout "
+            f"holds nets of single blocks without text that run the transformer's patch embedding)"
+        )
+    sai.check_keys(shapes, cfg, component=component)
+    return comp.model_from_state_dict(
+        SD3_CONTROLNET, cfg, sai.diffusers_state_dict(ckpt), dtype=dtype, component=component
     )
