@@ -210,6 +210,9 @@ class ImageParameters:
         return format_parameters(self, self.extra_fields())
 
 
+_NET_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")  # a net given as one weights file
+
+
 @dataclasses.dataclass(frozen=True)
 class ControlUnit:
     """One ControlNet of a request: the net (folder, Hub id or name), the preprocessor that made `image` (the
@@ -225,9 +228,16 @@ class ControlUnit:
 
     def infotext(self) -> str:
         return (
-            f"Module: {self.module}, Model: {Path(self.model).name or self.model}, Weight: {number(self.weight)}, "
+            f"Module: {self.module}, Model: {self.model_name}, Weight: {number(self.weight)}, "
             f"Guidance Start: {number(self.guidance_start)}, Guidance End: {number(self.guidance_end)}"
         )
+
+    @property
+    def model_name(self) -> str:
+        """The net's name as a server lists it (and sd-webui-controlnet writes it): a folder's name, a weights
+        file's stem (`sd35_canny.safetensors` -> `sd35_canny`), so a pasted infotext names a served net."""
+        path = Path(self.model)
+        return (path.stem if path.suffix.lower() in _NET_FILE_SUFFIXES else path.name) or self.model
 
 
 @dataclasses.dataclass(frozen=True)

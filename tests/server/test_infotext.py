@@ -80,3 +80,25 @@ def test_server_pngs_carry_escaped_infotext():
         params = metadata.parameters_from_text(text)
         check_structure(text, params)
         assert (params.seed, params.steps) == (11, 3)
+
+
+@pytest.mark.parametrize(
+    "model, name",
+    [
+        ("/nets/sd35_canny.safetensors", "sd35_canny"),  # a file: its stem, as the server lists it
+        ("/nets/control_v11p_sd15_canny.pth", "control_v11p_sd15_canny"),
+        ("/nets/tiny_canny", "tiny_canny"),  # a diffusers folder: its name
+        ("/nets/canny.v1.1", "canny.v1.1"),  # a folder with dots keeps them
+        ("lllyasviel/sd-controlnet-canny", "sd-controlnet-canny"),
+    ],
+)
+def test_controlnet_unit_names_the_net_as_served(tmp_path, model, name):
+    """A ControlNet file's unit wrote `Model: sd35_canny.safetensors`, a name no server lists (files are served by
+    their stem), so pasting the infotext back failed with "unknown ControlNet"."""
+    from sdjax.server.controlnet import list_controlnets
+
+    unit = metadata.ControlUnit(model=model, module="canny")
+    assert f"Model: {name}," in unit.infotext()
+    if model.endswith(".safetensors"):
+        (tmp_path / Path(model).name).write_bytes(b"")
+        assert name in list_controlnets(str(tmp_path))
