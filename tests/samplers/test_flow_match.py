@@ -409,12 +409,15 @@ def test_a1111_names_on_a_flow_model():
     karras = a1111.from_a1111_flow("Euler Karras", None, dev)
     assert karras.use_karras_sigmas and isinstance(karras, samplers.FlowMatchEuler)
     assert a1111.from_a1111_flow("Euler", "Beta", dev).use_beta_sigmas
+    # Pairs no diffusers flow sampler expresses run in the k-diffusion form (tests/samplers/test_kdiffusion_reach.py).
+    for name, schedule in [("Euler a", "Automatic"), ("DPM++ 2M Karras", None), ("Euler", "SGM Uniform")]:
+        assert isinstance(a1111.from_a1111_flow(name, schedule, dev), samplers.KDiffusionSampler)
     with pytest.raises(a1111.UnsupportedSamplerError, match="flow-matching"):
-        a1111.from_a1111_flow("Euler a", "Automatic", dev)
+        a1111.from_a1111_flow("DPM2 a", "Automatic", dev)
     with pytest.raises(ConfigError, match="exclusive"):
-        a1111.from_a1111_flow("DPM++ 2M Karras", None, dev)
+        a1111.from_a1111_flow("UniPC Karras", None, dev)
     with pytest.raises(schedules.UnsupportedScheduleError):
-        a1111.from_a1111_flow("Euler", "SGM Uniform", dev)
+        a1111.from_a1111_flow("Euler", "DDIM", dev)
     # The A1111 names themselves still mean the SD samplers.
     assert isinstance(a1111.from_a1111("Euler", "Automatic", samplers.get_sampler(SD1)), samplers.Euler)
 

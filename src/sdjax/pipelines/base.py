@@ -132,12 +132,16 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         return sampler_lib.available()
 
     def _sampler(self, name) -> Any:
-        """The sampler for a name (from the model's scheduler config), a sampler object, or None (the current
-        `self.scheduler`)."""
+        """The sampler for a name (from the model's scheduler config), a sampler object (a diffusers-parity `Sampler`
+        or a k-diffusion-form `KDiffusionSampler`), or None (the current `self.scheduler`)."""
         if name is None:
             return self.scheduler
-        if isinstance(name, sampler_lib.Sampler):
+        if sampler_lib.is_sampler(name):
             return name
+        if not isinstance(name, str):
+            raise TypeError(
+                f"sampler must be a name, a sampler object (sdjax.samplers) or None, got {type(name).__name__}"
+            )
         return _cached_sampler(self.scheduler, name)
 
     def validate(

@@ -19,6 +19,10 @@ names map to) and `FLOW_SAMPLERS` for flow models (`available(flow=True)`). A fl
 model's config (`get_sampler("flow_dpmpp_2m", flux_config)`) takes the model's `shift` as `flow_shift` (diffusers'
 users pass it by hand); flow samplers refuse a variance-preserving model's config (its beta schedule or prediction
 type would be dropped, and the model sampled as a flow model).
+
+Beside them, the k-diffusion form (`sdjax.samplers.kdiffusion`): a `KDiffusionSampler` is used wherever a Sampler is
+(`is_sampler`), `name_of` names it "kdiffusion:RULE:SCHEDULE" and `get_sampler` builds that name back on a model's
+config ("kdiffusion:euler_ancestral:karras").
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ __all__ = [
     "DPMSolverSinglestepState",
     "Heun",
     "HeunState",
+    "KDiffusionSampler",
     "KDPM2",
     "KDPM2Ancestral",
     "KDPM2State",
@@ -86,6 +91,7 @@ __all__ = [
     "UnknownSamplerError",
     "available",
     "get_sampler",
+    "is_sampler",
     "kdiffusion_sampler",
     "name_of",
     "SAMPLERS",
@@ -275,11 +281,16 @@ def _resolve(name: str) -> tuple[type[Sampler], dict[str, Any]]:
     return cls, fixed
 
 
+def is_sampler(obj: Any) -> bool:
+    """A sampler object the loop runs: a diffusers-parity `Sampler` or a k-diffusion-form `KDiffusionSampler`."""
+    return isinstance(obj, (Sampler, KDiffusionSampler))
+
+
 def _base_dict(base_config: Any) -> dict[str, Any]:
     if base_config is None:
         return {}
-    if isinstance(base_config, Sampler):
-        return base_config.config
+    if is_sampler(base_config):  # a KDiffusionSampler's `config` is the model's scheduler keys it knows
+        return dict(base_config.config)
     if isinstance(base_config, dict):
         return dict(base_config)
     raise TypeError(f"base_config must be a Sampler, a scheduler config dict or None, got {type(base_config).__name__}")
@@ -295,12 +306,12 @@ def _swap_config(base: dict[str, Any]) -> dict[str, Any]:
 
 
 def get_sampler(
-    name_or_config: str | dict[str, Any] | Sampler,
+    name_or_config: str | dict[str, Any] | Sampler | KDiffusionSampler,
     base_config: dict[str, Any] | Sampler | None = None,
     *,
     schedule: str | None = None,
     **overrides,
-) -> Sampler:
+) -> Sampler | KDiffusionSampler:
     """Build a sampler.
 
     - `name_or_config` a name: the registry name (`available()`), an AUTOMATIC1111 name ("DPM++ 2M Karras") or
@@ -312,7 +323,10 @@ def get_sampler(
       semantics (its "Automatic" schedule per sampler, its UniPC defaults).
     - a `scheduler_config.json` dict: built by its `_class_name` (`base_config` is then not used: the config
       is the whole scheduler, as diffusers' `from_pretrained(..., scheduler=obj)`).
-    - a Sampler: used as given (`base_config` likewise unused), or rebuilt with a schedule or `overrides`.
+    - a Sampler: used as given (`base_config` likewise unused), or rebuilt with a schedule or `overrides`; a
+      `KDiffusionSampler` only as given.
+    - a k-diffusion-form name, "kdiffusion:RULE:SCHEDULE[:eta=X]" (what `name_of` gives for a `KDiffusionSampler`):
+      that sampler on `base_config`'s model (`kdiffusion.from_name`); `schedule` and `overrides` do not apply.
 
     `schedule` is an A1111 schedule name ("Karras", "Exponential", "SGM Uniform", ...; see
     `sdjax.samplers.schedules`), "Automatic" being A1111's choice for the named sampler. `overrides` are config
@@ -321,6 +335,15 @@ def get_sampler(
     Warns when LCM or TCD is swapped onto a model whose own scheduler is neither (a model not distilled for them).
     """
     registry = None
+    if isinstance(name_or_config, KDiffusionSampler) or _is_kdiffusion_name(name_or_config):
+        if overrides or schedule is not None:
+            raise ConfigError(
+                f"get_sampler: the k-diffusion form {_name_of_any(name_or_config)!r} takes no schedule or config "
+                "overrides here; build it with samplers.kdiffusion_sampler(rule, schedule, ..., eta=)"
+            )
+        if isinstance(name_or_config, KDiffusionSampler):
+            return name_or_config
+        return kdiffusion.from_name(name_or_config, base_config)
     if isinstance(name_or_config, Sampler):  # used as given (diffusers' from_pretrained(scheduler=object))
         if not overrides and schedule is None:
             return name_or_config
@@ -378,7 +401,7 @@ _DISTILLED = {"LCMScheduler", "TCDScheduler"}
 def _warn_if_not_distilled(cls: type[Sampler], base_config: Any) -> None:
     if cls.diffusers_class not in _DISTILLED or base_config is None:
         return
-    base = base_config.diffusers_class if isinstance(base_config, Sampler) else dict(base_config).get("_class_name")
+    base = _base_dict(base_config).get("_class_name")
     if base not in _DISTILLED:
         warnings.warn(
             f"{cls.diffusers_class} expects a model distilled for it (an LCM/TCD checkpoint or LoRA); this model's "
@@ -396,17 +419,27 @@ def _is_flow(sampler: Sampler) -> bool:
     return isinstance(sampler, (FlowMatchEuler, FlowMatchHeun)) or bool(getattr(sampler, "use_flow_sigmas", False))
 
 
-def name_of(sampler: Sampler) -> str:
+def _is_kdiffusion_name(name: Any) -> bool:
+    return isinstance(name, str) and name.strip().lower().startswith("kdiffusion:")
+
+
+def _name_of_any(sampler_or_name: Any) -> str:
+    return sampler_or_name if isinstance(sampler_or_name, str) else name_of(sampler_or_name)
+
+
+def name_of(sampler: Sampler | KDiffusionSampler) -> str:
     """The registry name that describes `sampler` (the first whose fixed keys it has: in `FLOW_SAMPLERS` for a flow
-    sampler), else its diffusers class name."""
+    sampler), else its diffusers class name; for a `KDiffusionSampler` its `name` ("kdiffusion:dpmpp_2m:karras")."""
+    if isinstance(sampler, KDiffusionSampler):
+        return sampler.name
     for name, (cls, fixed) in (FLOW_SAMPLERS if _is_flow(sampler) else SAMPLERS).items():
         if type(sampler) is cls and all(getattr(sampler, k) == v for k, v in fixed.items()):
             return name
     return sampler.diffusers_class
 
 
-# The A1111 layer sits on the registry above (it imports `SAMPLERS` and `get_sampler` lazily).
+# The A1111 layer sits on the registry above (it imports `SAMPLERS` and `get_sampler` lazily); the k-diffusion form
+# (one denoiser wrapper, sigma schedules, sigma-only step rules) beside it.
+from sdjax.samplers import kdiffusion  # noqa: E402
 from sdjax.samplers.a1111 import a1111_samplers, a1111_schedulers, from_a1111  # noqa: E402
-
-# The k-diffusion form (one denoiser wrapper, sigma schedules, sigma-only step rules), beside the registry above.
-from sdjax.samplers.kdiffusion import kdiffusion_sampler  # noqa: E402
+from sdjax.samplers.kdiffusion import KDiffusionSampler, kdiffusion_sampler  # noqa: E402

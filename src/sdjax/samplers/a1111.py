@@ -19,17 +19,25 @@ model as an epsilon model. `from_a1111_flow` is the flow families' mapping (Forg
 "Automatic", "Simple", "Normal" and "Uniform" keep the family's own sigma grid (Forge's "Simple" on Flux picks the
 shifted sigmas at t = 1 - i/n: FluxPipeline's grid, `sigma_grid="flux"`, though Forge fixes the shift where diffusers
 computes mu from the resolution); "Karras", "Exponential" and "Beta" are the FlowMatch classes' `use_*_sigmas` (refused
-for DPM-Solver++/UniPC with flow sigmas, as diffusers has no such combination); every other sampler is refused.
+for DPM-Solver++/UniPC with flow sigmas, as diffusers has no such combination). The pairs no diffusers flow sampler
+expresses but the k-diffusion form runs (`FLOW_KDIFFUSION`: "Euler a" as the rectified-flow ancestral sampler of
+ComfyUI and Forge, "DPM++ 2M SDE", "DPM++ 2M" with Karras / Exponential / Beta, "Euler" and "Heun" with SGM Uniform)
+are `samplers.kdiffusion.KDiffusionSampler`s on the model's shifted sigmas; the family grids stay the family's
+(FluxPipeline's or diffusers' for "Euler a"; "DPM++ 2M SDE" takes DPM-Solver's flow grid, the one "DPM++ 2M" runs
+on). Every other pair is refused, naming the sampler or the schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sdjax.config import ConfigError
 from sdjax.samplers import schedules
 from sdjax.samplers.common import Sampler
+
+if TYPE_CHECKING:
+    from sdjax.samplers.kdiffusion import KDiffusionSampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,28 +204,89 @@ FLOW_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
     "UniPC": ("flow_unipc", {"solver_type": "bh1", "solver_order": 3}),
 }
 FLOW_GRID_SCHEDULES = ("automatic", "simple", "normal", "uniform")
+_RANGE = ("karras", "exponential", "beta")
+# A1111 label -> (k-diffusion step rule, the schedules it takes) for the pairs on flow-matching models that no
+# diffusers flow sampler expresses; `from_a1111_flow` serves them with the k-diffusion form. Pairs `FLOW_NAMES`
+# serves are absent (they keep their diffusers-parity sampler); tests/samplers/test_kdiffusion_reach.py checks every
+# (sampler, schedule) pair against a written-out table.
+FLOW_KDIFFUSION: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Euler": ("euler", ("sgm_uniform",)),
+    "Heun": ("heun", ("sgm_uniform",)),
+    "Euler a": ("euler_ancestral", (*FLOW_GRID_SCHEDULES, *_RANGE, "sgm_uniform")),
+    "DPM++ 2M": ("dpmpp_2m", _RANGE),
+    "DPM++ 2M SDE": ("dpmpp_2m_sde", (*FLOW_GRID_SCHEDULES, *_RANGE, "sgm_uniform")),
+}
+
+
+def _flow_kdiffusion(rule: str, schedule: str, base_config: Any, overrides: dict[str, Any]) -> KDiffusionSampler:
+    """The k-diffusion form of a `FLOW_KDIFFUSION` pair: a family-grid schedule is the "flow" schedule (DPM-Solver's
+    grid and truncated timesteps for DPM++ 2M SDE, as diffusers' flow DPM-Solver++ that "DPM++ 2M" is; otherwise
+    FlowMatch's grid, which the Flux and SD 3 pipelines set to their own), any other the named sigma schedule on the
+    shifted table with the timestep sigma * T. `overrides` may hold `eta` only."""
+    from sdjax.samplers.kdiffusion import kdiffusion_sampler
+
+    extra = sorted(set(overrides) - {"eta"})
+    if extra:
+        raise ConfigError(f"the k-diffusion form of {rule!r} on a flow model takes only eta; got {extra}")
+    eta = float(overrides.get("eta", 1.0))
+    if schedule not in FLOW_GRID_SCHEDULES:
+        return kdiffusion_sampler(rule, schedule, "flow", base_config=base_config, eta=eta)
+    if rule == "dpmpp_2m_sde":
+        solver = {"grid": "solver", "timestep": "floor"}
+        return kdiffusion_sampler(rule, "flow", "flow", base_config=base_config, eta=eta, **solver)
+    return kdiffusion_sampler(rule, "flow", "flow", base_config=base_config, eta=eta)
 
 
 def from_a1111_flow(
     sampler_name: str, scheduler_name: str | None = "Automatic", base_config: Any = None, **overrides
-) -> Sampler:
+) -> Sampler | KDiffusionSampler:
     """The flow-matching sampler for an A1111/Forge (sampler, schedule) pair on a flow model (see the module
-    docstring), swapped in on `base_config` (the model's FlowMatch config or sampler). Raises
-    `UnsupportedSamplerError` for a sampler without a flow equivalent, `schedules.UnsupportedScheduleError` or
-    `ConfigError` for a schedule the sampler cannot express."""
+    docstring), swapped in on `base_config` (the model's FlowMatch config or sampler): a diffusers flow sampler
+    (`FLOW_NAMES`), or for the pairs of `FLOW_KDIFFUSION` a `KDiffusionSampler`. Raises `UnsupportedSamplerError`
+    for a sampler without a flow equivalent, `schedules.UnsupportedScheduleError` or `ConfigError` for a schedule
+    the sampler cannot express."""
     from sdjax.samplers import FLOW_SAMPLERS, get_sampler
 
-    sampler, label = split_name(sampler_name, scheduler_name)
+    sampler, label = split_name(_a1111_label(sampler_name), scheduler_name)
+    schedule = schedules.find_schedule(label)
+    rule, kd_schedules = FLOW_KDIFFUSION.get(sampler.name, (None, ()))
+    if schedule.name in kd_schedules:
+        return _flow_kdiffusion(rule, schedule.name, base_config, dict(overrides))
     if sampler.name not in FLOW_NAMES:
+        if rule is not None:
+            raise schedules.UnsupportedScheduleError(
+                f"A1111 sampler {sampler.name!r} on a flow model takes the schedules "
+                f"{[schedules.find_schedule(k).label for k in kd_schedules]}, not {schedule.label!r}"
+            )
         raise UnsupportedSamplerError(
-            f"A1111 sampler {sampler.name!r} has no flow-matching equivalent; on flow models: {list(FLOW_NAMES)}"
+            f"A1111 sampler {sampler.name!r} has no flow-matching equivalent; on flow models: {flow_names()}"
         )
     registry, keys = FLOW_NAMES[sampler.name]
-    schedule = schedules.find_schedule(label)
     if schedule.name not in FLOW_GRID_SCHEDULES:
         cls = FLOW_SAMPLERS[registry][0]
         keys = {**keys, **schedules.schedule_keys(cls, schedule.name, sampler_label=f"A1111 sampler {sampler.name!r}")}
     return get_sampler(registry, base_config, **{**keys, **overrides})
+
+
+def _a1111_label(name: Any) -> Any:
+    """The A1111 name of an sdjax registry name that stands for one ("dpmpp_2m_sde" -> "DPM++ 2M SDE",
+    "dpmpp_2m_karras" -> "DPM++ 2M Karras", "heun_karras" -> "Heun Karras": the form `infotext.sampler_id` gives
+    requests); other names unchanged."""
+    from sdjax.samplers import A1111_NAMES, ALIASES
+
+    for table in (A1111_NAMES, ALIASES):
+        for label, registry in table.items():
+            if registry == name and label != name:
+                return label
+    if isinstance(name, str) and name.endswith("_karras"):  # "heun_karras": a registry variant without an alias
+        stem = _a1111_label(name[: -len("_karras")])
+        return f"{stem} Karras" if stem != name[: -len("_karras")] else name
+    return name
+
+
+def flow_names() -> list[str]:
+    """The A1111 sampler names `from_a1111_flow` serves (with some schedule)."""
+    return list(dict.fromkeys([*FLOW_NAMES, *FLOW_KDIFFUSION]))
 
 
 def a1111_samplers() -> list[dict[str, Any]]:

@@ -213,17 +213,10 @@ class FluxPipeline(DiffusionPipeline):
         return samplers.available(flow=True)
 
     def _sampler(self, name) -> Any:
-        """A flow sampler: a registry name of `samplers.FLOW_SAMPLERS`, an A1111/Forge name ("Euler", "DPM++ 2M",
-        optionally with a schedule: "Euler Karras"), a sampler object, or None (the model's own)."""
-        if isinstance(name, str) and name not in samplers.FLOW_SAMPLERS and not name.endswith("Scheduler"):
-            try:
-                return flux_sampler(samplers.a1111.from_a1111_flow(name, "Automatic", self.scheduler))
-            except (samplers.a1111.UnsupportedSamplerError, ValueError) as e:
-                raise ValueError(
-                    f"sampler={name!r}: not a flow-matching sampler for a Flux model ({e}); "
-                    f"use one of {samplers.available(flow=True)} or an A1111 name such as 'Euler'"
-                ) from None
-        return flux_sampler(super()._sampler(name))
+        """A flow sampler: a registry name of `samplers.FLOW_SAMPLERS`, an A1111/Forge name ("Euler", "Euler a",
+        "DPM++ 2M SDE", optionally with a schedule: "Euler Karras"), a k-diffusion-form name or sampler object, or
+        None (the model's own)."""
+        return flux_sampler(flow_sampler_named(self, name, "a Flux model", super()._sampler))
 
     def generate(
         self,
@@ -284,9 +277,40 @@ class FluxPipeline(DiffusionPipeline):
 
 def flux_sampler(sampler: Any) -> Any:
     """A flow-matching sampler on FluxPipeline's sigma grid (`linspace(1, 1/n, n)`, then the model's shift)."""
-    if hasattr(sampler, "sigma_grid") and sampler.sigma_grid != "flux":
-        return dataclasses.replace(sampler, sigma_grid="flux")
+    return on_flow_grid(sampler, "flux")
+
+
+def on_flow_grid(sampler: Any, grid: str) -> Any:
+    """`sampler` on a family's FlowMatch sigma grid ("flux" or "scheduler"): a FlowMatch sampler's `sigma_grid`, or
+    a k-diffusion-form sampler's "flow" schedule on either FlowMatch grid (DPM-Solver's "solver" grid, and every
+    other schedule, stay as they are)."""
+    if hasattr(sampler, "sigma_grid") and sampler.sigma_grid != grid:
+        return dataclasses.replace(sampler, sigma_grid=grid)
+    if isinstance(sampler, samplers.KDiffusionSampler):
+        schedule = sampler.schedule
+        if schedule.name == "flow" and schedule.grid in ("scheduler", "flux") and schedule.grid != grid:
+            return dataclasses.replace(sampler, schedule=dataclasses.replace(schedule, grid=grid))
     return sampler
+
+
+def flow_sampler_named(pipe: Any, name: Any, model: str, resolve) -> Any:
+    """A flow family's sampler for `name`: an A1111/Forge name through `samplers.a1111.from_a1111_flow` on the
+    pipeline's scheduler (refused as a ValueError naming the sampler and `model`), anything else (a flow registry
+    name, a diffusers class name, a "kdiffusion:..." name, a sampler object, None) through `resolve`."""
+    if (
+        isinstance(name, str)
+        and name not in samplers.FLOW_SAMPLERS
+        and not name.endswith("Scheduler")
+        and not name.strip().lower().startswith("kdiffusion:")
+    ):
+        try:
+            return samplers.a1111.from_a1111_flow(name, "Automatic", pipe.scheduler)
+        except (samplers.a1111.UnsupportedSamplerError, ValueError) as e:
+            raise ValueError(
+                f"sampler={name!r}: not a flow-matching sampler for {model} ({e}); use one of "
+                f"{samplers.available(flow=True)} or an A1111 name such as 'Euler'"
+            ) from None
+    return resolve(name)
 
 
 def _per_image(texts: str | Sequence[str], prompts: int, num_images: int, name: str) -> list[str]:

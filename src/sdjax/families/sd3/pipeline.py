@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.families import FAMILIES
-from sdjax.families.flux.pipeline import T5_ENCODER, _load_t5_tokenizer
+from sdjax.families.flux.pipeline import T5_ENCODER, _load_t5_tokenizer, on_flow_grid
 from sdjax.families.sd3.conditioning import DEFAULT_SEQUENCE_LENGTH, SD3Conditioning, check_max_sequence_length
 from sdjax.families.sd3.denoiser import SD3Denoiser
 from sdjax.loading.components import ModelSpec, model_loader
@@ -324,9 +324,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
 
 def sd3_sampler(sampler: Any) -> Any:
     """A flow-matching sampler on diffusers' own sigma grid (what the SD 3 pipelines use)."""
-    if hasattr(sampler, "sigma_grid") and sampler.sigma_grid != "scheduler":
-        return dataclasses.replace(sampler, sigma_grid="scheduler")
-    return sampler
+    return on_flow_grid(sampler, "scheduler")
 
 
 def _timesteps(sampler: Any, steps: int, shape: tuple[int, ...]) -> np.ndarray:

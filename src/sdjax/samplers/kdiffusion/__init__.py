@@ -7,11 +7,13 @@ A flow model is then one prediction ("flow") and one schedule ("flow", or any ot
 rule runs it unchanged. This layer sits beside the diffusers-parity samplers of `sdjax.samplers`; it does not replace
 them. `kdiffusion_sampler(rule, schedule, prediction, base_config=...)` builds one, reading the model's noise
 schedule and flow shift from a diffusers scheduler config; `from_diffusers(config)` gives the k-diffusion form of a
-diffusers scheduler where one exists (the same numbers: tests/samplers/test_kdiffusion_form.py).
+diffusers scheduler where one exists (the same numbers: tests/samplers/test_kdiffusion_form.py). A sampler's `name`
+("kdiffusion:dpmpp_2m:karras") is what `samplers.name_of` reports; `from_name` builds one back from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sdjax.config import ConfigError
@@ -30,6 +32,7 @@ __all__ = [
     "Rule",
     "Schedule",
     "from_diffusers",
+    "from_name",
     "kdiffusion_sampler",
 ]
 
@@ -80,6 +83,32 @@ def _prediction(raw: dict[str, Any], kind: str | None, timestep: str | None) -> 
     if kind == "flow" and raw.get("num_train_timesteps") is not None:
         keys["num_train_timesteps"] = raw["num_train_timesteps"]
     return Prediction(kind=kind, timestep=timestep, **keys)
+
+
+def from_name(name: str, base_config: Any = None) -> KDiffusionSampler:
+    """The sampler a `KDiffusionSampler.name` describes ("kdiffusion:RULE:SCHEDULE[:eta=X]") for the model of
+    `base_config`. A KDiffusionSampler as the base keeps its prediction (timestep mode included) and its schedule's
+    options (flow shift, grid, rho), so `from_name(s.name, s) == s`; a diffusers config or sdjax Sampler goes through
+    `kdiffusion_sampler`. Raises `ConfigError` naming the malformed part."""
+    parts = name.strip().split(":") if isinstance(name, str) else []
+    if len(parts) not in (3, 4) or parts[0] != "kdiffusion":
+        raise ConfigError(f"k-diffusion sampler name {name!r}: expected 'kdiffusion:RULE:SCHEDULE' or '...:eta=X'")
+    _, rule, schedule = parts[:3]
+    eta = 1.0
+    if len(parts) == 4:
+        key, _, value = parts[3].partition("=")
+        try:
+            eta = float(value) if key == "eta" else None
+        except ValueError:
+            eta = None
+        if eta is None:
+            raise ConfigError(f"k-diffusion sampler name {name!r}: the fourth part must be 'eta=NUMBER'")
+    if isinstance(base_config, KDiffusionSampler):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"k-diffusion sampler name {name!r}: schedule {schedule!r} is not one of {SCHEDULES}")
+        kept = dataclasses.replace(base_config.schedule, name=schedule)
+        return KDiffusionSampler(rule=rule, schedule=kept, prediction=base_config.prediction, eta=eta)
+    return kdiffusion_sampler(rule, schedule, base_config=base_config, eta=eta)
 
 
 def _flow_keys(raw: dict[str, Any]) -> dict[str, Any]:

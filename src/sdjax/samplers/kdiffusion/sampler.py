@@ -65,6 +65,47 @@ class KDiffusionSampler:
     def num_train_timesteps(self) -> int:
         return self.prediction.num_train_timesteps
 
+    @property
+    def name(self) -> str:
+        """A stable description, `kdiffusion:RULE:SCHEDULE` plus `:eta=X` where a stochastic rule's eta is not 1
+        (what `samplers.name_of` and `pipe.default_sampler` give; `samplers.get_sampler` reads it back)."""
+        eta = f":eta={self.eta:g}" if self.step_rule.stochastic and self.eta != 1.0 else ""
+        return f"kdiffusion:{self.rule}:{self.schedule.name}{eta}"
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The model's scheduler config as far as this sampler knows it, in diffusers' keys: a variance-preserving
+        model's beta schedule and prediction type, a flow model's FlowMatch shift keys. What swapping to another
+        sampler starts from (`samplers.get_sampler(name, base_config=this)`), as a diffusers scheduler's `config`."""
+        p, s = self.prediction, self.schedule
+        if p.flow:
+            out: dict[str, Any] = {"_class_name": "FlowMatchEulerDiscreteScheduler"}
+            out.update(num_train_timesteps=p.num_train_timesteps, shift=s.shift)
+            if s.use_dynamic_shifting:
+                out.update(
+                    use_dynamic_shifting=True,
+                    base_shift=s.base_shift,
+                    max_shift=s.max_shift,
+                    base_image_seq_len=s.base_image_seq_len,
+                    max_image_seq_len=s.max_image_seq_len,
+                    time_shift_type=s.time_shift_type,
+                )
+            if s.shift_terminal:
+                out["shift_terminal"] = s.shift_terminal
+            return out
+        out = {
+            "num_train_timesteps": p.num_train_timesteps,
+            "beta_start": p.beta_start,
+            "beta_end": p.beta_end,
+            "beta_schedule": p.beta_schedule,
+            "prediction_type": p.kind,
+        }
+        if p.trained_betas is not None:
+            out["trained_betas"] = list(p.trained_betas)
+        if s.name == "spaced":
+            out.update(timestep_spacing=s.spacing, steps_offset=s.steps_offset)
+        return out
+
     # -------------------------------------------------------------------------------------------- tables
     def tables(self, num_inference_steps: int, shape=None) -> dict[str, np.ndarray]:
         n = int(num_inference_steps)
