@@ -78,7 +78,7 @@ def switch_fraction(sampler: Any, steps: int, step: int) -> float:
     if int(sampler.order) != 1 or not 0 < step < steps:
         raise ValueError(f"a negative switch needs a one-call-per-step sampler and 0 < step < {steps}; got {step}")
     t = np.asarray(sampler_timesteps(sampler, steps), np.float64)
-    cutoff = int(np.floor(t[step - 1]))
+    cutoff = min(int(np.floor(t[step - 1])), sampler.num_train_timesteps - 1)  # a flow grid starts at t = 1000
     end = 1.0 - cutoff / sampler.num_train_timesteps
     if not t[step] < cutoff or window(sampler, steps, denoising_end=end) != (0, step):
         raise ValueError(f"no denoising_end stops this {steps}-step schedule after step {step} (timesteps "

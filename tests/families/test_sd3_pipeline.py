@@ -234,3 +234,21 @@ def test_bad_arguments_are_named(sd3_models):
     with pytest.raises(TypeError, match=r"unexpected conditioning argument\(s\) \['clip_skip'\] for an SD 3 model"):
         _sdjax(pipe, 0, clip_skip=2)
     assert pipe.skip_guidance_layers == () and pipe.max_sequence_length == MAX_SEQ
+
+
+def test_a1111_and_registry_sampler_names_sample_as_flow(sd3_models):
+    """The A1111/ComfyUI names ("Euler", "euler") on an SD 3 model gave the variance-preserving Euler (an epsilon
+    model's sampler) built on the flow config; they must give the model's own flow Euler: the same image as its
+    default scheduler, and a name without a flow form is refused naming the sampler."""
+    from sdjax import samplers
+
+    _, pipe = sd3_models["t5"]
+    base = _sdjax(pipe, 3, guidance_scale=GUIDANCE)
+    for name in ("Euler", "euler"):
+        sampler = pipe._sampler(name)
+        assert isinstance(sampler, samplers.FlowMatchEuler), (name, type(sampler).__name__)
+        assert sampler == pipe.scheduler
+        np.testing.assert_array_equal(_sdjax(pipe, 3, guidance_scale=GUIDANCE, sampler=name), base)
+    assert pipe.sampler_names == samplers.available(flow=True)
+    with pytest.raises(ValueError, match="DDIM"):
+        pipe._sampler("DDIM")

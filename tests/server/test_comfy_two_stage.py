@@ -332,7 +332,7 @@ def staged(pipe, r, k: int, negatives: tuple[str, str], size: int, late: dict | 
 
     sampler = pipe._sampler(r.sampler)
     t = sampler_timesteps(sampler, r.steps)
-    end = 1.0 - int(np.floor(t[k - 1])) / sampler.num_train_timesteps
+    end = 1.0 - min(int(np.floor(t[k - 1])), sampler.num_train_timesteps - 1) / sampler.num_train_timesteps
     assert window(sampler, r.steps, denoising_end=end) == (0, k)
     common = dict(steps=r.steps, height=size, width=size, sampler=r.sampler, **dict(r.conditioning))
     plan_args = dict(height=size, width=size, count=1, steps=r.steps, policy=DIFFUSERS)

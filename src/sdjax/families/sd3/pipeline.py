@@ -35,8 +35,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from sdjax import samplers
 from sdjax.families import FAMILIES
-from sdjax.families.flux.pipeline import T5_ENCODER, _load_t5_tokenizer, on_flow_grid
+from sdjax.families.flux.pipeline import T5_ENCODER, _load_t5_tokenizer, flow_sampler_named, on_flow_grid
 from sdjax.families.sd3.conditioning import DEFAULT_SEQUENCE_LENGTH, SD3Conditioning, check_max_sequence_length
 from sdjax.families.sd3.denoiser import SD3Denoiser
 from sdjax.loading.components import ModelSpec, model_loader
@@ -216,8 +217,14 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
     def is_inpainting_model(self) -> bool:
         return False  # a 16-channel transformer inpaints by latent blending (StableDiffusion3InpaintPipeline)
 
+    @property
+    def sampler_names(self) -> list[str]:
+        return samplers.available(flow=True)
+
     def _sampler(self, name) -> Any:
-        return sd3_sampler(super()._sampler(name))
+        """A flow sampler on diffusers' SD 3 grid: a registry name of `samplers.FLOW_SAMPLERS`, an A1111/Forge name
+        ("Euler", "DPM++ 2M SDE", ...), a k-diffusion-form name or sampler object, or None (the model's own)."""
+        return sd3_sampler(flow_sampler_named(self, name, "an SD 3 model", super()._sampler))
 
     def generate(
         self,
