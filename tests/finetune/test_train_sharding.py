@@ -35,6 +35,7 @@ RTOL = 1e-5  # relative (L2): the losses, each updated leaf of an SGD step, all 
 # FSDP against replicated 9.6e-7 over the whole UNet, 1.2e-5 worst leaf; the replicated run on 1 device against 8
 # (the same program, no FSDP) differs more: 1.9e-6 and 1.7e-5.
 LEAF_RTOL = 5e-5
+UNET_RTOL = 1e-4  # the whole written UNet of two `train_finetune` runs (their test)
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +285,89 @@ def test_layout_refuses_a_missing_trained_entry(mesh):
     state = {"lora": {}, "opt_state": (), "step": jnp.zeros((), jnp.int32)}
     with pytest.raises(ValueError, match="trained='unet'"):
         train_sharding.layout(mesh, state, {}, trained="unet")
+
+
+# ------------------------------------------------------------------------------------------------ the run, end to end
+def _cats(root, n: int = 3):
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    root.mkdir()
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), np.uint8)).save(root / f"c{i}.png")
+        (root / f"c{i}.txt").write_text(f"a cat, pose {i}")
+    return root
+
+
+def test_finetune_run_with_fsdp_repeats_the_replicated_run(sd1_dir, mesh, tmp_path, monkeypatch):
+    """`train_finetune(fsdp=True)` (`run.run_loop` placing the state with `finetune.sharding`), stopped after update
+    1 and resumed from its checkpoint, against the same run replicated and unbroken: the same losses and written
+    UNet within float32 summation-order noise, while the master copy and the AdamW moments were split over the 8
+    devices."""
+    from sdjax.finetune import full
+    from sdjax.pipelines import load_pipeline
+
+    data = _cats(tmp_path / "cats")
+    options = dict(
+        model=str(sd1_dir), steps=2, batch_size=8, resolution=32, bucketing=False, lr=1e-3, ema_decay=0.5, seed=1
+    )
+    placed: list[dict] = []
+    place = train_sharding.Layout.place
+
+    def recording_place(self, state, frozen, put=None):  # what the run's arrays look like on the devices
+        state, frozen = place(self, state, frozen, put)
+        placed.append({"state": _sharded_fraction(state["unet"]), "frozen": _sharded_fraction(frozen)})
+        placed[-1]["adam_mu"] = _sharded_fraction(
+            [
+                s.mu
+                for s in jax.tree_util.tree_leaves(state["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
+                if hasattr(s, "mu")
+            ]
+        )
+        placed[-1]["conv_in"] = state["unet"]["conv_in"]["kernel"].sharding.spec
+        return state, frozen
+
+    monkeypatch.setattr(train_sharding.Layout, "place", recording_place)
+    logs: list[str] = []
+    ref = full.train_finetune(data, tmp_path / "ref", **options)
+    assert not placed  # the replicated run never builds a layout
+    fsdp = dict(fsdp=True, fsdp_min_size=MIN_SIZE, log=logs.append, **options)
+    first = full.train_finetune(data, tmp_path / "fsdp", stop_after=1, **fsdp)  # checkpointed from the split arrays
+    got = full.train_finetune(data, tmp_path / "fsdp", **fsdp)  # resumed at update 1 into the layout
+    assert (len(first.losses), got.start_step, len(got.losses)) == (1, 1, 1)
+    got.losses = first.losses + got.losses
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses, strict=True))
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+    unet_err = _rel(flat(got.unet), flat(ref.unet))
+    moved = _rel(flat(ref.unet), flat(load_pipeline(str(sd1_dir))[1]["unet"]))
+    print(f"fine-tune run: losses {got.losses} vs {ref.losses} (worst relative {loss_err:.1e}); UNet {unet_err:.1e}")
+    print(f"(the run moved the UNet by {moved:.1e}); {placed}; {[line for line in logs if 'FSDP' in line]}")
+    # The losses to RTOL; the written UNet (EMA of AdamW updates at lr 1e-3) to UNET_RTOL: AdamW's first update moves
+    # a coordinate whose gradient is summation noise by a full lr either way (module docstring). Measured: losses
+    # 1.1e-7 (update 1) and 0 (update 2), UNet 2.2e-5 against a change of 2.2e-2.
+    assert loss_err <= RTOL and unet_err <= UNET_RTOL and unet_err < 0.01 * moved
+    assert len(placed) == 2  # the first call and the resumed one
+    for held in placed:  # a device's share of the master copy, the AdamW moments, the frozen weights (VAE whole)
+        assert held["state"] < 0.25 and held["adam_mu"] < 0.25 and held["frozen"] < 0.5
+        assert held["conv_in"] != PartitionSpec()
+    assert any(line.startswith("FSDP over 8 devices") for line in logs)
+
+
+def test_fsdp_refusals(sd1_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from sdjax.cli import app
+    from sdjax.finetune import full, train_lora
+
+    data = _cats(tmp_path / "cats", 1)
+    with pytest.raises(ValueError, match=r"fsdp_min_size=64 \(--fsdp-min-size\) applies with fsdp=True"):
+        train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "nowhere"), fsdp_min_size=64)
+    with pytest.raises(ValueError, match=r"fsdp_min_size=0 \(--fsdp-min-size\) must be a positive integer"):
+        full.train_finetune(data, tmp_path / "o", model=str(tmp_path / "nowhere"), fsdp=True, fsdp_min_size=0)
+    # one device to split over: refused before anything compiles (the CLI before the model is loaded)
+    with pytest.raises(ValueError, match=r"fsdp=True \(--fsdp\) splits the weights .* this run has one"):
+        full.train_finetune(data, tmp_path / "o", model=str(sd1_dir), fsdp=True, batch_size=1, resolution=32)
+    assert not (tmp_path / "o-run" / "checkpoints").exists()
+    cli = ["train", "lora", "--data", str(data), "--out", str(tmp_path / "x.safetensors"), "--fsdp"]
+    result = CliRunner().invoke(app, cli + ["--model", str(tmp_path / "nowhere")])  # batch size 1: one device
+    assert result.exit_code == 2 and "fsdp=True (--fsdp) splits the weights" in result.output

@@ -37,6 +37,13 @@ class Schedule(str, enum.Enum):
     cosine = "cosine"
 
 
+class Optimizer(str, enum.Enum):
+    adamw = "adamw"
+    adafactor = "adafactor"
+    prodigy = "prodigy"
+    lion = "lion"
+
+
 class Prediction(str, enum.Enum):
     epsilon = "epsilon"
     v_prediction = "v_prediction"
@@ -98,10 +105,15 @@ def _run(label: str, config_cls, train, data: Path, out: Path, options: dict) ->
     options = {k: _plain(v) for k, v in options.items()}
     hosts = {k: options.pop(k, None) for k in DISTRIBUTED}
     try:
-        config_cls(data=str(data), out=str(out), **options).check()
+        cfg = config_cls(data=str(data), out=str(out), **options)
+        cfg.check()
         if hosts.pop("distributed") or any(v is not None for v in hosts.values()):
             distributed.initialize(hosts["coordinator"], hosts["num_processes"], hosts["process_id"])
             distributed.check_supported(validation=bool(options.get("validation_prompts")))
+        if cfg.fsdp:  # the devices it splits over (before any model is loaded)
+            from sdjax.finetune.run import _mesh
+
+            _mesh(cfg, lambda s: None)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -136,7 +148,17 @@ SHARED: dict[str, tuple[Any, Any]] = {
     "steps": (Annotated[int, typer.Option(help="Optimiser updates.")], 300),
     "rank": (Annotated[int, typer.Option(help="LoRA rank (network dim).")], 8),
     "alpha": (Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")], None),
-    "lr": (Annotated[float, typer.Option(help="AdamW learning rate.")], 1e-4),
+    "lr": (Annotated[float, typer.Option(help="Learning rate (prodigy: a multiplier of its estimate, use 1).")], 1e-4),
+    "optimizer": (
+        Annotated[
+            Optimizer,
+            typer.Option(
+                help="adamw, adafactor (factored, no parameter scaling), prodigy (sets its own step size: --lr 1) "
+                "or lion (--lr 3-10x below AdamW's); decoupled weight decay 1e-2 in each."
+            ),
+        ],
+        Optimizer.adamw,
+    ),
     "lr_schedule": (Annotated[Schedule, typer.Option(help="After warm-up.")], Schedule.constant),
     "warmup": (Annotated[int, typer.Option(help="Linear warm-up updates.")], 0),
     "batch_size": (Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")], 1),
@@ -201,6 +223,24 @@ SHARED: dict[str, tuple[Any, Any]] = {
         Annotated[bool, typer.Option(help="Encode every image once with the VAE before training (no random crops).")],
         False,
     ),
+    "fsdp": (
+        Annotated[
+            bool,
+            typer.Option(
+                "--fsdp",
+                help="Split the large weights (and a fine-tune's master copy and optimiser state) over the "
+                "data-parallel devices (FSDP / ZeRO-3) instead of a whole copy on each; needs 2 or more devices.",
+            ),
+        ],
+        False,
+    ),
+    "fsdp_min_size": (
+        Annotated[
+            int | None,
+            typer.Option(help="With --fsdp: split the params of at least this many elements. Default: 1048576."),
+        ],
+        None,
+    ),
     "validation_steps": (
         Annotated[int | None, typer.Option(help="Denoising steps of validation images. Default: the pipeline's.")],
         None,
@@ -228,8 +268,9 @@ SHARED.update(
     ),
 )
 DISTRIBUTED = ("coordinator", "num_processes", "process_id", "distributed")
-EXTRAS = " ema_decay validation_prompts validation_every validation_seed validation_steps tensorboard " + " ".join(
-    DISTRIBUTED
+EXTRAS = (
+    " optimizer ema_decay validation_prompts validation_every validation_seed validation_steps tensorboard "
+    + " ".join(DISTRIBUTED)
 )
 SHARED.update(FLOW_CLI)  # `train lora`'s flow-matching options (Flux, SD 3): finetune.flow_cli
 LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]
@@ -262,7 +303,7 @@ def _options(order: str):
     "data out model steps rank alpha lora_dropout lr lr_schedule warmup batch_size accumulation resolution bucketing "
     "bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image train_text_encoder "
     "prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft cache_latents" + EXTRAS + FLOW_ORDER
+    "run_dir save_every resume peft cache_latents fsdp fsdp_min_size" + EXTRAS + FLOW_ORDER
 )
 def lora(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
@@ -296,7 +337,7 @@ def textual_inversion(
     init_word: Annotated[str, typer.Option(help="Word whose embedding starts the token's rows, e.g. 'star'.")],
     out: Annotated[Path, typer.Option(help="The embedding to write (.safetensors, A1111 layout).")],
     vectors: Annotated[int, typer.Option(help="Embedding rows (tokens TOKEN, TOKEN_1, ...).")] = 1,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 5e-3,
+    lr: Annotated[float, typer.Option(help="Learning rate (prodigy: a multiplier of its estimate, use 1).")] = 5e-3,
     mixed_precision: Annotated[Precision, typer.Option(help="bf16: bfloat16 compute, float32 rows.")] = Precision.no,
     seed: Annotated[int, typer.Option(help="Seed of the data order, templates and noise.")] = 0,
     **shared: Any,
@@ -349,7 +390,7 @@ def dreambooth(
     "data out model single_file steps lr lr_schedule warmup batch_size accumulation resolution bucketing bucket_step "
     "random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image prediction_type min_snr_gamma "
     "noise_offset input_perturbation mixed_precision gradient_checkpointing cache_latents seed run_dir save_every "
-    "resume" + EXTRAS
+    "resume fsdp fsdp_min_size" + EXTRAS
 )
 def finetune(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
@@ -357,7 +398,7 @@ def finetune(
     single_file: Annotated[
         Path | None, typer.Option(help="Also write the model as one A1111 / original-layout .safetensors file.")
     ] = None,
-    lr: Annotated[float, typer.Option("--lr", "--learning-rate", help="AdamW learning rate.")] = 1e-5,
+    lr: Annotated[float, typer.Option("--lr", "--learning-rate", help="Learning rate (prodigy: use 1).")] = 1e-5,
     mixed_precision: Annotated[
         Precision, typer.Option(help="bf16: bfloat16 compute, float32 master weights and optimiser.")
     ] = Precision.no,

@@ -150,12 +150,11 @@ def train_dreambooth(
     (kohya `.safetensors`); `options` are the fields of `DreamBoothConfig`."""
 
     cfg = DreamBoothConfig(data=str(data), out=str(out), **options)
-    cfg.check()
+    session = run_lib.Session.begin(cfg, on_step=on_step, log=log, stop_after=stop_after)
     run_dir = cfg.run_path
     if cfg.resume:
-        run_lib._check_resume(run_dir, cfg)
         run_lib._check_resume(run_dir, cfg, _RESUME_KEYS, "a DreamBooth run")
-    instances = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
+    instances = session.dataset
     pipe, params, dtype = run_lib._load(cfg)
     resolution = cfg.resolution or pipe.default_size[0]
     data_cfg = cfg.data_config(resolution)
@@ -167,7 +166,8 @@ def train_dreambooth(
         classes = _with_prompt(data_lib.scan(cfg.class_data, data_cfg), cfg.class_prompt)
         log(f"{len(classes.items)} class images ({len(drawn)} drawn now)")
         samplers.append(data_lib.Sampler(classes, data_cfg, cfg.batch_size, cfg.seed + 1))
-    mesh = run_lib._mesh(dataclasses.replace(cfg, batch_size=cfg.batch_size * len(samplers)), log)
+    session.dataset = instances
+    session.mesh = run_lib._mesh(dataclasses.replace(cfg, batch_size=cfg.batch_size * len(samplers)), log)
     conditioning = pipe.generator.models.conditioning
     objective = run_lib._objective(cfg, pipe, cfg.prior_loss_weight if cfg.with_prior_preservation else None)
     prediction_type = objective.prediction_type
@@ -176,18 +176,8 @@ def train_dreambooth(
     def finish(state: dict) -> None:
         run_lib.write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(instances.items))
 
-    losses, start, end = run_lib.run_loop(
-        cfg,
-        state,
-        frozen,
-        train_step,
-        lambda micro: _batch(samplers, conditioning, micro, cfg.clip_skip),
-        mesh=mesh,
-        schedule=schedule,
-        finish=finish,
-        on_step=on_step,
-        log=log,
-        stop_after=stop_after,
-        validate=run_lib.lora_validator(cfg, pipe, params, resolution, log),
-    )
-    return run_lib.TrainResult(Path(cfg.out), run_dir, losses, start, end, instances.skipped)
+    def batches(micro: int) -> dict:
+        return _batch(samplers, conditioning, micro, cfg.clip_skip)
+
+    validate = run_lib.lora_validator(cfg, pipe, params, resolution, log)
+    return session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate)

@@ -12,7 +12,6 @@ which diffusers' `load_lora_weights` and `sdjax generate --lora` read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Callable
@@ -37,7 +36,18 @@ FLOW_OPTIONS = (
     "max_sequence_length",
     "precondition_outputs",
 )
-_RESUME_KEYS = ("model", "rank", "alpha", "batch_size", "accumulation", "seed", "lr", "ema_decay", *FLOW_OPTIONS)
+_RESUME_KEYS = (
+    "model",
+    "rank",
+    "alpha",
+    "batch_size",
+    "accumulation",
+    "seed",
+    "lr",
+    "optimizer",
+    "ema_decay",
+    *FLOW_OPTIONS,
+)
 # UNet-only settings -> their default (a flow run refuses other values).
 _UNET_ONLY = {
     "prediction_type": None,
@@ -172,19 +182,6 @@ def _objective(cfg: FlowLoraTrainConfig, adapter: Any, scheduler: Any):
     )
 
 
-def _check_resume(run_dir: Path, cfg: FlowLoraTrainConfig) -> None:
-    saved = run_dir / "config.json"
-    if not saved.is_file():
-        return
-    old, new = json.loads(saved.read_text()), json.loads(json.dumps(dataclasses.asdict(cfg)))
-    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in _RESUME_KEYS if old.get(k) != new[k]]
-    if diff:
-        raise ValueError(
-            f"{run_dir}: its checkpoints come from a run with other settings ({'; '.join(diff)}); use another "
-            "run_dir or resume=False"
-        )
-
-
 def _pixel_multiple(cfg: FlowLoraTrainConfig, pipe: Any, adapter: Any, resolution: int) -> None:
     """Image sides must give latents the transformer can patch: multiples of VAE factor x patch."""
     multiple = 2 ** (len(pipe.vae.config.block_out_channels) - 1) * adapter.latent_multiple
@@ -241,11 +238,7 @@ def train_flow_lora(
     from sdjax.finetune import step as step_lib
 
     cfg = FlowLoraTrainConfig(data=str(data), out=str(out), **options)
-    cfg.check()
-    run_dir = cfg.run_path
-    if cfg.resume:
-        _check_resume(run_dir, cfg)
-    dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
+    session = run_lib.Session.begin(cfg, on_step=on_step, log=log, stop_after=stop_after, resume_keys=_RESUME_KEYS)
     pipe, params, dtype = _load(cfg)
     adapter = flow_models.adapter_for(pipe, dtype, guidance_scale=cfg.guidance_scale, remat=cfg.gradient_checkpointing)
     resolution = cfg.resolution or pipe.default_size[0]
@@ -253,10 +246,8 @@ def train_flow_lora(
     targets = cfg.lora_layers or adapter.default_targets
     component = adapter.component
     lora = flow_models.init_lora(jax.random.PRNGKey(cfg.seed), params[component], targets, cfg.rank)
-    dataset = data_lib.with_buckets(dataset, cfg.data_config(resolution))
-    log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
+    dataset = session.prepare(resolution)
     log(f"LoRA on {len(lora[component])} layers of the {adapter.family} transformer ({', '.join(targets)})")
-    mesh = run_lib._mesh(cfg, log)
     objective = _objective(cfg, adapter, pipe.scheduler)
     scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
     models = flow.FlowModels(adapter, pipe.vae, dtype, scale, cfg.lora_dropout)
@@ -282,18 +273,5 @@ def train_flow_lora(
     def finish(state: dict) -> None:
         write_flow_lora(cfg, state["lora"], targets, adapter.family, len(dataset.items))
 
-    losses, start, end = run_lib.run_loop(
-        cfg,
-        state,
-        frozen,
-        train_step,
-        batches,
-        mesh=mesh,
-        schedule=schedule,
-        finish=finish,
-        on_step=on_step,
-        log=log,
-        stop_after=stop_after,
-        validate=run_lib.lora_validator(cfg, pipe, params, resolution, log),
-    )
-    return TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
+    validate = run_lib.lora_validator(cfg, pipe, params, resolution, log)
+    return session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate)

@@ -14,7 +14,7 @@
   checkpointing is the step's `jax.checkpoint` of the UNet call; the EMA (`ema_decay`) is `finetune.ema`, stepped
   once per update, over the whole UNet (float32).
 - Data parallel as `train lora`: the batch is split over the local devices, the master copy and the optimiser
-  state replicated (no sharding of the weights yet).
+  state replicated, or with `fsdp` split over the devices (`finetune.sharding`, placed by `run.run_loop`).
 - Outputs: `out` is a diffusers folder: the base model's folder (a single-file model is converted first:
   `loading.single_file.convert_to_diffusers`) with `unet/diffusion_pytorch_model.safetensors` replaced by the
   trained UNet (float32, diffusers' key layout: `models.convert.params_to_state_dict`; the EMA weights with
@@ -40,7 +40,7 @@ from sdjax.finetune import data as data_lib
 from sdjax.finetune import run as run_lib
 
 # Settings a resumed fine-tune must share with the run that wrote its checkpoints.
-_RESUME_KEYS = ("model", "batch_size", "accumulation", "seed", "lr", "ema_decay", "cache_latents")
+_RESUME_KEYS = ("model", "batch_size", "accumulation", "seed", "lr", "optimizer", "ema_decay", "cache_latents")
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
@@ -125,23 +125,15 @@ def init_state(master, optimizer) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from sdjax.finetune import step as step_lib
+
     master = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), master)
-    return {"unet": master, "opt_state": optimizer.init(master), "step": jnp.zeros((), jnp.int32)}
+    return step_lib.init_state(master, optimizer, "unet")
 
 
 def _load(cfg: FinetuneConfig):
     """`(pipeline, params, compute dtype)`: the model loaded in the compute dtype (an SD 1.x / 2.x / XL UNet model)."""
-    import jax.numpy as jnp
-
-    from sdjax.pipelines import load_pipeline
-
-    dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
-    pipe, params = load_pipeline(cfg.model, dtype=dtype)
-    if not hasattr(pipe, "unet") or not hasattr(pipe.generator.models.conditioning, "tokenize"):
-        raise ValueError(
-            f"{cfg.model}: full fine-tuning supports SD 1.x / 2.x / XL UNet models (this is a {type(pipe).__name__})"
-        )
-    return pipe, params, dtype
+    return run_lib._load(cfg, "full fine-tuning")
 
 
 def _models(cfg: FinetuneConfig, pipe, dtype):
@@ -249,17 +241,13 @@ def train_finetune(
     from sdjax.finetune import validation as validation_lib
 
     cfg = FinetuneConfig(data=str(data), out=str(out), **options)
-    cfg.check()
-    run_dir = cfg.run_path
-    if cfg.resume:
-        run_lib._check_resume(run_dir, cfg, _RESUME_KEYS, "a fine-tune")
-    dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
+    session = run_lib.Session.begin(
+        cfg, on_step=on_step, log=log, stop_after=stop_after, resume_keys=_RESUME_KEYS, what="a fine-tune"
+    )
     pipe, params, dtype = _load(cfg)
     resolution = cfg.resolution or pipe.default_size[0]
     data_cfg = cfg.data_config(resolution)
-    dataset = data_lib.with_buckets(dataset, data_cfg)
-    log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
-    mesh = run_lib._mesh(cfg, log)
+    dataset = session.prepare(resolution)
     objective = run_lib._objective(cfg, pipe)
     models = _models(cfg, pipe, dtype)
     components = tuple(models.conditioning.components)
@@ -286,19 +274,6 @@ def train_finetune(
             log(f"single file: {write_single_file(cfg.single_file, folder, objective.prediction_type, meta)}")
         written["unet"] = unet
 
-    losses, start, end = run_lib.run_loop(
-        cfg,
-        state,
-        frozen,
-        train_step,
-        batches,
-        mesh=mesh,
-        schedule=schedule,
-        finish=finish,
-        on_step=on_step,
-        log=log,
-        stop_after=stop_after,
-        trained="unet",
-        validate=validation_lib.make_validator(cfg, pipe, with_unet, (resolution, resolution), log),
-    )
-    return FinetuneResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped, written.get("unet"))
+    validate = validation_lib.make_validator(cfg, pipe, with_unet, (resolution, resolution), log)
+    result = session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate, trained="unet")
+    return FinetuneResult(**vars(result), unet=written.get("unet"))

@@ -26,7 +26,18 @@ from sdjax.finetune import lora as lora_lib
 
 OnStep = Callable[[int, int, float, float], None]  # (update, total updates, loss, seconds of the update)
 # Settings a resumed run must share with the run that wrote the checkpoint.
-_RESUME_KEYS = ("model", "rank", "alpha", "train_text_encoder", "batch_size", "accumulation", "seed", "lr", "ema_decay")
+_RESUME_KEYS = (
+    "model",
+    "rank",
+    "alpha",
+    "train_text_encoder",
+    "batch_size",
+    "accumulation",
+    "seed",
+    "lr",
+    "optimizer",
+    "ema_decay",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +51,7 @@ class TrainConfig:
     lr: float = 1e-4
     lr_schedule: str = "constant"
     warmup: int = 0
+    optimizer: str = "adamw"  # or "adafactor", "prodigy" (lr 1.0), "lion" (`step.update_rule`)
     weight_decay: float = 1e-2
     max_grad_norm: float | None = 1.0
     batch_size: int = 1
@@ -61,6 +73,8 @@ class TrainConfig:
     clip_skip: int = 1
     seed: int = 0
     devices: int | None = None  # data-parallel devices (default: the most that divide the batch)
+    fsdp: bool = False  # split the large weights (a fine-tune's master copy and moments too) over the devices
+    fsdp_min_size: int | None = None  # with fsdp: params of at least this many elements are split (None: 2^20)
     run_dir: str | None = None  # default: <out without suffix>-run
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
     resume: bool = True  # continue from the run directory's latest checkpoint
@@ -88,6 +102,10 @@ class TrainConfig:
         a trainer's config checks its own first)."""
         if self.lr <= 0 or not math.isfinite(self.lr):
             raise ValueError(f"lr={self.lr} must be a positive number")
+        from sdjax.finetune.step import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} (--optimizer) must be one of {', '.join(OPTIMIZERS)}")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
         if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
@@ -96,6 +114,7 @@ class TrainConfig:
             raise ValueError(f"out={self.out}: {self.written} is written as a {self.out_suffix} file")
         if self.save_every < 0 or self.warmup < 0:
             raise ValueError("save_every and warmup must be 0 or more")
+        self._check_fsdp()
         self._check_extras()
         self.data_config(self.resolution or 512).check()
         if self.cache_latents:
@@ -106,6 +125,17 @@ class TrainConfig:
             cache_lib.check(self.data_config(self.resolution or 512))
         if not Path(self.data).expanduser().is_dir():
             raise data_lib.DataError(f"data folder {self.data} does not exist or is not a folder")
+
+    def _check_fsdp(self) -> None:
+        """The layout settings (the device count is checked with the mesh, `_mesh`)."""
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"fsdp={self.fsdp!r} (--fsdp) must be True or False")
+        n = self.fsdp_min_size
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"fsdp_min_size={n!r} (--fsdp-min-size) must be a positive integer (elements)")
+            if not self.fsdp:
+                raise ValueError(f"fsdp_min_size={n} (--fsdp-min-size) applies with fsdp=True (--fsdp) only")
 
     def _check_extras(self) -> None:
         """EMA and validation images (the CLI flag is named beside the setting)."""
@@ -183,8 +213,86 @@ class TrainResult:
     skipped_images: tuple[str, ...]
 
 
+def _silent(message: str) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class Session:
+    """One trainer call: its checked settings, its data set (scanned before any model is loaded, so bad data fails
+    first), the caller's `on_step`, `log` and `stop_after`, and after `prepare` the bucketed data set and the
+    data-parallel mesh. Every trainer starts with `begin` and ends with `loop` (`run_loop`, then the result)."""
+
+    cfg: Any
+    dataset: Any
+    on_step: OnStep | None = None
+    log: Callable[[str], None] = _silent
+    stop_after: int | None = None
+    mesh: Any = None
+
+    @classmethod
+    def begin(
+        cls,
+        cfg: Any,
+        *,
+        on_step: OnStep | None = None,
+        log: Callable[[str], None] = _silent,
+        stop_after: int | None = None,
+        resume_keys: tuple[str, ...] = _RESUME_KEYS,
+        what: str = "a run",
+    ) -> Session:
+        """Check `cfg`, refuse to resume a run directory written with other `resume_keys` settings (`what` names
+        that run), scan the data folder."""
+        cfg.check()
+        if cfg.resume:
+            _check_resume(cfg.run_path, cfg, resume_keys, what)
+        dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
+        return cls(cfg, dataset, on_step, log, stop_after)
+
+    def prepare(self, resolution: int) -> data_lib.Dataset:
+        """The data set in the buckets of the training `resolution` (logged) and the mesh (`_mesh`)."""
+        dataset = data_lib.with_buckets(self.dataset, self.cfg.data_config(resolution))
+        self.log(
+            f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}"
+        )
+        self.dataset, self.mesh = dataset, _mesh(self.cfg, self.log)
+        return dataset
+
+    def loop(
+        self,
+        state: dict,
+        frozen: dict,
+        train_step: Callable,
+        batches: Callable[[int], dict],
+        schedule: Callable,
+        finish: Callable[[dict], None],
+        *,
+        validate: Callable[[Any, int], Any] | None = None,
+        trained: str = "lora",
+    ) -> TrainResult:
+        """`run_loop` with this call's settings, mesh and hooks -> the call's `TrainResult`."""
+        losses, start, end = run_loop(
+            self.cfg,
+            state,
+            frozen,
+            train_step,
+            batches,
+            mesh=self.mesh,
+            schedule=schedule,
+            finish=finish,
+            on_step=self.on_step,
+            log=self.log,
+            stop_after=self.stop_after,
+            trained=trained,
+            validate=validate,
+        )
+        return TrainResult(Path(self.cfg.out), self.cfg.run_path, losses, start, end, self.dataset.skipped)
+
+
 # ------------------------------------------------------------------------------------------------ pieces
-def _load(cfg: LoraTrainConfig):
+def _load(cfg: TrainConfig, what: str = "LoRA training"):
+    """`(pipeline, params, compute dtype)`: the model loaded in the compute dtype, which must be an SD 1.x / 2.x / XL
+    UNet model (`what` names the training in the error)."""
     import jax.numpy as jnp
 
     from sdjax.pipelines import load_pipeline
@@ -193,7 +301,7 @@ def _load(cfg: LoraTrainConfig):
     pipe, params = load_pipeline(cfg.model, dtype=dtype)
     if not hasattr(pipe, "unet") or not hasattr(pipe.generator.models.conditioning, "tokenize"):
         raise ValueError(
-            f"{cfg.model}: LoRA training supports SD 1.x / 2.x / XL UNet models (this is a {type(pipe).__name__})"
+            f"{cfg.model}: {what} supports SD 1.x / 2.x / XL UNet models (this is a {type(pipe).__name__})"
         )
     return pipe, params, dtype
 
@@ -218,6 +326,12 @@ def _mesh(cfg: LoraTrainConfig, log: Callable[[str], None]):
         )
     if cfg.devices is None and n < len(available):
         log(f"data parallel over {n} of {len(available)} devices (the batch size {cfg.batch_size} divides by {n})")
+    if cfg.fsdp and n < 2:
+        raise ValueError(
+            f"fsdp=True (--fsdp) splits the weights over the data-parallel devices, and this run has one (devices="
+            f"{cfg.devices}, batch_size={cfg.batch_size}, {len(available)} available): give a batch size that 2 or "
+            "more devices divide, or leave out --fsdp"
+        )
     return make_mesh(devices=available[:n])
 
 
@@ -240,12 +354,15 @@ def _restore(manager, state: dict) -> tuple[dict, int]:
 
 
 def _check_resume(run_dir: Path, cfg: Any, keys: tuple[str, ...] = _RESUME_KEYS, what: str = "a run") -> None:
-    """Refuse to resume from `run_dir` when its config.json differs from `cfg` in one of `keys`."""
+    """Refuse to resume from `run_dir` when its config.json differs from `cfg` in one of `keys` (compared as JSON
+    values; a key the saved config lacks, a setting added since, counts as that setting's default)."""
     saved = run_dir / "config.json"
     if not saved.is_file():
         return
-    old, new = json.loads(saved.read_text()), dataclasses.asdict(cfg)
-    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in keys if old.get(k) != new[k]]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    old, new = json.loads(saved.read_text()), json.loads(json.dumps(dataclasses.asdict(cfg)))
+    old = {k: old.get(k, defaults.get(k)) for k in keys}
+    diff = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in keys if old[k] != new[k]]
     if diff:
         raise ValueError(
             f"{run_dir}: its checkpoints come from {what} with other settings ({'; '.join(diff)}); use another "
@@ -297,12 +414,16 @@ def _objective(cfg: TrainConfig, pipe, prior_loss_weight: float | None = None):
 
 
 def _optimizer(cfg: TrainConfig):
-    """`(lr schedule, AdamW optimizer)` of `cfg`."""
+    """`(lr schedule, optimizer)` of `cfg` (`step.make_optimizer`: `cfg.optimizer` after clipping, accumulation)."""
     from sdjax.finetune import step as step_lib
 
     schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
     optimizer = step_lib.make_optimizer(
-        schedule, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, accumulation=cfg.accumulation
+        schedule,
+        optimizer=cfg.optimizer,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        accumulation=cfg.accumulation,
     )
     return schedule, optimizer
 
@@ -412,16 +533,10 @@ def train_lora(
     from sdjax.finetune import step as step_lib
 
     cfg = LoraTrainConfig(data=str(data), out=str(out), **options)
-    cfg.check()
-    run_dir = cfg.run_path
-    if cfg.resume:
-        _check_resume(run_dir, cfg)
-    dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
+    session = Session.begin(cfg, on_step=on_step, log=log, stop_after=stop_after)
     pipe, params, dtype = _load(cfg)
     resolution = cfg.resolution or pipe.default_size[0]
-    dataset = data_lib.with_buckets(dataset, cfg.data_config(resolution))
-    log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
-    mesh = _mesh(cfg, log)
+    dataset = session.prepare(resolution)
     conditioning = pipe.generator.models.conditioning
     objective = _objective(cfg, pipe)
     prediction_type = objective.prediction_type
@@ -431,23 +546,10 @@ def train_lora(
     batches, frozen = _batches(cfg, cache_models, frozen, sampler, log)
 
     def finish(state: dict) -> None:
-        write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(dataset.items))
+        write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, cfg.run_path, len(dataset.items))
 
-    losses, start, end = run_loop(
-        cfg,
-        state,
-        frozen,
-        train_step,
-        batches,
-        mesh=mesh,
-        schedule=schedule,
-        finish=finish,
-        on_step=on_step,
-        log=log,
-        stop_after=stop_after,
-        validate=lora_validator(cfg, pipe, params, resolution, log),
-    )
-    return TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
+    validate = lora_validator(cfg, pipe, params, resolution, log)
+    return session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate)
 
 
 def run_loop(
@@ -500,8 +602,11 @@ def run_loop(
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         _log_lines(loss_log, start)
         board = _board(run_dir, start) if cfg.tensorboard else None
-    replicated = NamedSharding(mesh, PartitionSpec())
-    state, frozen, ema = distributed.place((state, frozen, ema), replicated)
+    if cfg.fsdp:
+        state, frozen, ema, train_step = _fsdp_layout(cfg, mesh, state, frozen, ema, train_step, trained, log)
+    else:  # data parallel: every weight on every device
+        replicated = NamedSharding(mesh, PartitionSpec())
+        state, frozen, ema = distributed.place((state, frozen, ema), replicated)
     key = jax.random.PRNGKey(cfg.seed)
     losses: list[float] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -546,6 +651,31 @@ def run_loop(
         if loss_log.is_file():
             plot_losses(loss_log, run_dir / "loss.png")
     return losses, start, end
+
+
+def _fsdp_layout(cfg: Any, mesh: Any, state: dict, frozen: dict, ema: Any, train_step: Callable, trained: str, log):
+    """FSDP (`finetune.sharding`): the state, frozen params and EMA placed in the layout that splits every param of
+    at least `cfg.fsdp_min_size` elements over the mesh, and the step re-jitted to return the state in that layout
+    (one executable for every update)."""
+    from sdjax.finetune import distributed
+    from sdjax.finetune import sharding as train_sharding
+
+    kw = {} if cfg.fsdp_min_size is None else {"min_size": cfg.fsdp_min_size}
+    layout = train_sharding.layout(mesh, state, frozen, trained=trained, fsdp=True, **kw)
+    held = [train_sharding.bytes_per_device(t, s) for t, s in ((frozen, layout.frozen), (state, layout.state))]
+    whole = [_nbytes(frozen), _nbytes(state)]
+    log(
+        f"FSDP over {mesh.size} devices: a device holds {held[0] / 2**20:.1f} of {whole[0] / 2**20:.1f} MiB of the "
+        f"frozen weights, {held[1] / 2**20:.1f} of {whole[1] / 2**20:.1f} MiB of the trained values and optimiser state"
+    )
+    state, frozen = layout.place(state, frozen, put=distributed.place)
+    return state, frozen, layout.place_values(ema, put=distributed.place), layout.step(train_step)
+
+
+def _nbytes(tree: Any) -> int:
+    import jax
+
+    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
 def _board(run_dir: Path, start: int):

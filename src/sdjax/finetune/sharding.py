@@ -4,14 +4,15 @@ The step functions (`step.jit_step`: the LoRA steps of SD 1.x / 2.x / XL, `flow`
 `full`'s full UNet fine-tune) are plain `jit`s of `step(state, frozen, batch, key)`; XLA's SPMD partitioner
 splits their work by the shardings of their inputs. This module chooses those shardings:
 
-- Replicated (`fsdp=False`; what `run.run_loop` does today): the frozen params, the trained values and the optimiser
+- Replicated (`fsdp=False`; `run.run_loop`'s default): the frozen params, the trained values and the optimiser
   state whole on every device; the batch split over the mesh's `data` axis; the compiler all-reduces the gradients.
-- FSDP (`fsdp=True`; ZeRO-3, Rajbhandari et al. 2020): every frozen param of at least `min_size` elements is split
-  over `data` as well, by the inference rules table (`sdjax.parallel.sharding`: the `model`-axis split of a rule,
-  then the largest dimension left whole that divides by `data`; the VAE and the scheduler never). The trained
-  values get the same treatment under the state's key (`state["unet"]` of a full fine-tune is named `unet/...`,
-  so the UNet rules match), and every optimiser-state leaf that mirrors a trained value (AdamW's `mu`, `nu`,
-  `MultiSteps`' accumulated gradients) takes that value's sharding. A LoRA's leaves are far below the threshold,
+- FSDP (`fsdp=True`; ZeRO-3, Rajbhandari et al. 2020; `TrainConfig.fsdp`, `--fsdp`): every frozen param of at
+  least `min_size` elements is split over `data` as well, by the inference rules table (`sdjax.parallel.sharding`:
+  the `model`-axis split of a rule, then the largest dimension left whole that divides by `data`; the VAE and the
+  scheduler never). The trained values get the same treatment under the state's key (`state["unet"]` of a full
+  fine-tune is named `unet/...`, so the UNet rules match), and every optimiser-state leaf that mirrors a trained
+  value (AdamW's `mu`, `nu`, `MultiSteps`' accumulated gradients, Prodigy's initial values) takes that value's
+  sharding. A LoRA's leaves are far below the threshold,
   so a LoRA run shards its frozen model and keeps the LoRA and its moments whole. The partitioner all-gathers a
   weight where a layer uses it and reduce-scatters its gradient: a device stores `1 / data` of the large weights,
   master copy and moments, at the price of those collectives.

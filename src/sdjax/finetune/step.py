@@ -11,8 +11,9 @@
   `min(snr, gamma) / snr` (epsilon) or `/ (snr + 1)` (v-prediction), then the mean over the batch.
 - The LoRA (`finetune.lora`) is merged into the frozen kernels inside the loss (with LoRA dropout, the UNet's runs
   as PEFT's branch `W x + s * up(down(dropout(x)))` instead); only it is differentiated and
-  updated (optax AdamW with warm-up and a constant or cosine schedule, gradient clipping, accumulation through
-  `optax.MultiSteps`). Frozen params may be bfloat16 (the compute dtype); the LoRA and optimiser stay float32.
+  updated (optax AdamW, or Adafactor / Prodigy / Lion: `update_rule`, with warm-up and a constant or cosine
+  schedule, gradient clipping, accumulation through `optax.MultiSteps`). Frozen params may be bfloat16 (the
+  compute dtype); the LoRA and optimiser stay float32.
 - Randomness: every draw of micro-step `s` comes from `fold_in(key, s)`, so a resumed run repeats an unbroken one.
 - Data parallel: the step runs under `jit` on a `Mesh`; the batch is split over `data`, params replicated, and
   the LoRA gradients are summed across devices by the compiler.
@@ -35,6 +36,7 @@ from sdjax.finetune import lora as lora_lib
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "adafactor", "prodigy", "lion")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +212,49 @@ def lr_schedule(lr: float, steps: int, warmup: int, schedule: str) -> optax.Sche
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
+def update_rule(
+    optimizer: str,
+    schedule: optax.Schedule,
+    *,
+    weight_decay: float = 1e-2,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
+    """The optimiser `optimizer` (one of `OPTIMIZERS`) at the learning rates of `schedule`, each with decoupled
+    weight decay `p -= lr_t * weight_decay * p` (AdamW's rule; Prodigy's lr_t includes its step-size estimate):
+
+    - "adamw": `optax.adamw(b1, b2, eps)` (diffusers' defaults).
+    - "adafactor": Adafactor (Shazeer & Stern 2018; `optax.adafactor`'s pieces): factored second moments of
+      decay `1 - t^-0.8`, updates clipped to block RMS 1, no momentum, with `schedule` as the absolute step size
+      (no parameter-scale multiplication, as transformers' `Adafactor(scale_parameter=False, relative_step=False)`).
+      optax's own `adafactor` adds its weight decay after the learning rate (the weights shrink by the rate itself
+      each update); here the decay is scaled by the learning rate as AdamW's.
+    - "prodigy": `optax.contrib.prodigy` (Mishchenko & Defazio 2023) with betas `(b1, b2)`: it estimates the step
+      size itself, and `schedule` multiplies that estimate (1.0 is the method's intended value).
+    - "lion": `optax.lion` (Chen et al. 2023) at its defaults b1 0.9, b2 0.99: `sign` updates, so the learning
+      rate is usually 3-10x below AdamW's.
+    """
+    if optimizer == "adamw":
+        return optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if optimizer == "adafactor":
+        return optax.chain(
+            optax.scale_by_factored_rms(),
+            optax.clip_by_block_rms(1.0),
+            optax.add_decayed_weights(weight_decay),
+            optax.scale_by_learning_rate(schedule),
+        )
+    if optimizer == "prodigy":
+        return optax.contrib.prodigy(schedule, betas=(b1, b2), eps=eps, weight_decay=weight_decay)
+    if optimizer == "lion":
+        return optax.lion(schedule, weight_decay=weight_decay)
+    raise ValueError(f"optimizer={optimizer!r} (--optimizer) is not one of {OPTIMIZERS}")
+
+
 def make_optimizer(
     schedule: optax.Schedule,
     *,
+    optimizer: str = "adamw",
     weight_decay: float = 1e-2,
     max_grad_norm: float | None = 1.0,
     accumulation: int = 1,
@@ -220,9 +262,11 @@ def make_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
 ):
-    """AdamW (diffusers' defaults) after global-norm clipping; `accumulation` micro-batches per update."""
+    """`update_rule(optimizer)` (default AdamW, diffusers' defaults) after global-norm clipping at `max_grad_norm`;
+    `accumulation` micro-batches per update (`optax.MultiSteps`)."""
+    rule = update_rule(optimizer, schedule, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps)
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-    tx = optax.chain(*parts, optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    tx = optax.chain(*parts, rule)
     if accumulation > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accumulation)
     return tx
@@ -248,6 +292,13 @@ def jit_step(loss_fn: Callable, optimizer, trained: str = "lora") -> Callable:
     return jax.jit(step, donate_argnums=(0,))
 
 
-def init_state(lora, optimizer) -> dict:
-    lora = jax.tree_util.tree_map(jnp.asarray, lora)
-    return {"lora": lora, "opt_state": optimizer.init(lora), "step": jnp.zeros((), jnp.int32)}
+def init_state(values, optimizer, trained: str = "lora") -> dict:
+    """`{trained: values, "opt_state": optimizer.init(values), "step": 0}`. An optimiser state leaf that is one of
+    the values' arrays (Prodigy keeps the initial values, `params0`) is copied: the step donates its state, and
+    one buffer cannot be donated twice."""
+    values = jax.tree_util.tree_map(jnp.asarray, values)
+    shared = {id(x) for x in jax.tree_util.tree_leaves(values)}
+    opt_state = jax.tree_util.tree_map(
+        lambda x: jnp.array(x, copy=True) if id(x) in shared else x, optimizer.init(values)
+    )
+    return {trained: values, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}

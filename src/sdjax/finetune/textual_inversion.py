@@ -65,7 +65,18 @@ OBJECT_TEMPLATES = (
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 A1111_SDXL_KEYS = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
 DIFFUSERS_FILES = {"text_encoder": "learned_embeds.safetensors", "text_encoder_2": "learned_embeds_2.safetensors"}
-_RESUME_KEYS = ("model", "token", "init_word", "vectors", "batch_size", "accumulation", "seed", "lr", "ema_decay")
+_RESUME_KEYS = (
+    "model",
+    "token",
+    "init_word",
+    "vectors",
+    "batch_size",
+    "accumulation",
+    "seed",
+    "lr",
+    "optimizer",
+    "ema_decay",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,32 +247,25 @@ def train_textual_inversion(
     """Train the embedding of a new token on the images of `data`; write it to `out` (A1111) and the run
     directory's `learned_embeds.safetensors` (diffusers). `options` are `TextualInversionConfig`'s fields (`token`
     and `init_word` required)."""
-    import jax
 
     from sdjax.finetune import step as step_lib
     from sdjax.finetune import validation as validation_lib
 
     cfg = TextualInversionConfig(data=str(data), out=str(out), **options)
-    cfg.check()
+    session = run_lib.Session.begin(cfg, on_step=on_step, log=log, stop_after=stop_after, resume_keys=_RESUME_KEYS)
     run_dir = cfg.run_path
-    if cfg.resume:
-        run_lib._check_resume(run_dir, cfg, _RESUME_KEYS)
-    dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))
     pipe, _, dtype = run_lib._load(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     _, rows = add_token(pipe, cfg.token, cfg.init_word, cfg.vectors, run_dir / "init.safetensors")
     params = pipe.params
     conditioning = pipe.generator.models.conditioning
     resolution = cfg.resolution or pipe.default_size[0]
-    dataset = data_lib.with_buckets(dataset, cfg.data_config(resolution))
-    log(f"{len(dataset.items)} images ({dataset.examples_per_epoch} examples per epoch), buckets {dataset.buckets}")
-    mesh = run_lib._mesh(cfg, log)
+    dataset = session.prepare(resolution)
     objective = run_lib._objective(cfg, pipe)
     models = step_lib.Models(conditioning, pipe.unet, pipe.vae, dtype, remat=cfg.gradient_checkpointing)
     frozen = {c: params[c] for c in ("unet", "vae", *conditioning.components)}
     schedule, optimizer = run_lib._optimizer(cfg)
-    rows = jax.tree_util.tree_map(jax.numpy.asarray, rows)
-    state = {"rows": rows, "opt_state": optimizer.init(rows), "step": jax.numpy.zeros((), jax.numpy.int32)}
+    state = step_lib.init_state(rows, optimizer, "rows")
     train_step = make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
     sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
 
@@ -281,21 +285,7 @@ def train_textual_inversion(
         write_a1111(cfg.out, trained, meta)
         write_diffusers(run_dir, cfg.token, trained)
 
-    losses, start, end = run_lib.run_loop(
-        cfg,
-        state,
-        frozen,
-        train_step,
-        batches,
-        mesh=mesh,
-        schedule=schedule,
-        finish=finish,
-        on_step=on_step,
-        log=log,
-        stop_after=stop_after,
-        trained="rows",
-        validate=validation_lib.make_validator(
-            cfg, pipe, lambda rows: rows_params(params, rows), (resolution, resolution), log
-        ),
+    validate = validation_lib.make_validator(
+        cfg, pipe, lambda rows: rows_params(params, rows), (resolution, resolution), log
     )
-    return run_lib.TrainResult(Path(cfg.out), run_dir, losses, start, end, dataset.skipped)
+    return session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate, trained="rows")
