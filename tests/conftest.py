@@ -103,6 +103,10 @@ LONGEST_FIRST = (
     "tests/finetune/test_finetune_textual_inversion.py",
     "tests/quant/test_pipeline.py",
     "tests/finetune/test_step_parity.py",
+    "tests/finetune/test_train_sharding.py",
+    "tests/server/test_sd3_controlnet_file_server.py",
+    "tests/server/test_comfy_two_stage.py",
+    "tests/server/test_sd3_controlnet_server.py",
 )
 
 
