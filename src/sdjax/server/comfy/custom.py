@@ -331,7 +331,24 @@ def sampler_of(name: str, scheduler: str, name_node: str, scheduler_node: str) -
     try:
         return a1111.canonical(defs.SAMPLERS[name], defs.SCHEDULERS[scheduler])
     except (schedules.UnknownScheduleError, schedules.UnsupportedScheduleError) as e:
+        flow_only = _flow_only_pair(defs.SAMPLERS[name], defs.SCHEDULERS[scheduler])
+        if flow_only is not None:  # no variance-preserving form; Flux and SD 3 run it in the k-diffusion form
+            return flow_only
         raise NodeError(scheduler_node, "value_not_in_list", f"scheduler: {scheduler!r} with {name!r}: {e}",
                         "scheduler") from None  # fmt: skip
     except a1111.UnsupportedSamplerError as e:
         raise NodeError(name_node, "value_not_in_list", f"sampler_name: {e}", "sampler_name") from None
+
+
+def _flow_only_pair(label: str, schedule_label: str) -> str | None:
+    """An A1111 (sampler, schedule) pair only the flow families run ("Euler a" with Karras sigmas:
+    `samplers.a1111.FLOW_KDIFFUSION`) as one sampler string, else None. A variance-preserving model's pipeline
+    refuses the string when the request is checked, naming the pair."""
+    from sdjax.samplers import a1111, schedules
+
+    try:
+        schedule = schedules.find_schedule(schedule_label)
+    except schedules.UnknownScheduleError:
+        return None
+    _, served = a1111.FLOW_KDIFFUSION.get(label, (None, ()))
+    return f"{label} {schedule.label}" if schedule.name in served else None
