@@ -58,13 +58,17 @@ class Chip:
     bf16_flops: float  # peak bf16 FLOP/s per chip
     hbm_bytes_per_s: float
     dims: int  # topology dimensions (2: x by y; 3: x by y by z)
+    int8_ops: float  # peak int8 OP/s per chip (the MXU's int8 x int8 -> int32 products)
 
 
+# Cloud TPU's system-architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e): bf16 275 / 197 / 459 / 918
+# TFLOP/s and int8 275 / 394 / 918 / 1836 TOP/s per chip. v4 multiplies int8 at its bf16 rate; v5e, v5p and v6e at
+# twice it. None of these chips lists an fp8 rate (fp8 products count at the bf16 rate).
 CHIPS: dict[str, Chip] = {
-    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1200e9, 3),
-    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 2),
-    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 3),
-    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 2),
+    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1200e9, 3, 275e12),
+    "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 819e9, 2, 394e12),
+    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 2765e9, 3, 918e12),
+    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 1640e9, 2, 1836e12),
 }
 
 # Cloud slice names -> libtpu topology names. v5e / v6e names count chips; v4 / v5p names count TensorCores
@@ -267,6 +271,10 @@ class Report:
     fsdp: bool = False  # large weights also split over the data axis
     cfg: bool = True  # classifier-free guidance: two rows per image in each model call
     quantize: str | None = None  # the denoiser's kernels quantized (`sdjax.quant`: int8, fp8), dequantized in it
+    quant_compute: str | None = None  # its Dense layers multiplied 8-bit x 8-bit (`QuantPolicy.compute`)
+    unet_call_quant_flops: float | None = None  # of `unet_call_flops`, those of the 8-bit x 8-bit products
+    quant_flops: float | None = None  # of `flops`, those of the 8-bit products: model calls x the call's
+    quant_peak_flops: float | None = None  # per device, the 8-bit products' datasheet rate (int8; fp8: bf16's)
 
     @property
     def total_bytes(self) -> int | None:
@@ -283,10 +291,19 @@ class Report:
         return self.error is None and self.margin_bytes is not None and self.margin_bytes >= 0
 
     @property
-    def roofline_s(self) -> float | None:
-        if self.flops is None or self.bytes_accessed is None:
+    def compute_s(self) -> float | None:
+        """The FLOPs at the datasheet rates: the 8-bit products (`quant_flops`) at theirs, the rest at bf16's."""
+        if self.flops is None:
             return None
-        return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bytes_per_s)
+        quant = self.quant_flops or 0.0
+        rest = (self.flops - quant) / self.peak_flops
+        return rest + quant / self.quant_peak_flops if quant else rest
+
+    @property
+    def roofline_s(self) -> float | None:
+        if self.compute_s is None or self.bytes_accessed is None:
+            return None
+        return max(self.compute_s, self.bytes_accessed / self.hbm_bytes_per_s)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -294,6 +311,7 @@ class Report:
             total_bytes=self.total_bytes,
             margin_bytes=self.margin_bytes,
             fits=self.fits,
+            compute_s=self.compute_s,
             roofline_s=self.roofline_s,
             roofline_images_per_s=self.batch / self.roofline_s if self.roofline_s else None,
         )
@@ -326,6 +344,11 @@ class Report:
         rows.append(("compile", f"{self.compile_s:.1f} s{unet}"))
         if self.flops is not None:
             rows.append((f"TFLOP ({self.model_calls} model calls)", f"{self.flops / 1e12:.2f}"))
+        if self.quant_flops is not None:
+            mode = self.quant_compute
+            rows.append((f"  of which {mode} x {mode} products", f"{self.quant_flops / 1e12:.2f}"))
+        if self.compute_s is not None and self.quant_flops:
+            rows.append(("compute time at peak rates", f"{self.compute_s:.3f} s"))
         if self.bytes_accessed is not None:
             rows.append(("bytes accessed", gib(int(self.bytes_accessed))))
         if self.roofline_s is not None:
@@ -344,6 +367,7 @@ class Report:
             f"{f', {self.controlnets} ControlNet(s)' if self.controlnets else ''}"
             f"{f', {self.weights_dtype} weights' if self.weights_dtype else ''}{', FSDP' if self.fsdp else ''}"
             f"{f', {self.quantize} denoiser weights' if self.quantize else ''}"
+            f"{f', {self.quant_compute} Dense products' if self.quant_compute else ''}"
             f"{'' if self.cfg else ', no CFG'}; per device:"
         )
 
@@ -368,6 +392,7 @@ def compile_for(
     weights_dtype: str | None = None,
     fsdp: bool = False,
     quantize: str | None = None,
+    quant_compute: str | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Compile generation for `target` (a TPU slice such as `"v5e-4"` or `"v5e:2x2"`) and report memory, FLOPs
@@ -387,17 +412,26 @@ def compile_for(
     the transformer's and T5's matmul kernels in that dtype, computed in `dtype`; `dtype="fp8"` is short for
     `dtype="bfloat16", weights_dtype="float8_e4m3fn"`. `fsdp` also splits the large weights over the data axis
     (`sdjax.parallel.sharding.fsdp`). `quantize` ("int8", "fp8"; `sdjax.quant`, as `from_pretrained(quantize=)`)
-    stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program."""
+    stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program.
+    `quant_compute` ("int8", "fp8"; needs `quantize` of the same scheme) multiplies its Dense layers 8-bit x 8-bit
+    (`QuantPolicy(quantize, components=(denoiser,), compute=quant_compute)`, per-call input scales); their FLOPs are
+    counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline."""
 
     import jax.numpy as jnp
 
     from sdjax.core.tasks import TASKS
     from sdjax.parallel import sharding as sharding_lib
     from sdjax.precision import resolve_dtype
-    from sdjax.quant import quantize_pipeline
+    from sdjax.quant import QuantPolicy, quantize_pipeline
 
     _check_arguments(
-        batch=batch, steps=steps, controlnets=controlnets, task=task, attention=attention, quantize=quantize
+        batch=batch,
+        steps=steps,
+        controlnets=controlnets,
+        task=task,
+        attention=attention,
+        quantize=quantize,
+        quant_compute=quant_compute,
     )
     if str(dtype).lower() in FP8_NAMES:
         dtype, weights_dtype = "bfloat16", weights_dtype or "float8_e4m3fn"
@@ -424,7 +458,10 @@ def compile_for(
     log(f"building {model} with abstract params")
     pipe, params = _abstract_pipeline(arch, jdtype, wdtype)
     if quantize:
-        pipe, params = quantize_pipeline(pipe, params, quantize)
+        policy = quantize
+        if quant_compute:
+            policy = QuantPolicy(quantize, components=(pipe.denoiser.component,), compute=quant_compute)
+        pipe, params = quantize_pipeline(pipe, params, policy)
     weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     if model_parallel is None:
         model_parallel = _default_model_parallel(n, batch, weights, chip.hbm_bytes // per_chip, fsdp=fsdp)
@@ -456,12 +493,14 @@ def compile_for(
         sampler=sampler_obj,
         cfg=cfg,
         mesh=mesh,
-        control=control,
+        features=() if control is None else (control,),
     )
     calls = int(sampler_obj.num_model_calls(steps))
 
     log(f"compiling the whole generation for {topology} ({n} devices)")
-    cost = _compile_with_cost(gen, spec, params, mesh, fsdp=fsdp, unet_cost=unet_cost, calls=calls, log=log)
+    cost = _compile_with_cost(
+        gen, spec, params, mesh, fsdp=fsdp, unet_cost=unet_cost, calls=calls, log=log, quant_compute=quant_compute
+    )
     compiled = cost.pop("compiled")
     saved = None
     if save_cache is not None and compiled is not None:
@@ -496,16 +535,28 @@ def compile_for(
         fsdp=bool(fsdp),
         cfg=cfg,
         quantize=quantize or None,
+        quant_compute=quant_compute or None,
+        quant_peak_flops=(chip.int8_ops if quant_compute == "int8" else chip.bf16_flops) / per_chip
+        if quant_compute
+        else None,
     )
 
 
-def _check_arguments(*, batch, steps, controlnets, task, attention, quantize) -> None:
+def _check_arguments(*, batch, steps, controlnets, task, attention, quantize, quant_compute=None) -> None:
     """`compile_for`'s arguments that need no model: a ValueError naming the first bad one."""
     from sdjax.core.tasks import TASKS
     from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
     from sdjax.quant import check_quantize
 
     check_quantize(quantize)
+    if quant_compute is not None:
+        if quant_compute not in ("int8", "fp8"):
+            raise ValueError(f"quant_compute={quant_compute!r}: expected 'int8', 'fp8' or None (weight-only)")
+        if quantize != quant_compute:
+            raise ValueError(
+                f"quant_compute={quant_compute!r} needs quantize={quant_compute!r} (the kernels stored in the type "
+                f"the Dense layers multiply in); quantize is {quantize!r}"
+            )
     for name, value in (("batch", batch), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")
@@ -517,10 +568,14 @@ def _check_arguments(*, batch, steps, controlnets, task, attention, quantize) ->
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
 
 
-def _compile_with_cost(gen, spec, params, mesh, *, fsdp: bool, unet_cost: bool, calls: int, log) -> dict[str, Any]:
+def _compile_with_cost(
+    gen, spec, params, mesh, *, fsdp: bool, unet_cost: bool, calls: int, log, quant_compute: str | None = None
+) -> dict[str, Any]:
     """Compile the whole program (an out-of-memory refusal is kept as `error`, with the bytes its message names)
     and, with `unet_cost`, one model call for the loop-corrected FLOPs and bytes -> the compiled executable
-    (`"compiled"`, None when refused) and the `Report` fields of memory, time and cost."""
+    (`"compiled"`, None when refused) and the `Report` fields of memory, time and cost. With `quant_compute`, the
+    model call's 8-bit x 8-bit FLOPs are counted from its jaxpr too (`quant.compute.quantized_dot_flops`); the
+    denoiser is the program's only quantized component, so the generation has `calls` times them."""
     import contextlib
 
     from sdjax.parallel import sharding as sharding_lib
@@ -542,15 +597,19 @@ def _compile_with_cost(gen, spec, params, mesh, *, fsdp: bool, unet_cost: bool, 
     memory = compiled.memory_analysis() if compiled is not None else None
     program_flops, program_bytes = _cost(compiled) if compiled is not None else (None, None)
 
-    unet_flops = unet_bytes = unet_s = None
+    unet_flops = unet_bytes = unet_s = unet_quant = None
     if unet_cost and compiled is not None:
         log("compiling one model call (the loop's body) for its FLOPs and bytes")
         t0 = time.perf_counter()
+        counts = {} if quant_compute else None
         with layout():
-            unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh))
+            unet_flops, unet_bytes = _cost(_compile_unet_call(gen, spec, params, mesh, quant_flops=counts))
         unet_s = time.perf_counter() - t0
+        unet_quant = counts[quant_compute] if quant_compute else None
     loop_extra = calls - 1
     return dict(
+        unet_call_quant_flops=unet_quant,
+        quant_flops=None if unet_quant is None else calls * unet_quant,
         compiled=compiled,
         **_memory_fields(memory),
         compile_s=compile_s,
@@ -655,17 +714,21 @@ def _abstract_controlnets(arch, dtype, count: int):
     return ControlSpec(nets=(net,) * count), (tree,) * count
 
 
-def _compile_unet_call(gen, spec, params, mesh):
+def _compile_unet_call(gen, spec, params, mesh, quant_flops: dict | None = None):
     """One model call of the loop's body (the CFG-doubled batch; with the spec's ControlNets, their residuals
-    too) compiled on `mesh` with the program's shardings."""
+    too) compiled on `mesh` with the program's shardings. `quant_flops` (a dict) receives the call's 8-bit x 8-bit
+    FLOPs per device and mode (`quant.compute.quantized_dot_flops` of its jaxpr, which is the whole batch's:
+    divided by the device count)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
+    from sdjax.core import features as feature_lib
+    from sdjax.core.loop import merge_kwargs
     from sdjax.parallel import sharding as sharding_lib
 
     models = gen.models
-    params = gen.check_params(params, control=spec.control is not None)
+    params = gen.check_params(params, features=spec.features)
     specs = sharding_lib.param_specs(params, mesh)
     placed = jax.tree_util.tree_map(
         lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), params, specs
@@ -684,14 +747,17 @@ def _compile_unet_call(gen, spec, params, mesh):
     )
     t = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=batch)
 
-    control_inputs = {k: example[k] for k in ("control_image", "control_scales") if spec.control is not None}
+    calls = int(spec.sampler.num_model_calls(spec.steps))
+    names = feature_lib.example_inputs(
+        spec.features, batch=spec.batch, height=spec.height, width=spec.width, calls=calls
+    )
+    control_inputs = {k: example[k] for k in names}
     channels = int(models.vae.config.latent_channels)
 
     def call(p, x, t, c, ctl):
-        extra = {}
-        if spec.control is not None:  # the nets' residuals, as the program's hook adds them at step 0
-            hook = spec.control.hook(p["controlnet"], ctl, cond=c, cfg=spec.cfg, latent_channels=channels)
-            extra = hook.model_kwargs(0, x, t)
+        # the features' arguments (ControlNets: the nets' residuals), as the program's hooks add them at step 0
+        hooks = [f.hook(p[f.params_key], ctl, cond=c, cfg=spec.cfg, latent_channels=channels) for f in spec.features]
+        extra = merge_kwargs(hooks, 0, x, t)
         inputs = {"guidance": jnp.ones((rows,), jnp.float32)}
         return models.denoiser.bind(p, c, inputs, cfg=spec.cfg)(x, t, **extra)
 
@@ -699,7 +765,13 @@ def _compile_unet_call(gen, spec, params, mesh):
     from sdjax.ops import attention as ops_attention
 
     with ops_attention.lowering_for(mesh.devices.flat[0].platform, mesh):  # the slice's attention choice
-        return jax.jit(call).lower(placed, x, t, *abstract).compile()
+        traced = jax.jit(call).trace(placed, x, t, *abstract)
+        if quant_flops is not None:
+            from sdjax.quant.compute import quantized_dot_flops
+
+            n = mesh.devices.size
+            quant_flops.update({k: v / n for k, v in quantized_dot_flops(traced.jaxpr).items()})
+        return traced.lower().compile()
 
 
 def _cost(compiled) -> tuple[float | None, float | None]:

@@ -59,8 +59,40 @@ QUANTIZE_OPTION = typer.Option(
 )
 
 
+QUANT_COMPUTE_OPTION = typer.Option(
+    help="Multiply the quantized denoiser's Dense layers 8-bit x 8-bit (int8: TPU v5e/v5p/v6e, fp8: H100/H200); "
+    "needs --quantize of the same type.",
+    rich_help_panel="Weights",
+)
+CALIBRATION_OPTION = typer.Option(
+    exists=True,
+    dir_okay=False,
+    help="Static input scales for --quant-compute (a quant_calibration.json written by sdjax calibrate for this "
+    "model). Default: each layer scales its input per call.",
+    rich_help_panel="Weights",
+)
+
 DTypeOpt = Annotated[DType, typer.Option(help="Weights and compute dtype.")]
 QuantizeOpt = Annotated[Quantize | None, QUANTIZE_OPTION]
+QuantComputeOpt = Annotated[Quantize | None, QUANT_COMPUTE_OPTION]
+CalibrationOpt = Annotated[Path | None, CALIBRATION_OPTION]
+
+
+def _check_quant_compute(quantize: Quantize | None, quant_compute: Quantize | None, calibration: Any = None) -> None:
+    """--quant-compute needs --quantize of the same type, --calibration needs --quant-compute: a BadParameter
+    (exit 2) naming the option, before anything is loaded or compiled."""
+    if quant_compute is not None and quantize != quant_compute:
+        given = "no --quantize" if quantize is None else f"--quantize {quantize.value}"
+        raise typer.BadParameter(
+            f"--quant-compute {quant_compute.value} multiplies kernels stored as {quant_compute.value}: give "
+            f"--quantize {quant_compute.value} ({given} was given)",
+            param_hint="--quant-compute",
+        )
+    if calibration is not None and quant_compute is None:
+        raise typer.BadParameter(
+            "a calibration holds the input scales of 8-bit products: give --quant-compute (and --quantize)",
+            param_hint="--calibration",
+        )
 
 
 def _require_extra(extra: str, *modules: str) -> None:
@@ -114,6 +146,43 @@ def _load_with_vae(model: str | None, dtype, vae: str, **kwargs: Any) -> Any:
 def _quantize_kw(quantize: Quantize | None) -> dict[str, str]:
     """`--quantize` as `load_pipeline`'s keyword (none when not given)."""
     return {"quantize": quantize.value} if quantize is not None else {}
+
+
+def _quant_options(quantize: Quantize | None, quant_compute: Quantize | None, calibration: Path | None) -> Any:
+    """--quantize / --quant-compute / --calibration checked before anything loads: the combination
+    (`_check_quant_compute`) and the calibration file (read: one that is not a calibration, or was recorded for the
+    other compute mode, is a BadParameter naming it). Returns the `sdjax.quant.Calibration`, or None."""
+    _check_quant_compute(quantize, quant_compute, calibration)
+    if calibration is None:
+        return None
+    from sdjax.quant import Calibration
+
+    try:
+        loaded = Calibration.load(calibration)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--calibration") from None
+    if loaded.compute != quant_compute.value:
+        raise typer.BadParameter(
+            f"{calibration} was recorded for {loaded.compute} products, not --quant-compute {quant_compute.value}",
+            param_hint="--calibration",
+        )
+    return loaded
+
+
+def _apply_quant_compute(pipe: Any, quant_compute: Quantize | None, calibration: Any = None) -> Any:
+    """A pipeline loaded with --quantize, its Dense layers switched to 8-bit x 8-bit products (--quant-compute)
+    with the calibration's static input scales, if any: its policy with `compute` and `calibration` set, through
+    `quantize_pipeline` (the loaded kernels are kept; a calibration of another model is refused there, naming
+    the file). The same params and program as `load_pipeline(quantize=QuantPolicy(..., compute=...))`."""
+    if quant_compute is None:
+        return pipe
+    import dataclasses
+
+    from sdjax.quant import quantize_pipeline
+
+    policy = dataclasses.replace(pipe.quantization, compute=quant_compute.value, calibration=calibration)
+    quantize_pipeline(pipe, pipe.params, policy)
+    return pipe
 
 
 # ---------------------------------------------------------------------------------------------- option parsers

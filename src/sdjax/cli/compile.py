@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sdjax.cli.common import QuantizeOpt, _parse_size, _require_extra
+from sdjax.cli.common import QuantComputeOpt, QuantizeOpt, _check_quant_compute, _parse_size, _require_extra
 
 
 def compile_(
@@ -75,6 +75,7 @@ def compile_(
         typer.Option(help="Also split the large weights over the data axis (FSDP; Flux / SD 3 on 16 GB chips)."),
     ] = False,
     quantize: QuantizeOpt = None,
+    quant_compute: QuantComputeOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
     isolate: Annotated[
         bool,
@@ -96,6 +97,7 @@ def compile_(
     except ValueError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    _check_quant_compute(quantize, quant_compute)
     _require_extra("tpu-aot", "libtpu")
     hw = _image_size(size)
     try:
@@ -118,6 +120,7 @@ def compile_(
                 save_cache=save_cache,
                 fsdp=fsdp,
                 quantize=None if quantize is None else quantize.value,
+                quant_compute=None if quant_compute is None else quant_compute.value,
                 log=lambda s: status.update(s),
             )
     except (ValueError, FileNotFoundError) as e:

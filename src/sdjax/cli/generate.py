@@ -21,15 +21,19 @@ from rich.markup import escape
 from sdjax import infotext, metadata
 from sdjax.cli import generate_options as opt
 from sdjax.cli.common import (
+    CalibrationOpt,
     DType,
     DTypeOpt,
     PromptSyntax,
+    QuantComputeOpt,
     QuantizeOpt,
     ResizeMode,
     Upscaler,
+    _apply_quant_compute,
     _jnp_dtype,
     _load_with_vae,
     _next_number,
+    _quant_options,
     _quantize_kw,
     image_grid,
     load_pipeline,
@@ -68,6 +72,8 @@ def generate(
     batch_size: opt.BatchSizeOpt = None,
     dtype: DTypeOpt = DType.float32,
     quantize: QuantizeOpt = None,
+    quant_compute: QuantComputeOpt = None,
+    calibration: CalibrationOpt = None,
     out: opt.OutOpt = Path("outputs"),
     grid: opt.GridOpt = False,
     quiet: opt.QuietOpt = False,
@@ -118,11 +124,12 @@ def _generate(o: GenerateOptions) -> None:
     )
     err = Console(stderr=True, quiet=o.quiet)
     _jnp_dtype(o.dtype)
+    calibration = _quant_options(o.quantize, o.quant_compute, o.calibration)
     timings = Timings()
     t_start = time.perf_counter()
     bars = None if o.quiet else _progress_bars(err)
     with _CompileClock() as clock, bars or _Null():
-        pipe, model_hash = _load_model(o, weights, bars, err, timings)
+        pipe, model_hash = _load_model(o, weights, bars, err, timings, calibration)
         request, refiner_pipe = _prepare(o, pipe, weights, model_hash, units, err)
         images = request.images()
         arrays = _run_batches(o, pipe, images, refiner_pipe, request, bars, err, clock, timings)
@@ -133,9 +140,10 @@ def _generate(o: GenerateOptions) -> None:
         _summary(err, timings, time.perf_counter() - t_start, len(images), request)
 
 
-def _load_model(o: GenerateOptions, weights, bars, err: Console, timings: Timings):
-    """The model (with --config and the encoder files, --vae, --quantize, its embeddings, VAE tiling/slicing) and its
-    hash; a model that does not load is a message naming what is at fault (exit 1), not a traceback."""
+def _load_model(o: GenerateOptions, weights, bars, err: Console, timings: Timings, calibration=None):
+    """The model (with --config and the encoder files, --vae, --quantize and --quant-compute with `calibration`, its
+    embeddings, VAE tiling/slicing) and its hash; a model that does not load is a message naming what is at fault
+    (exit 1), not a traceback."""
     from sdjax.cli import models as cli_models
 
     model = weights.model
@@ -157,6 +165,7 @@ def _load_model(o: GenerateOptions, weights, bars, err: Console, timings: Timing
                 if weights.vae is None
                 else _load_with_vae(model, o.dtype, weights.vae, **q)
             )
+        _apply_quant_compute(pipe, o.quant_compute, calibration)
         for path in weights.embeddings:
             pipe.load_textual_inversion(path, token=path.stem, allow_pickle=o.allow_pickle)  # A1111: file name
         model_hash = cli_models.model_hash(weights)

@@ -312,6 +312,8 @@ class GenerateOptions:
     batch_size: int | None
     dtype: DType
     quantize: Quantize | None
+    quant_compute: Quantize | None
+    calibration: Path | None
     out: Path
     grid: bool
     quiet: bool

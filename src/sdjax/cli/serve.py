@@ -15,14 +15,18 @@ from rich.markup import escape
 
 from sdjax import infotext
 from sdjax.cli.common import (
+    CalibrationOpt,
     DType,
     DTypeOpt,
+    QuantComputeOpt,
     Quantize,
     QuantizeOpt,
+    _apply_quant_compute,
     _load_with_vae,
     _mega,
     _parse_list,
     _parse_size,
+    _quant_options,
     _quantize_kw,
     _require_extra,
     load_pipeline,
@@ -208,6 +212,8 @@ class ServeOptions:
     port: int
     dtype: DType
     quantize: Quantize | None
+    quant_compute: Quantize | None
+    calibration: Path | None
     max_batch: int
     batch_sizes: str | None
     batch_window_ms: float
@@ -254,6 +260,8 @@ def serve(
     port: PortOpt = 8000,
     dtype: DTypeOpt = DType.float32,
     quantize: QuantizeOpt = None,
+    quant_compute: QuantComputeOpt = None,
+    calibration: CalibrationOpt = None,
     max_batch: MaxBatchOpt = 8,
     batch_sizes: BatchSizesOpt = None,
     batch_window_ms: BatchWindowMsOpt = 10.0,
@@ -314,11 +322,12 @@ def _serve(o: ServeOptions) -> None:
     from sdjax import server
 
     sizes, batch, users = _parse_options(o, server)
+    calibration = _quant_options(o.quantize, o.quant_compute, o.calibration)
     models = _resolve_models(o)
     _log_to_stderr(o.log_level)
     err = Console(stderr=True)
     t0 = time.perf_counter()
-    pipe = _load(o, models, err)
+    pipe = _load(o, models, err, calibration)
     for name, option in [(o.sampler, "--sampler"), *((s, "--warm-sampler") for s in o.warm_sampler or ())]:
         if name is not None:
             try:
@@ -403,17 +412,19 @@ def _log_to_stderr(log_level: str) -> None:
     logger.setLevel(log_level.upper())
 
 
-def _load(o: ServeOptions, models: _Models, err: Console):
-    """The served pipeline; one that does not load is a message (exit 1), not a traceback."""
+def _load(o: ServeOptions, models: _Models, err: Console, calibration=None):
+    """The served pipeline (--quantize, --quant-compute with `calibration`); one that does not load is a message
+    (exit 1), not a traceback."""
     model, vae_target = models.model, models.vae_target
     with err.status(f"Loading {model or 'the embedded model'}"):
         try:
             q = _quantize_kw(o.quantize)
-            return (
+            pipe = (
                 load_pipeline(model, o.dtype, **q)
                 if vae_target is None
                 else _load_with_vae(model, o.dtype, vae_target, **q)
             )
+            return _apply_quant_compute(pipe, o.quant_compute, calibration)
         except Exception as e:
             err.print(
                 f"[red]error:[/red] could not load {model or 'the embedded model'}: {escape(str(e))}",

@@ -4,7 +4,8 @@
 -> the task's initial latents and hooks -> `loop.denoise` over the window -> VAE decode. Everything that changes
 the compiled program is in the hashable `ProgramSpec` (task, batch, size, steps, sampler, guidance mode, outputs);
 everything else is an array input: prompt ids, per-image keys and guidance scales, the family's micro-conditioning,
-the task's images and masks, and the window `[start, end)` (so changing the strength does not recompile).
+the task's images and masks, the features' arrays and params (`core.features`), and the window `[start, end)` (so
+changing the strength does not recompile).
 
 `Generator` owns what is constant for a model -- the modules, the default sampler, the params -- and runs
 programs:
@@ -44,7 +45,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sdjax import rng
 from sdjax.core import autoencoder, loop
-from sdjax.core.protocols import PROMPT_SYNTAXES, Conditioning, Control, Denoiser
+from sdjax.core import features as feature_lib
+from sdjax.core.protocols import PROMPT_SYNTAXES, Conditioning, Denoiser, Feature, FeatureRequest
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.ops import attention as ops_attention
@@ -76,9 +78,19 @@ class ProgramSpec:
     previews: bool = False  # ... that also receives the current latents (progress(..., latents=))
     explicit_noise: bool = False  # the initial noise is an input instead of drawn from the keys
     text_chunks: int = 0  # A1111 prompt syntax: that many 77-token chunks per prompt, with token weights (0: plain)
-    control: Control | None = None  # a conditioning feature run as a loop hook (e.g. ControlNets), or None
+    features: tuple[Feature, ...] = ()  # conditioning features run as loop hooks, in order (`core.features`)
     vae_tiling: Any = None  # a `models.vae_tiling.VaeTiling`: encode/decode tile by tile (diffusers' VAE tiling)
     vae_slicing: int = 0  # encode/decode this many images at a time (`models.vae_slicing`); 0: the whole batch
+
+    def __post_init__(self):
+        object.__setattr__(self, "features", feature_lib.check(self.features))
+
+    @property
+    def control(self) -> Feature | None:
+        """The one feature of a spec that has at most one (the earlier single slot), else an error."""
+        if len(self.features) > 1:
+            raise ValueError(f"this spec has {len(self.features)} features: read spec.features")
+        return self.features[0] if self.features else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -139,11 +151,11 @@ def program(
         encode=encode,
     )
     latents, hooks = spec.task.prepare(ctx, inputs)
-    if spec.control is not None:
-        control = spec.control.hook(
-            params["controlnet"], inputs, cond=cond, cfg=spec.cfg, latent_channels=shape[1], encode=encode
+    for feature in spec.features:  # after the task's hooks, in the spec's order
+        hook = feature.hook(
+            params[feature.params_key], inputs, cond=cond, cfg=spec.cfg, latent_channels=shape[1], encode=encode
         )
-        hooks = [*hooks, control]
+        hooks = [*hooks, hook]
     # Everything constant over the loop (prepared kernels, embeddings, token ids) is computed here, once.
     model = models.denoiser.bind(params, cond, inputs, cfg=spec.cfg)
 
@@ -398,24 +410,29 @@ class Generator:
     def _params_key(self, params: Any, spec: ProgramSpec):
         """What a compiled program fixes of the params it reads: their tree, shapes and dtypes (params passed with
         `params=` in another dtype, or quantized, get their own program instead of failing the cached one's)."""
-        checked = self.check_params(self.params if params is None else params, control=spec.control is not None)
+        checked = self.check_params(self.params if params is None else params, features=spec.features)
         return _tree_key(checked)
 
     def _with_kernels(self, placed: dict, mesh: Mesh) -> dict:
         """Placed (or abstract) params with the prepared Winograd kernels, where they are kept (CPU meshes)."""
         return self.kernels.add(placed) if self._keeps_kernels(mesh) else placed
 
-    def check_params(self, params: Any, *, control: bool = False) -> dict:
-        """The components the program reads from `params` (with `control`, also `params["controlnet"]`)."""
+    def check_params(self, params: Any, *, features: Sequence[Feature] = ()) -> dict:
+        """The entries the program reads from `params`: the model's components and each feature's
+        `params_key`."""
         if params is None:
             raise ValueError("no params: pass params= or load the pipeline with from_pretrained")
         if not isinstance(params, dict):
             raise TypeError(f"params must be the dict returned by from_pretrained, got {type(params).__name__}")
-        components = (*self.models.components(), *(("controlnet",) if control else ()))
+        components = self.models.components()
         missing = [k for k in components if k not in params]
         if missing:
             raise KeyError(f"params is missing component(s) {missing}; pass the params from from_pretrained")
-        return {k: params[k] for k in components}
+        keys = feature_lib.params_keys(features, components)
+        for f, key in zip(features, keys):
+            if key not in params:
+                raise KeyError(f"params has no {key!r} entry, which the {f.name} feature reads: set params[{key!r}]")
+        return {k: params[k] for k in (*components, *keys)}
 
     # ------------------------------------------------------------------ specs and windows
     def spec(
@@ -434,13 +451,15 @@ class Generator:
         explicit_noise: bool = False,
         previews: bool = False,
         text_chunks: int = 0,
-        control=None,
+        features: Sequence[Feature] = (),
+        control: Feature | None = None,
         mesh: Mesh | None = None,
         vae_slice: int | None = None,
     ) -> ProgramSpec:
         """The program for these settings, with the generator's VAE tiling and slicing. With slicing on, a slice is
         `vae_slice` images (default: one per device of the data axis of `mesh`, default the generator's; the
-        per-device programs of `pmap` pass 1)."""
+        per-device programs of `pmap` pass 1). `control` is one more feature after `features` (the earlier
+        single-feature argument)."""
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r} must be one of {list(OUTPUTS)}")
         return ProgramSpec(
@@ -457,7 +476,7 @@ class Generator:
             explicit_noise=bool(explicit_noise),
             previews=bool(previews) and bool(interactive),
             text_chunks=int(text_chunks),
-            control=control,
+            features=(*features, *(() if control is None else (control,))),
             vae_tiling=self.vae_tiling,
             vae_slicing=(vae_slice or (mesh or self.get_mesh()).shape[sharding_lib.DATA]) if self.vae_slicing else 0,
         )
@@ -484,7 +503,7 @@ class Generator:
         `jax.ShapeDtypeStruct`s (nothing allocated: shapes from the config, e.g. for a TPU topology); they are
         placed, or given shardings, by the rules table. `inputs` are example host arrays, used for their shapes."""
         mesh = mesh or self.get_mesh()
-        params = self.check_params(self.params if params is None else params, control=spec.control is not None)
+        params = self.check_params(self.params if params is None else params, features=spec.features)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params)):
             specs = sharding_lib.param_specs(params, mesh)
             placed = jax.tree_util.tree_map(
@@ -518,7 +537,7 @@ class Generator:
         def build():
             latents_spec = dataclasses.replace(spec, output="latents")
             main = self.lower(latents_spec, params=params, mesh=mesh, inputs=inputs).compile()
-            checked = self.check_params(self.params if params is None else params, control=spec.control is not None)
+            checked = self.check_params(self.params if params is None else params, features=spec.features)
             vae = self.place_params(checked, mesh)["vae"]
             decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling, spec.vae_slicing)
             return main, self._decoder(decode, vae, main.output_shardings[0], mesh)
@@ -567,10 +586,21 @@ class Generator:
             )
         if spec.explicit_noise:
             out["noise"] = np.zeros((n, self.models.latent_channels, spec.height // f, spec.width // f), np.float32)
-        if spec.control is not None:
-            calls = int(spec.sampler.num_model_calls(spec.steps))
-            out.update(spec.control.example_inputs(batch=n, height=spec.height, width=spec.width, calls=calls))
+        calls = int(spec.sampler.num_model_calls(spec.steps))
+        out.update(
+            feature_lib.example_inputs(
+                spec.features, batch=n, height=spec.height, width=spec.width, calls=calls, taken=out
+            )
+        )
         return out
+
+    def feature_inputs(
+        self, spec: ProgramSpec, requests: Sequence[FeatureRequest], *, start: int, end: int, taken: dict
+    ) -> dict[str, Any]:
+        """The input arrays of a call's feature requests (the features of `spec`, in order) for the window
+        `[start, end)`, checked against each other and against the program's other inputs `taken`."""
+        calls = int(spec.sampler.num_model_calls(spec.steps))
+        return feature_lib.request_inputs(spec.features, requests, start=start, end=end, calls=calls, taken=taken)
 
     # ------------------------------------------------------------------ running
     def run(
@@ -598,7 +628,7 @@ class Generator:
         neg_ids: np.ndarray | None = None,
         cfg: bool | None = None,
         prompt_syntax: str | None = None,
-        control: Any = None,
+        features: Sequence[FeatureRequest] = (),
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` float32 in [0, 1] (or latents `(N, C, h, w)` with `output="latents"`).
 
@@ -609,8 +639,8 @@ class Generator:
         replace the tokenization of `prompts`/`negative_prompts`. `cfg` (default: whether any guidance scale exceeds
         1) computes the unconditional branch. `prompt_syntax="a1111"` reads prompts as AUTOMATIC1111 does
         (emphasis, BREAK, chunks of 75 tokens; `sdjax.text.prompt_syntax`) where the conditioning accepts it
-        (`Conditioning.accepts_prompt_syntax`). `control` (a request whose `spec` is a `protocols.Control`, e.g.
-        `families.sd.controlnet.ControlRequest`) adds its loop hook; its params go in as `params["controlnet"]`.
+        (`Conditioning.accepts_prompt_syntax`). `features` (`protocols.FeatureRequest`s) add their features' loop
+        hooks, in order; each request's params go in as `params[request.spec.params_key]`.
         Raises `Cancelled` when `should_stop()` returned True between two model calls.
         """
         task = task or TaskRequest(Txt2Img())
@@ -681,14 +711,12 @@ class Generator:
             explicit_noise=noise is not None,
             previews=wants_latents(progress),
             text_chunks=chunks,
-            control=None if control is None else control.spec,
+            features=tuple(r.spec for r in features),
         )
         start, end = self.window(spec, task)
-        params = self.check_params(self.params if params is None else params)
-        if control is not None:
-            params = {**params, "controlnet": tuple(control.params)}
-            calls = int(spec.sampler.num_model_calls(steps))
-            host.update({k: _pad(v, pad) for k, v in control.arrays(start=start, end=end, calls=calls).items()})
+        params = feature_lib.with_params(self.check_params(self.params if params is None else params), features)
+        extra = self.feature_inputs(spec, features, start=start, end=end, taken=host)
+        host.update({k: _pad(v, pad) for k, v in extra.items()})
         executable, decode = self.executables(spec, params=params, inputs=host)
         placed = self.place_params(params, mesh)
         inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}

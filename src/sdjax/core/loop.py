@@ -6,7 +6,7 @@
     for i in [start, end):
         x_in   = scale_model_input(x, i), doubled for classifier-free guidance (uncond first)
         x_in   = hook.model_input(i, x_in)          # e.g. concatenate mask + masked-image latents (inpainting models)
-        extra  = hook.model_kwargs(i, x_in, t)      # e.g. ControlNet residuals
+        extra  = hook.model_kwargs(i, x_in, t)      # e.g. a conditioning network's residuals
         out    = model(x_in, t, **extra)
         guided = uncond + g (cond - uncond), optionally rescaled (Lin et al. 2023, sec. 3.4)
         x      = sampler.step(x, guided, noise of step i)
@@ -101,7 +101,7 @@ def _host(fn: Callable[..., bool], n_scalars: int, latents_shape: tuple[int, ...
     return call
 
 
-def _merge_kwargs(hooks: Sequence[Hook], step, x_in, t) -> dict[str, Any]:
+def merge_kwargs(hooks: Sequence[Hook], step, x_in, t) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for hook in hooks:
         for name, value in hook.model_kwargs(step, x_in, t).items():
@@ -149,7 +149,7 @@ def denoise(
             x_in = jnp.concatenate([x_in, x_in])
         for hook in hooks:
             x_in = hook.model_input(i, x_in)
-        out = model(x_in, t, **_merge_kwargs(hooks, i, x_in, t)).astype(jnp.float32)
+        out = model(x_in, t, **merge_kwargs(hooks, i, x_in, t)).astype(jnp.float32)
         guided = guide(out, guidance, cfg=cfg, rescale=guidance_rescale)
         noise = step_noise(sampler, keys, i, st, x.shape) if sampler.stochastic else None
         x, st = sampler.step(st, guided, i, x, noise=noise)

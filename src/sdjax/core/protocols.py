@@ -1,13 +1,14 @@
-"""The contracts the generation core speaks to: a family's `Denoiser` and its `Conditioning`, and a `Control`
-feature (a conditioning feature that joins the loop as a hook).
+"""The contracts the generation core speaks to: a family's `Denoiser` and its `Conditioning`, and `Feature`s
+(conditioning or task features that join the loop as hooks) with the `FeatureRequest`s that carry their per-call
+params and arrays.
 
 The core (`generator.program`, `loop.denoise`, the tasks) never names a model architecture. A model family
 (`sdjax.families`) supplies:
 
 - a `Conditioning`: prompts -> host arrays (`text_inputs`, `host_inputs`), and inside the program those arrays ->
-  an opaque conditioning value `cond` (`encode`), which only the family's own denoiser (and its own features, such
-  as a `Control`) reads. It also says which prompt syntaxes it reads (`accepts_prompt_syntax`) and which options
-  take one value per image (`per_image_options`, padded with the batch by the generator);
+  an opaque conditioning value `cond` (`encode`), which only the family's own denoiser (and its own features)
+  reads. It also says which prompt syntaxes it reads (`accepts_prompt_syntax`) and which options take one value
+  per image (`per_image_options`, padded with the batch by the generator);
 - a `Denoiser`: the network that predicts from noisy latents, behind one call. `bind(params, cond, inputs, cfg=)`
   runs once per program, outside the loop (preparing kernels, embeddings, packing ids), and returns
   `model(x_in, t, **kwargs)`: latents `(rows, in_channels, h, w)` in the sampler's layout (NCHW, unpacked) and the
@@ -16,6 +17,14 @@ The core (`generator.program`, `loop.denoise`, the tasks) never names a model ar
 
 This is k-diffusion's "one denoiser contract" for a jitted world: everything family-specific is decided when the
 program is traced, nothing at run time.
+
+A `Feature` is everything one conditioning feature adds to a program, in one object: it is hashable and sits in
+`ProgramSpec.features` (the compile key); inside the program it reads its own params entry
+(`params[feature.params_key]`) and its own input arrays and returns a loop `Hook`; `example_inputs` gives the
+shapes of those arrays for compiling ahead. The per-call side is a `FeatureRequest`: the feature (`spec`), its
+params, and `arrays(start=, end=, calls=)`, the host arrays of one call. The generator checks both before
+anything is compiled: names and params keys unique among a program's features, every params key present, and no
+input array named twice (by two features, or by a feature and the program's own inputs).
 
 A conditioning that reads `prompt_syntax="a1111"` (`accepts_prompt_syntax("a1111")`) returns from
 `text_inputs(..., syntax="a1111")` the token weights too (`weights`, `neg_weights`) and the chunk count (`chunks`,
@@ -86,12 +95,15 @@ class Denoiser(Protocol):
 
 
 @runtime_checkable
-class Control(Protocol):
-    """A conditioning feature that joins the program as a loop hook (ControlNet: `families.sd.controlnet`).
+class Feature(Protocol):
+    """A conditioning or task feature that joins the program as a loop hook (see the module docstring).
 
-    Hashable and static: it is part of the compile key (`ProgramSpec.control`). Its params go in as
-    `params["controlnet"]`; its per-image arrays are program inputs (the request object's `arrays`), of the shapes
-    `example_inputs` gives."""
+    Hashable and static: it is part of the compile key (`ProgramSpec.features`). Its params are `params[params_key]`
+    (given with the model's params, or by its `FeatureRequest`); its per-image arrays are program inputs (the
+    request's `arrays`), of the shapes `example_inputs` gives, under keys no other feature and no program input use."""
+
+    name: str  # for messages; unique among the features of one program
+    params_key: str  # the params entry its hook reads; unique among the features of one program
 
     def hook(
         self,
@@ -104,11 +116,27 @@ class Control(Protocol):
         encode: Callable[[jax.Array, int], jax.Array] | None = None,
     ) -> Hook:
         """Inside the program: the loop hook, from the feature's params, the program inputs and the family's
-        `cond` (which the feature, made for that family, reads). `encode(images_nchw, stream)` is the program's
+        `cond` (which a feature made for that family may read). `encode(images_nchw, stream)` is the program's
         VAE encoder (images in [-1, 1] -> the denoiser's latents, the posterior sample drawn from each image's key
-        and the noise stream `stream`), for a feature that conditions on latents (SD 3's ControlNets)."""
+        and the noise stream `stream`), for a feature that conditions on latents."""
         ...
 
     def example_inputs(self, *, batch: int, height: int, width: int, calls: int) -> dict[str, np.ndarray]:
         """Zero program inputs of the shapes a program of `calls` model calls takes (for compiling ahead)."""
+        ...
+
+
+Control = Feature  # the earlier name of the single feature slot (kept for code that imports it)
+
+
+@runtime_checkable
+class FeatureRequest(Protocol):
+    """One call's side of a `Feature`: the feature, its params (put in the program's params under
+    `spec.params_key`) and its per-image host arrays (leading dimension the batch)."""
+
+    spec: Feature
+    params: Any
+
+    def arrays(self, *, start: int, end: int, calls: int) -> dict[str, Any]:
+        """The program inputs for the window `[start, end)` of a schedule of `calls` model calls."""
         ...

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -145,6 +146,9 @@ def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
             f"{sorted(p.name for p in req.folder.iterdir())})"
         )
     config = model_config(spec, read_json(config_path), source=str(config_path))
+    saved = load_saved_quantized(req, model_cls.init_params_shape(config))
+    if saved is not None:  # written by `save_quantized_components`: the float weights are not read
+        return model_cls(config=config, dtype=req.dtype), saved
     weights = files.select_weight_files(req.folder, variant=req.variant)
     component = f"{req.name} ({req.folder})"
     if weights.format == "flax":
@@ -166,6 +170,83 @@ def load_model(spec: ModelSpec, req: LoadRequest) -> tuple[Any, dict]:
         quantize=req.quantize,
         params_key=req.name,
     )
+
+
+# ---------------------------------------------------------------------------------------------- saved quantized params
+QUANTIZED_FILE = "sdjax_quantized.{scheme}.safetensors"  # in a component's folder, beside its float weights
+
+
+def quantized_file(folder: str | os.PathLike, component: str, scheme: str) -> Path:
+    """Where a pipeline folder keeps `component`'s params quantized with `scheme`: `folder/component/` +
+    `QUANTIZED_FILE` (not a weight-file name: diffusers and `files.select_weight_files` pass it by)."""
+    return Path(folder) / component / QUANTIZED_FILE.format(scheme=scheme)
+
+
+def _made_with(policy: Any, dtype: Any, variant: str | None) -> dict[str, str]:
+    """What a saved quantized file must have been made with to equal quantizing on load: the policy's selection
+    (`min_size`, `exclude`; the scheme is in the file's name, `compute` changes no stored value), the params dtype
+    the kernels were cast to before quantizing, and the weights' variant."""
+    return {
+        "min_size": str(policy.min_size),
+        "exclude": json.dumps(list(policy.exclude)),
+        "dtype": jnp.dtype(dtype).name,
+        "variant": variant or "",
+    }
+
+
+def load_saved_quantized(req: LoadRequest, shapes: Any) -> dict | None:
+    """`req.name`'s params from its folder's saved quantized file, or None when `req.quantize` does not name the
+    component or the folder has no file for its scheme (the float weights are then read and quantized).
+
+    A file made otherwise than this load would quantize (another `min_size` / `exclude`, another dtype or
+    variant) is refused with a ValueError naming the file and the difference, rather than read or passed over:
+    its kernels would not be the ones asked for, and a stale file left beside the weights is better found. A load
+    without `quantize` never looks at it. `shapes`: the model's abstract params (the file must hold exactly
+    those leaves, `quant.files.load_quantized(like=)`)."""
+    policy = req.quantize
+    if policy is None or req.name not in policy.components:
+        return None
+    path = req.folder / QUANTIZED_FILE.format(scheme=policy.scheme)
+    if not path.is_file():
+        return None
+    from sdjax.quant import files as quant_files
+
+    meta = quant_files.read_metadata(path)
+    want = _made_with(policy, req.dtype, req.variant)
+    made = {k: meta.get(k) for k in want}
+    if made != want:
+        diff = ", ".join(f"{k} {made[k]!r} there, {want[k]!r} here" for k in want if made[k] != want[k])
+        raise ValueError(
+            f"quantized params file {path} was made for another load of {req.name} ({diff}); load with the "
+            "settings it was made with, or remove it (or write it again: sdjax convert FOLDER --quantize ...)"
+        )
+    loaded, _ = quant_files.load_quantized(path, like={req.name: shapes}, scheme=policy.scheme)
+    if set(loaded) != {req.name}:
+        raise ValueError(f"quantized params file {path} holds {sorted(loaded)}, expected only {req.name!r}")
+    logger.info("%s: quantized params read from %s", req.folder, path.name)
+    return loaded[req.name]
+
+
+def save_quantized_components(
+    folder: str | os.PathLike, params: Mapping[str, Any], policy: Any, *, dtype: Any, variant: str | None = None
+) -> list[Path]:
+    """Write each of `policy.components`' quantized params (a pipeline's `params` after loading with
+    `quantize=policy` at `dtype` from `folder`'s weights of `variant`) into `folder` (`quantized_file`), where
+    `from_pretrained(folder, dtype=dtype, variant=variant, quantize=...)` with the same selection reads them
+    instead of the float weights. Each file is written beside its target and moved in when complete."""
+    from sdjax.quant import files as quant_files
+
+    written = []
+    for component in policy.components:
+        path = quantized_file(folder, component, policy.scheme)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"{folder}: no component folder {component}/ to write {path.name} into")
+        one = dataclasses.replace(policy, components=(component,), calibration=None)
+        tmp = path.with_name(path.name + ".tmp")
+        quant_files.save_quantized({component: params[component]}, tmp, one, metadata=_made_with(one, dtype, variant))
+        tmp.replace(path)
+        written.append(path)
+    return written
 
 
 def load_model_from(

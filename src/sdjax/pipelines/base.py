@@ -234,13 +234,15 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         output: str = "images",
         prompt_syntax: str | None = None,
         control=None,
+        features: Sequence = (),
         **conditioning,
     ) -> np.ndarray:
         """Images `(N, H, W, 3)` uint8 (`output="float"`: float32 in [0, 1]; `output="latents"`: the final latents
         `(N, C, h, w)` float32); image `i` uses
         key `fold_in(PRNGKey(seeds[i]), image_indices[i])`. The batch is padded to `pad_to` (or the next multiple
         of the device count) and sharded over the mesh's `data` axis; padding images are dropped. `control` (from
-        `sdjax.pipelines.controlnet.control_request`) adds ControlNet conditioning. Raises
+        `sdjax.pipelines.controlnet.control_request`) adds ControlNet conditioning; `features` are further
+        `core.protocols.FeatureRequest`s (the ControlNet's runs after them). Raises
         `sdjax.core.Cancelled` when `should_stop()` returns True between two denoising steps."""
         n = len(prompts)
         if not (len(negative_prompts) == len(seeds) == len(image_indices) == len(guidance_scales) == n):
@@ -278,7 +280,7 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
             progress=progress,
             should_stop=should_stop,
             prompt_syntax=prompt_syntax,
-            control=control,
+            features=(*features, *(() if control is None else (control,))),
         )
         if output == "latents":
             return out

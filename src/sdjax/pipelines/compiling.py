@@ -64,8 +64,8 @@ class CompileMixin:
             from sdjax.pipelines.controlnet import control_spec
 
             control, trees = control_spec(self, None if controlnet is True else controlnet, None, guess_mode)
-            spec = dataclasses.replace(spec, control=control)
-            params = {**self.generator.check_params(self.params), "controlnet": trees}
+            spec = dataclasses.replace(spec, features=(control,))
+            params = {**self.generator.check_params(self.params), control.params_key: trees}
         return self.generator.executables(spec, params=params)
 
     def warmup(

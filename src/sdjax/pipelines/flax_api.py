@@ -77,7 +77,7 @@ class FlaxGuideMixin:
                 ids=np.asarray(call.prompt_ids),
                 cfg=True,
                 neg_ids=None if call.neg_prompt_ids is None else np.asarray(call.neg_prompt_ids),
-                control=call.control,
+                features=call.features,
             )
             return np.array(out)
         ndev, bs = lead
@@ -112,15 +112,14 @@ class FlaxGuideMixin:
             sampler=self.scheduler,
             explicit_noise=call.noise is not None,
             output=call.output,
-            control=None if call.control is None else call.control.spec,
+            features=tuple(r.spec for r in call.features),
             vae_slice=1,  # a per-device program
         )
         start, end = gen.window(spec, task)
-        if call.control is not None:
-            host.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
+        host.update(gen.feature_inputs(spec, call.features, start=start, end=end, taken=host))
         inputs = {k: v.reshape((ndev, bs) + v.shape[1:]) for k, v in host.items()}
         win = {"start": np.int32(start), "end": np.int32(end)}
-        params = gen.check_params(call.params, control=call.control is not None)
+        params = gen.check_params(call.params, features=spec.features)
         out, _ = gen.pmapped(spec)(params, inputs, win)
         return np.array(out)
 
@@ -159,14 +158,13 @@ class FlaxGuideMixin:
             sampler=self.scheduler,
             explicit_noise=call.noise is not None,
             output=call.output,
-            control=None if call.control is None else call.control.spec,
+            features=tuple(r.spec for r in call.features),
             vae_slice=1,  # a per-device program
         )
         start, end = gen.window(spec, call.task)
         if call.start is not None:
             start = call.start
-        if call.control is not None:
-            inputs.update(call.control.arrays(start=start, end=end, calls=int(spec.sampler.num_model_calls(steps))))
+        inputs.update(gen.feature_inputs(spec, call.features, start=start, end=end, taken=inputs))
         win = {"start": jnp.asarray(start, jnp.int32), "end": jnp.int32(end)}
         out, _ = program(gen.models, spec, call.params, inputs, win)
         return out
@@ -177,7 +175,7 @@ class FlaxGuideMixin:
             common.check_static(name, v)
         common.check_steps(steps)
         common.check_size(height, width, self._size_multiple())
-        self.generator.check_params(call.params, control=call.control is not None)
+        self.generator.check_params(call.params, features=tuple(r.spec for r in call.features))
         if jit:
             leaf = jax.tree_util.tree_leaves(call.params[self.denoiser.component])[0]
             if leaf.ndim == 0 or leaf.shape[0] != jax.local_device_count():
@@ -263,4 +261,4 @@ class GuideCall:
     output: str = "images"
     start: Any = None  # an explicit first model call (the traced `_generate(start_timestep)`)
     traced: bool = False
-    control: Any = None  # a `families.sd.controlnet.ControlRequest` (the ControlNet guide class)
+    features: tuple = ()  # `core.protocols.FeatureRequest`s (the ControlNet guide class: its ControlRequest)

@@ -138,7 +138,7 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
             neg_prompt_ids,
             TaskRequest(Txt2Img()),
             noise=latents,
-            control=self._control(params, image, scale, int(np.prod(np.shape(scale))), traced=traced),
+            features=(self._control(params, image, scale, int(np.prod(np.shape(scale))), traced=traced),),
             **options,
         )
 

@@ -89,12 +89,20 @@ def _policy_of(params: Mapping[str, Any], policy: params_lib.QuantPolicy | None)
 
 
 def save_quantized(
-    params: Mapping[str, Any], path: str | os.PathLike, policy: params_lib.QuantPolicy | None = None
+    params: Mapping[str, Any],
+    path: str | os.PathLike,
+    policy: params_lib.QuantPolicy | None = None,
+    *,
+    metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Write the quantized components of `params` (a pipeline's params after `quantize_pipeline`; `policy`: the
     `QuantPolicy` they were quantized with, or None to take the components holding quantized kernels and their
-    scheme) to the safetensors file `path`: every leaf of those components, bit for bit."""
+    scheme) to the safetensors file `path`: every leaf of those components, bit for bit. `metadata`: more string
+    fields for the header (a loader's record of what the file was made from; `read_metadata` returns them)."""
     policy = _policy_of(params, policy)
+    extra = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise TypeError(f"save_quantized(metadata={metadata!r}): expected string keys and values")
     flat = {}
     for c in policy.components:
         flat.update(_flatten(params[c], c))
@@ -120,6 +128,10 @@ def save_quantized(
         "components": json.dumps(list(policy.components)),
         "policy": json.dumps(fields),
     }
+    clash = sorted(set(extra) & set(header["__metadata__"]))
+    if clash:
+        raise ValueError(f"save_quantized(metadata=...): {clash} are the file's own fields")
+    header["__metadata__"].update(extra)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as f:
@@ -146,6 +158,18 @@ def _read_header(path: str) -> tuple[dict[str, Any], dict[str, str], int]:
         raise ValueError(f"quantized params file {path}: its safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
     return header, meta, 8 + n
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The safetensors metadata of a file written by `save_quantized` (its own fields and the caller's
+    `metadata=`), read from the header alone; a file that is not one is refused naming it."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"quantized params file {path} does not exist")
+    _, meta, _ = _read_header(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an sdjax quantized params file (its metadata 'format' is not {FORMAT!r})")
+    return dict(meta)
 
 
 def _check_like(path: str, flat: Mapping[str, tuple[Any, tuple[int, ...]]], like: Mapping[str, Any], components):

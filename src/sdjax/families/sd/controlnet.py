@@ -22,15 +22,16 @@ Per model call `i` of the window `[start, end)` (n = calls - start, j = i - star
   its residuals are exactly 0 then, as diffusers' multiplied ones.
 - SDXL ControlNets (`addition_embed_type="text_time"`) take the UNet's pooled text embedding and time ids.
 
-The core sees a `ControlSpec` through `core.protocols.Control` only (`ProgramSpec.control`: `hook`,
-`example_inputs`) and a `ControlRequest` in `Generator.run(control=)`.
+The core sees a `ControlSpec` through `core.protocols.Feature` only (in `ProgramSpec.features`: `name`,
+`params_key`, `hook`, `example_inputs`) and a `ControlRequest` as a `core.protocols.FeatureRequest` in
+`Generator.run(features=)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,9 @@ INPUTS = ("control_image", "control_scales")
 class ControlSpec:
     """The static part of ControlNet conditioning (part of the compile key): the net modules, in order, and guess
     mode. `params["controlnet"]` holds one param tree per net (a list or tuple; a single tree for one net)."""
+
+    name: ClassVar[str] = "controlnet"  # (`core.protocols.Feature`)
+    params_key: ClassVar[str] = "controlnet"
 
     nets: tuple[Any, ...]
     guess_mode: bool = False

@@ -1,5 +1,5 @@
 """ControlNet for Stable Diffusion 3 / 3.5: diffusers' `StableDiffusion3ControlNetPipeline` (with one net, or several
-as `SD3MultiControlNetModel`) as the SD 3 family's `core.protocols.Control`, in diffusers 0.42.1.
+as `SD3MultiControlNetModel`) as the SD 3 family's `core.protocols.Feature`, in diffusers 0.42.1.
 
 The control image is resized to the output size (Lanczos), scaled to [-1, 1] and encoded by the pipeline's VAE
 inside the program; the net reads those latents, not pixels:
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,9 @@ class SD3ControlSpec:
     `use_pos_embed` false net already given the transformer's config), and `latent_offset`, added to the VAE
     encoder's latents: `shift_factor * scaling_factor` for nets trained on latents without the shift (InstantX's),
     else 0. `params["controlnet"]` holds one param tree per net."""
+
+    name: ClassVar[str] = "controlnet"  # (`core.protocols.Feature`)
+    params_key: ClassVar[str] = "controlnet"
 
     nets: tuple[Any, ...]
     latent_offset: float = 0.0
