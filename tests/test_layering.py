@@ -34,6 +34,7 @@ LAYERS = {
     "models_dir": 6,
     "bench": 6,
     "aot": 6,
+    "aot_report": 6,
     "finetune": 6,  # `sdjax train`: the CLI registers its sub-app; the runtime never imports it
     "cli": 7,
     "server": 7,

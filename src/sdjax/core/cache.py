@@ -1,0 +1,116 @@
+"""The bounded cache of compiled programs (`Generator.cache`): executables kept least recently used first out,
+beyond a count or a budget of generated-code bytes; evicted executables are freed."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    evictions: int = 0
+
+
+class ProgramCache:
+    """Compiled executables, least recently used out beyond `max_entries` or `max_bytes` of generated code."""
+
+    def __init__(self, max_entries: int = 16, max_bytes: int | None = None):
+        if max_entries < 1:
+            raise ValueError(f"max_entries={max_entries} must be at least 1")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        # key -> (value, ((executable, its generated code bytes), ...)): sizes measured once, when built
+        self._entries: collections.OrderedDict[Any, tuple[Any, tuple]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[Any, threading.Event] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Generated code of the cached executables, each counted once (program pairs share decode executables)."""
+        seen: dict[int, int] = {}
+        for _, parts in self._entries.values():
+            seen.update((id(exe), n) for exe, n in parts)
+        return sum(seen.values())
+
+    def get(self, key, build: Callable[[], Any]):
+        """The executable for `key`, built (outside the lock; one builder per key) when missing."""
+        while True:
+            with self._lock:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    self.stats.hits += 1
+                    return self._entries[key][0]
+                event = self._building.get(key)
+                if event is None:
+                    event = self._building[key] = threading.Event()
+                    self.stats.misses += 1
+                    break
+            event.wait()
+        try:
+            value = build()
+            exes = value if isinstance(value, tuple) else (value,)  # a split pair: (loop, decode)
+            parts = tuple((exe, _code_bytes(exe)) for exe in exes if exe is not None)
+            with self._lock:
+                self.stats.compiles += 1
+                self._entries[key] = (value, parts)
+                self._evict()
+            return value
+        finally:
+            with self._lock:
+                self._building.pop(key, None)
+            event.set()
+
+    def _evict(self) -> None:
+        evicted = False
+        while len(self._entries) > self.max_entries or (
+            self.max_bytes is not None and len(self._entries) > 1 and self.nbytes > self.max_bytes
+        ):
+            self._entries.popitem(last=False)
+            self.stats.evictions += 1
+            evicted = True
+        if evicted:
+            release_memory()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.stats.evictions += len(self._entries)
+            self._entries.clear()
+
+
+def release_memory() -> None:
+    """Return freed heap pages to the system (glibc's `malloc_trim`): an evicted executable's memory is freed by
+    XLA, but the allocator keeps most of it in its arenas otherwise (benchmarks/bench_compile_cache.py)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
+
+
+def _code_bytes(executable) -> int:
+    try:
+        analysis = executable.memory_analysis()
+        return int(getattr(analysis, "generated_code_size_in_bytes", 0) or 0)
+    except Exception:  # not every backend reports it
+        return 0
