@@ -49,9 +49,13 @@ def calibrate(
     prompts_file: Annotated[
         Path | None, typer.Option(exists=True, dir_okay=False, help="A text file of prompts, one per line.")
     ] = None,
-    compute: Annotated[Quantize, typer.Option(help="The Dense layers' 8-bit products: int8 (TPU) or fp8 (GPU).")] = (
-        Quantize.int8
-    ),
+    compute: Annotated[
+        Quantize,
+        typer.Option(
+            "--quant-compute",
+            help="The Dense layers' 8-bit products (weights quantized the same way): int8 (TPU) or fp8 (GPU).",
+        ),
+    ] = Quantize.int8,
     steps: Annotated[int, typer.Option(min=1, help="Sampling steps of the calibration run.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed of the calibration images.")] = 0,
     dtype: DTypeOpt = DType.float32,
