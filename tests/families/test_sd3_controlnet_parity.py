@@ -2,8 +2,8 @@
 inputs it refuses.
 
 The tiny SD 3 pipeline of tests/sd3_reference.py gets a 4-block transformer (blocks 0-2 add ControlNet samples, the
-last, context pre-only block none) and one of two tiny random `SD3ControlNetModel`s, both saved as real diffusers
-folders and given to `generate(controlnet=FOLDER)`:
+last, context pre-only block none) and one of two tiny random `SD3ControlNetModel`s (`NETS` of
+tests/sd3_controlnet_builders.py), both saved as real diffusers folders and given to `generate(controlnet=FOLDER)`:
 - "instantx": 2 joint blocks (one dual-attention, q/k RMSNorm) with its own `pos_embed_max_size` table and the
   defaults InstantX's SD 3 nets have: zero pooled embeddings, control latents without the VAE shift; with 4
   transformer blocks the interval is 2 (blocks 0, 1 add sample 0, block 2 sample 1);
@@ -30,6 +30,7 @@ import pytest
 import sd3_reference
 import t5_reference
 from controlnet_cases import control_images, one_torch_thread
+from sd3_controlnet_builders import NETS, PIPELINE_RANDOM, pipeline_net, randomized
 
 from sdjax import rng
 from sdjax.models.sd3_controlnet import SD3ControlNetConfig, SD3ControlNetModel
@@ -45,51 +46,12 @@ SIZE = 32
 MAX_SEQ = 24
 GUIDANCE = 5.0
 WINDOW = dict(controlnet_conditioning_scale=0.7, control_guidance_start=0.2, control_guidance_end=0.8)
-T = sd3_reference.TRANSFORMER
-NET = {k: T[k] for k in ("sample_size", "patch_size", "in_channels", "attention_head_dim", "num_attention_heads")}
-NET.update(pooled_projection_dim=T["pooled_projection_dim"], out_channels=16)
-NETS = {
-    "instantx": {
-        **NET,
-        "num_layers": 2,
-        "joint_attention_dim": T["joint_attention_dim"],
-        "caption_projection_dim": T["caption_projection_dim"],
-        "pos_embed_max_size": 12,
-        "dual_attention_layers": (0,),
-        "qk_norm": "rms_norm",
-    },
-    "sd35-large": {
-        **NET,
-        "num_layers": 3,
-        "joint_attention_dim": None,
-        "caption_projection_dim": 48,
-        "pos_embed_max_size": None,
-        "pos_embed_type": None,
-        "use_pos_embed": False,
-        "force_zeros_for_pooled_projection": False,
-    },
-}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch_on_one_thread():
     with one_torch_thread():
         yield
-
-
-def _randomized(model, seed: int):
-    """Random weights where diffusers starts at zero (and non-trivial RMSNorms, a random position table)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("pos_embed_input.", "controlnet_blocks.")):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            elif "norm_q" in name or "norm_k" in name or "norm_added" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-        pos = getattr(model, "pos_embed", None)
-        if pos is not None and getattr(pos, "pos_embed", None) is not None:
-            pos.pos_embed.copy_(0.5 * torch.randn(pos.pos_embed.shape, generator=g))
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -100,19 +62,18 @@ def models(tmp_path_factory):
     tok = t5_reference.write_t5_tokenizer(tmp_path_factory.mktemp("t5-tokenizer"))
     components = sd3_reference.sd3_pipeline(seed=0, tokenizer_dir=tok).components
     torch.manual_seed(11)
-    components["transformer"] = _randomized(diffusers.SD3Transformer2DModel(**{**T, "num_layers": 4}), 11)
+    transformer = diffusers.SD3Transformer2DModel(**{**sd3_reference.TRANSFORMER, "num_layers": 4})
+    components["transformer"] = randomized(transformer, 11, **PIPELINE_RANDOM)
     folder = tmp_path_factory.mktemp("tiny-sd3-4-blocks")
     diffusers.StableDiffusion3Pipeline(**components).save_pretrained(folder, safe_serialization=True)
     pipe, _ = StableDiffusion3Pipeline.from_pretrained(str(folder))
     nets = {}
     for seed, (kind, config) in enumerate(NETS.items()):
-        torch.manual_seed(20 + seed)
-        net = _randomized(diffusers.SD3ControlNetModel(**config), 20 + seed)
+        net = pipeline_net(config, 20 + seed)
         net_folder = tmp_path_factory.mktemp(f"sd3-controlnet-{kind}")
         net.save_pretrained(net_folder, safe_serialization=True)
         nets[kind] = (net, net_folder)
-    torch.manual_seed(30)  # a second InstantX-like net, for two nets at once
-    net = _randomized(diffusers.SD3ControlNetModel(**NETS["instantx"]), 30)
+    net = pipeline_net(NETS["instantx"], 30)  # a second InstantX-like net, for two nets at once
     second = tmp_path_factory.mktemp("sd3-controlnet-second")
     net.save_pretrained(second, safe_serialization=True)
     nets["second"] = (net, second)

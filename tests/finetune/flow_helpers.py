@@ -1,7 +1,7 @@
-"""Helpers of the flow-matching LoRA tests (Flux.1, SD 3): the tiny diffusers pipelines saved as folders, a peft
-LoRA on diffusers' transformer, and the loss of diffusers' `train_dreambooth_lora_flux.py` /
-`train_dreambooth_lora_sd3.py` written out as the scripts compute it (their lines, on given latents, noise, `u`
-and text states instead of their random draws and encoders)."""
+"""Helpers of the flow-matching LoRA tests (Flux.1, SD 3): the tiny diffusers pipelines saved as folders, a short
+`train_lora` run on them, a peft LoRA on diffusers' transformer, and the loss of diffusers'
+`train_dreambooth_lora_flux.py` / `train_dreambooth_lora_sd3.py` written out as the scripts compute it (their lines,
+on given latents, noise, `u` and text states instead of their random draws and encoders)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ def save_sd3(tmp_path_factory, tokenizer_dir):
     folder = tmp_path_factory.mktemp("sd3")
     torch_pipe.save_pretrained(folder, safe_serialization=True)
     return torch_pipe, folder
+
+
+def tiny_lora_run(data, out, folder, *, size: int, **options):
+    """`finetune.train_lora` of the saved tiny pipeline `folder` on the images in `data`: batches of two at `size`
+    pixels without bucketing, the LoRA written to `out` (`options`: steps, rank, alpha, lr, ... as `train_lora`
+    takes them)."""
+    from sdjax.finetune import train_lora
+
+    return train_lora(data, out, model=str(folder), batch_size=2, resolution=size, bucketing=False, **options)
 
 
 def peft_transformer(torch_transformer, targets, rank: int, alpha: float, seed: int = 0):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flow_helpers import lora_from_peft, peft_transformer, save_flux, script_loss, worst_grad_error
+from flow_helpers import lora_from_peft, peft_transformer, save_flux, script_loss, tiny_lora_run, worst_grad_error
 from typer.testing import CliRunner
 
 from sdjax.finetune import flow, flow_models
@@ -159,25 +159,13 @@ def _images(folder, n: int = 4):
 @pytest.fixture(scope="module")
 def trained(flux, tmp_path_factory):
     """A 16-update Flux dev LoRA trained through `train_lora` (the family picked from the folder)."""
-    from sdjax.finetune import train_lora
-
     _, folder, _, _ = flux["dev"]
     tmp = tmp_path_factory.mktemp("flux-run")
     data = _images(tmp / "data")
-    result = train_lora(
-        data,
-        tmp / "sks.safetensors",
-        model=str(folder),
-        steps=16,
-        rank=RANK,
-        alpha=ALPHA,
-        lr=1e-2,
-        batch_size=2,
-        resolution=SIZE,
-        bucketing=False,
-        max_sequence_length=MAX_SEQ,
-        seed=1,
-    )
+    result = tiny_lora_run(
+        data, tmp / "sks.safetensors", folder, size=SIZE, steps=16, rank=RANK, alpha=ALPHA, lr=1e-2,
+        max_sequence_length=MAX_SEQ, seed=1,
+    )  # fmt: skip
     return result, data
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flow_helpers import lora_from_peft, peft_transformer, save_sd3, script_loss, worst_grad_error
+from flow_helpers import lora_from_peft, peft_transformer, save_sd3, script_loss, tiny_lora_run, worst_grad_error
 
 from sdjax.finetune import flow, flow_models
 
@@ -92,7 +92,6 @@ def test_a_run_writes_the_file_diffusers_draws_alike(sd3, tmp_path):
     from PIL import Image
 
     from sdjax import rng
-    from sdjax.finetune import train_lora
 
     torch_pipe, folder, pipe, _ = sd3
     data = tmp_path / "data"
@@ -101,19 +100,10 @@ def test_a_run_writes_the_file_diffusers_draws_alike(sd3, tmp_path):
         img = np.full((SIZE, SIZE, 3), (30, 60, 220 - 40 * i), np.uint8)
         Image.fromarray(img).save(data / f"b{i}.png")
         (data / f"b{i}.txt").write_text("sks blue")
-    result = train_lora(
-        data,
-        tmp_path / "sd3.safetensors",
-        model=str(folder),
-        steps=6,
-        rank=RANK,
-        alpha=ALPHA,
-        lr=2e-2,
-        batch_size=2,
-        resolution=SIZE,
-        bucketing=False,
+    result = tiny_lora_run(
+        data, tmp_path / "sd3.safetensors", folder, size=SIZE, steps=6, rank=RANK, alpha=ALPHA, lr=2e-2,
         max_sequence_length=MAX_SEQ,
-    )
+    )  # fmt: skip
     assert len(result.losses) == 6 and np.all(np.isfinite(result.losses))
 
     prompts, negative, seed = ["sks blue", "a red circle"], ["", "green"], 3

@@ -3,11 +3,11 @@
 
 diffusers 0.42.1 has no `SD3ControlNetModel.from_single_file`; it converts these files once with
 `scripts/convert_sd3_controlnet_to_diffusers.py`. The test writes its files by inverting that script's mapping
-(`to_sai`, from a tiny random diffusers `SD3ControlNetModel`'s state dict) and checks the inversion against the
-script's forward mapping (`from_sai`, which reads the key names of the released `sd3.5_large_controlnet_*.safetensors`:
-`transformer_blocks.N.attn.qkv`, `.adaLN_modulation.1`, ...). The file then loads to the folder net's config and
-params exactly, and to diffusers' block samples (the net run with the transformer's patch embedding, as diffusers'
-pipeline runs it) to 1e-5 relative.
+(tests/sd3_controlnet_builders.py's `to_sai`, from a tiny random diffusers `SD3ControlNetModel`'s state dict) and
+checks the inversion against the script's forward mapping (`from_sai`, which reads the key names of the released
+`sd3.5_large_controlnet_*.safetensors`: `transformer_blocks.N.attn.qkv`, `.adaLN_modulation.1`, ...). The file then
+loads to the folder net's config and params exactly, and to diffusers' block samples (the net run with the
+transformer's patch embedding, as diffusers' pipeline runs it) to 1e-5 relative.
 
 The tiny net keeps the released nets' structure (single blocks, no text, the transformer's patch embedding) with
 heads 64 wide, as the released nets (no tensor stores the head count; 2 heads here, so a wrong head split shows).
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
+from sd3_controlnet_builders import SCRIPT_BLOCK, randomized, rel_err, tiny_transformer, write_sai_file
 
 from sdjax.loading.controlnet import load_controlnet
 from sdjax.loading.single_file import UnknownArchitectureError
@@ -35,19 +36,7 @@ diffusers = pytest.importorskip("diffusers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 REL_TOL = 1e-5
-TRANSFORMER = dict(
-    sample_size=8,
-    patch_size=2,
-    in_channels=4,
-    num_layers=1,
-    attention_head_dim=64,
-    num_attention_heads=2,
-    joint_attention_dim=40,
-    caption_projection_dim=128,
-    pooled_projection_dim=24,
-    out_channels=4,
-    pos_embed_max_size=12,
-)
+TRANSFORMER = tiny_transformer(num_layers=1, attention_head_dim=64)
 # What diffusers' converter builds (its fixed numbers scaled down; `caption_projection_dim` the pooled width as there).
 NET = dict(
     patch_size=2,
@@ -66,14 +55,6 @@ NET = dict(
 )
 LATENT_H, LATENT_W = 16, 12
 
-# diffusers' script, block part: file name -> diffusers name (`attn.qkv` is split in three row blocks).
-_SCRIPT_BLOCK = {
-    "attn.proj": "attn.to_out.0",
-    "mlp.fc1": "ff.net.0.proj",
-    "mlp.fc2": "ff.net.2",
-    "adaLN_modulation.1": "norm1.linear",
-}
-
 
 def from_sai(sd: dict, num_layers: int) -> dict:
     """diffusers' `convert_sd3_controlnet_checkpoint_to_diffusers` (the script's mapping, restated): what it reads from
@@ -85,7 +66,7 @@ def from_sai(sd: dict, num_layers: int) -> dict:
             q, k, v = torch.chunk(sd[f"transformer_blocks.{i}.attn.qkv.{leaf}"], 3, dim=0)
             for name, part in (("to_q", q), ("to_k", k), ("to_v", v)):
                 out[f"transformer_blocks.{i}.attn.{name}.{leaf}"] = part
-            for src, dst in _SCRIPT_BLOCK.items():
+            for src, dst in SCRIPT_BLOCK.items():
                 out[f"transformer_blocks.{i}.{dst}.{leaf}"] = sd[f"transformer_blocks.{i}.{src}.{leaf}"]
     for leaf in ("weight", "bias"):
         out[f"pos_embed_input.proj.{leaf}"] = sd[f"pos_embed_input.proj.{leaf}"]
@@ -96,46 +77,8 @@ def from_sai(sd: dict, num_layers: int) -> dict:
     return out
 
 
-def to_sai(sd: dict, control_type: int = 1) -> dict:
-    """A diffusers `SD3ControlNetModel` state dict -> the released files' layout (the inverse of `from_sai`), with
-    Stability's `control_type` tag (1: canny)."""
-    out = {"control_type": torch.tensor([control_type], dtype=torch.int32)}
-    blocks = sorted({int(k.split(".")[1]) for k in sd if k.startswith("transformer_blocks.")})
-    for i in blocks:
-        p = f"transformer_blocks.{i}."
-        for leaf in ("weight", "bias"):
-            out[f"{p}attn.qkv.{leaf}"] = torch.cat([sd[f"{p}attn.{n}.{leaf}"] for n in ("to_q", "to_k", "to_v")])
-            for src, dst in _SCRIPT_BLOCK.items():
-                out[f"{p}{src}.{leaf}"] = sd[f"{p}{dst}.{leaf}"]
-    for k, v in sd.items():
-        if not k.startswith("transformer_blocks."):
-            out[k] = v
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
-
-
-def randomized(model, seed: int):
-    """Random weights where diffusers starts at zero (else the net's samples are 0 and prove nothing)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith(("pos_embed_input.", "controlnet_blocks.")):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return model.eval()
-
-
-def write_sai_file(net, path: Path) -> Path:
-    """`net` (a diffusers SD3ControlNetModel) saved as Stability's single file at `path`."""
-    safetensors_torch.save_file(to_sai(net.state_dict()), str(path))
-    return path
-
-
 def _flat(tree) -> dict:
     return {"/".join(k): np.asarray(v) for k, v in flatten_dict(tree).items()}
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 @pytest.fixture(scope="module")

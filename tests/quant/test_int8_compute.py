@@ -13,16 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compute_helpers import dense_operands, images_against_weight_only, net_by_hand, quantized_net
 
 from sdjax import quant
 from sdjax.pipelines.auto import load_pipeline
 from sdjax.quant import compute as C
 from sdjax.quant import modules as M
 from sdjax.quant import params as P
-
-
-def _f64(a):
-    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
 
 
 def _int8_reference(x, q, scale, b, amax=None):
@@ -36,11 +33,7 @@ def _int8_reference(x, q, scale, b, amax=None):
 
 
 def test_dense_int8_is_the_product_of_the_quantized_operands():
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(3.0 * rng.standard_normal((2, 5, 64)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((64, 48)) / 8, jnp.float32)
-    b = jnp.asarray(rng.standard_normal(48), jnp.float32)
-    q, scale = quant.scheme.quantize_kernel(w, "int8")
+    x, w, b, q, scale = dense_operands("int8")
     assert q.dtype == jnp.int8
     y = C.dense_quantized(x, q, scale, b, jnp.float32)
     expected = _int8_reference(x, q, scale, b)
@@ -80,44 +73,25 @@ def test_a_static_range_scales_and_saturates():
     assert float(s0) == 1.0 and q0.dtype == jnp.int8 and not np.any(np.asarray(q0))
 
 
-class _Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(96, name="big")(x)  # 64 x 96 = 6144 weights: quantized with min_size 4096
-        x = nn.Conv(96, (3,), name="conv")(x)  # a 3-D kernel: weight-only
-        return nn.Dense(8, name="small")(jax.nn.gelu(x))  # 96 x 8 = 768: below min_size, untouched
-
-
 def _int8_dots(hlo: str) -> list[str]:
     return [line for line in hlo.splitlines() if "dot_general" in line and "xi8>" in line]
 
 
 def test_only_int8_dense_kernels_take_the_int8_product():
-    net = _Net()
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 64))
-    params = net.init(jax.random.PRNGKey(1), x)["params"]
-    policy = P.QuantPolicy("int8", components=("m",), min_size=4096, compute="int8")
-    qp = P.quantize_tree(params, policy, "m")
+    net, x, params, qp = quantized_net("int8")
     assert qp["big"]["kernel"].dtype == jnp.int8 and qp["conv"]["kernel"].dtype == jnp.int8
     assert qp["small"]["kernel"].dtype == jnp.float32
 
     def run(compute, **kw):
         return jax.jit(lambda p, x: M.DequantizingModule(net, jnp.float32, compute, **kw).apply({"params": p}, x))
 
-    deq = P.dequantize_tree(qp, jnp.float32)
-
-    def by_hand(amax=None):  # the big layer's int8 product, then the dequantized conv and the float small layer
-        h = C.dense_quantized(
-            x, qp["big"]["kernel"], qp["big"]["kernel_scale"], params["big"]["bias"], jnp.float32, amax
-        )
-        h = nn.Conv(96, (3,)).apply({"params": deq["conv"]}, h)
-        return nn.Dense(8).apply({"params": deq["small"]}, jax.nn.gelu(h))
-
-    np.testing.assert_allclose(run("int8")(qp, x), by_hand(), rtol=1e-5, atol=1e-5)
+    # by hand: the big layer's int8 product, then the dequantized conv and the float small layer
+    np.testing.assert_allclose(run("int8")(qp, x), net_by_hand(x, params, qp), rtol=1e-5, atol=1e-5)
     assert float(jnp.max(jnp.abs(run("int8")(qp, x) - run(None)(qp, x)))) > 1e-4  # the input rounding shows
     # a static range for the layer by its module path
     amax = 0.8 * float(jnp.max(jnp.abs(x)))
-    np.testing.assert_allclose(run("int8", amax={"big": amax})(qp, x), by_hand(amax), rtol=1e-5, atol=1e-5)
+    by_hand = net_by_hand(x, params, qp, amax)
+    np.testing.assert_allclose(run("int8", amax={"big": amax})(qp, x), by_hand, rtol=1e-5, atol=1e-5)
 
     assert len(_int8_dots(run("int8").lower(qp, x).as_text())) == 1  # the big layer's
     assert not _int8_dots(run(None).lower(qp, x).as_text())
@@ -165,22 +139,9 @@ def test_the_embedded_unet_has_an_int8_dot_for_each_selected_dense_layer():
 
 
 def test_the_embedded_model_with_int8_compute_stays_close_to_weight_only_int8():
-    prompts, kw = ["a red circle on a blue background"], dict(steps=6, seed=0, output_type="np")
-    pipe, _ = load_pipeline(None, quantize=P.QuantPolicy("int8", components=("unet",), compute="int8"))
-    ref_pipe, _ = load_pipeline(None, quantize="int8")
-    out, ref = pipe.generate(prompts, **kw), ref_pipe.generate(prompts, **kw)
+    _, out, ref = images_against_weight_only("int8")
     err = np.abs(out - ref)
-    print(f"int8 compute vs weight-only int8: mean abs {err.mean():.4f}, max {err.max():.4f}")
     assert out.shape == ref.shape and 0 < float(err.mean()) < 0.02
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(scheme="fp8", compute="int8"), r"compute='int8' needs scheme='int8'"),
-        (dict(scheme="int8", compute="int4"), r"QuantPolicy.compute='int4'"),
-    ],
-)
-def test_bad_compute_is_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        P.QuantPolicy(**kwargs)
+# (bad compute policies, int8's among them: test_fp8_compute.test_bad_compute_is_refused)

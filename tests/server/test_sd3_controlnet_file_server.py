@@ -5,7 +5,7 @@ takes a ControlNet: the server's `--controlnet-dir` (A1111 units, ComfyUI's Cont
 A tiny SD 3 model whose transformer has heads 64 wide (as every SD 3 / 3.5 MMDiT; a Stability file does not store
 its head count) and a tiny random SD 3.5-large-like `SD3ControlNetModel` (single blocks, no text, the transformer's
 patch embedding), saved both as a diffusers folder and as Stability's single file
-(`tests/loading/test_sd3_controlnet_file.write_sai_file`, the inverse of diffusers' conversion script). The folder
+(`tests/sd3_controlnet_builders.write_sai_file`, the inverse of diffusers' conversion script). The folder
 stays outside the served folder, which holds the file, an SD 1.x ControlNet single file (original layout) and a
 Flux ControlNet file:
 - the A1111 unit and the ComfyUI workflow naming the file give the Python API's image with the folder net (the same
@@ -27,6 +27,7 @@ import sd3_reference
 import t5_reference
 from controlnet_cases import one_torch_thread
 from PIL import Image
+from sd3_controlnet_builders import NETS, pipeline_net, randomized, write_sai_file
 from test_comfy_real import upload
 from test_sd3_controlnet_server import SETTINGS, STEPS, _a1111_body, _app, _decoded, _png, _quiet, _workflow
 from test_server_errors import assert_error
@@ -36,13 +37,9 @@ from sdjax import cli
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS / "families"))
-sys.path.insert(0, str(TESTS / "loading"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loading"))
 from ldm_fixtures import controlnet_to_original
 from test_comfy_families import run
-from test_sd3_controlnet_file import randomized, write_sai_file
-from test_sd3_controlnet_parity import NETS, _randomized
 
 A1111 = "/sdapi/v1/txt2img"
 SIZE = 32
@@ -67,8 +64,7 @@ def nets(tmp_path_factory):
     root = tmp_path_factory.mktemp("controlnets")
     folder = tmp_path_factory.mktemp("sd35-controlnet-folder")
     with one_torch_thread():
-        torch.manual_seed(21)
-        net = _randomized(diffusers.SD3ControlNetModel(**NET), 21)
+        net = pipeline_net(NET, 21)
         net.save_pretrained(folder, safe_serialization=True)
         write_sai_file(net, root / "sd35_canny.safetensors")
         sd_net = diffusers.ControlNetModel(**SD_NET)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ import sd3_reference
 import t5_reference
 from controlnet_cases import one_torch_thread, torch_controlnet
 from PIL import Image
+from sd3_controlnet_builders import NETS, pipeline_net
 from test_comfy_families import refused, run
 from test_comfy_real import upload
 from test_server_errors import assert_error
@@ -32,9 +32,6 @@ from sdjax import cli, infotext
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
-from test_sd3_controlnet_parity import NETS, _randomized  # the tiny SD 3 nets of the parity tests
 
 A1111 = "/sdapi/v1/txt2img"
 STEPS = 4
@@ -59,8 +56,7 @@ def nets(tmp_path_factory, torch_sd1):
     """`sd3_canny`: an SD 3 net that fits the tiny SD 3 transformer; `sd15_canny`: a net of the tiny SD 1.x UNet."""
     root = tmp_path_factory.mktemp("controlnets")
     with one_torch_thread():
-        torch.manual_seed(20)
-        net = _randomized(diffusers.SD3ControlNetModel(**NETS["instantx"]), 20)
+        net = pipeline_net(NETS["instantx"], 20)
         net.save_pretrained(root / "sd3_canny", safe_serialization=True)
         torch_controlnet(torch_sd1.unet, 11).save_pretrained(root / "sd15_canny", safe_serialization=True)
     return root

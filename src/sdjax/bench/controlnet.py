@@ -3,10 +3,14 @@ diffusers side by side.
 
 One step is one model call of the loop with classifier-free guidance (a `2B` batch): with K > 0 nets, the K
 ControlNets on the doubled batch (the control image repeated for both halves) and then the UNet with the summed
-residuals -- in sdjax `families.sd.controlnet.ControlSpec(...).hook(...).model_kwargs` followed by the UNet, as
-`core.loop` runs it (the UNet's params prepared once outside the step, `ops.conv.prepare`); in PyTorch what
-`StableDiffusionControlNetPipeline` runs per step (`ControlNetModel`, or `MultiControlNetModel` for K > 1, then
-`UNet2DConditionModel` with `down_block_additional_residuals` / `mid_block_additional_residual`).
+residuals. In sdjax the nets reach the step as any feature reaches a generation: one
+`families.sd.controlnet.ControlRequest` (a `core.protocols.FeatureRequest`, every net at scale 1 for the one model
+call) whose params and input arrays `core.features` checks and puts in (`check`, `params_keys`, `with_params`,
+`request_inputs`, as `Generator.run` does), then inside the step the features' hooks built from
+`params[feature.params_key]` and their arguments merged by `core.loop.merge_kwargs` (as `core.loop` and
+`aot.py`'s one-call program do), then the UNet (its params prepared once outside the step, `ops.conv.prepare`).
+In PyTorch: what `StableDiffusionControlNetPipeline` runs per step (`ControlNetModel`, or `MultiControlNetModel`
+for K > 1, then `UNet2DConditionModel` with `down_block_additional_residuals` / `mid_block_additional_residual`).
 
 Weights are random (`models.presets`): the UNet of `arch` and ControlNets shaped like it (diffusers'
 `ControlNetModel.from_unet` keys). The K nets share one weight set on each side (the memory of one net, the
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +39,9 @@ from sdjax.bench import (
     worker_stdout,
 )
 from sdjax.models.presets import ARCHITECTURES, random_params
+
+if TYPE_CHECKING:
+    from sdjax.families.sd.controlnet import ControlRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +100,30 @@ def _inputs(cfg: ControlNetBenchConfig, unet: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _request(net: Any, net_params: Any, image: np.ndarray, k: int) -> ControlRequest:
+    """`k` copies of `net` (sharing `net_params`) as one ControlNet feature request: each acts at scale 1 over the
+    whole schedule, on `image` `(B, 3, H, W)` for every net."""
+    from sdjax.families.sd.controlnet import ControlRequest, ControlSpec
+
+    batch = image.shape[0]
+    return ControlRequest(
+        spec=ControlSpec((net,) * k),
+        params=(net_params,) * k,
+        images=np.repeat(image[:, None], k, axis=1),  # (B, K, 3, H, W)
+        scales=np.ones((batch, k), np.float32),
+        starts=np.zeros((batch, k)),
+        ends=np.ones((batch, k)),
+    )
+
+
 def run(cfg: ControlNetBenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Time one step for each number of nets in `cfg.controlnets`; returns the JSON-able result."""
     cfg.validate()
     import jax
     import jax.numpy as jnp
 
-    from sdjax.families.sd.controlnet import ControlSpec
+    from sdjax.core import features as feature_lib
+    from sdjax.core.loop import merge_kwargs
     from sdjax.models.controlnet import ControlNetConfig, ControlNetModel
     from sdjax.models.unet import UNet2DConditionConfig, UNet2DConditionModel
     from sdjax.ops import conv as ops_conv
@@ -132,22 +156,25 @@ def run(cfg: ControlNetBenchConfig, log: Callable[[str], None] = lambda s: None)
     }
     # Every program is compiled before the PyTorch worker starts: its weights never meet XLA's compile-time peak.
     programs = {}
+    step_inputs = {"x": x, "t": t, "context": context, **added}  # the step's own inputs (no feature may take them)
     for k in cfg.controlnets:
         log(f"compiling one step with {k} ControlNet(s)")
-        images = jnp.asarray(np.repeat(host["image"][:, None], k, axis=1))  # (B, K, 3, H, W)
-        scales = jnp.ones((cfg.batch, 1, k), jnp.float32)  # every net on at the (only) step
+        requests = (_request(net, net_params, host["image"], k),) if k else ()
+        features = feature_lib.check([r.spec for r in requests])
+        feature_lib.params_keys(features, components=("unet",))
+        params = feature_lib.with_params({"unet": unet_params}, requests)
+        arrays = feature_lib.request_inputs(features, requests, start=0, end=1, calls=1, taken=step_inputs)
+        arrays = {name: jnp.asarray(v) for name, v in arrays.items()}  # on the device once, not per timed call
 
-        def step(unet_p, nets_p, x, t, context, added, images, scales, k=k):
-            kwargs = {}
-            if k:
-                hook = ControlSpec((net,) * k).hook(
-                    nets_p, {"control_image": images, "control_scales": scales},
-                    cond=(context, added), cfg=True, latent_channels=x.shape[1],
-                )  # fmt: skip
-                kwargs = hook.model_kwargs(0, x, t)
-            return unet.apply({"params": unet_p}, x, t, context, **added, **kwargs)
+        def step(params, x, t, context, added, arrays, features=features):
+            hooks = [
+                f.hook(params[f.params_key], arrays, cond=(context, added), cfg=True, latent_channels=x.shape[1])
+                for f in features
+            ]
+            kwargs = merge_kwargs(hooks, 0, x, t)  # the loop's arguments at its first model call
+            return unet.apply({"params": params["unet"]}, x, t, context, **added, **kwargs)
 
-        args = (unet_params, (net_params,) * k, x, t, context, added, images, scales)
+        args = (params, x, t, context, added, arrays)
         programs[f"controlnets={k}"] = (k, args, *_compile(step, *args))
     worker = None
     if cfg.torch:
