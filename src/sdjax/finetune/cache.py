@@ -16,12 +16,15 @@ diffusers' `train_text_to_image_sdxl.py` `compute_vae_encodings`).
 - Cost: one VAE pass per view before training (one compiled encoder per bucket shape, one image at a time); the
   cache is float32 host memory, `C x h/8 x w/8` per view (SD 1.x 512 px: 64 KiB; SDXL 1024 px: 256 KiB; twice
   that with `flip`). It is rebuilt by every call (not stored in the run directory).
+- Several processes (`finetune.distributed`): each process builds the whole cache (any view can fall in its rows at
+  some step, and the views are not exchanged between hosts), then takes only its own rows of each micro-batch from
+  it (`LatentCache.batch(..., rows)`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,9 +49,10 @@ class LatentCache:
     latents: dict[tuple[int, bool], np.ndarray]
     time_ids: dict[tuple[int, bool], np.ndarray]
 
-    def batch(self, sampler: data_lib.Sampler, step: int) -> dict:
-        """Micro-batch `step` from the cache: `latents (B, C, h, w)`, `time_ids (B, 6)`, `captions` (list)."""
-        plan = sampler.plan(step)
+    def batch(self, sampler: data_lib.Sampler, step: int, rows: Sequence[int] | None = None) -> dict:
+        """Micro-batch `step` from the cache: `latents (B, C, h, w)`, `time_ids (B, 6)`, `captions` (list); only
+        the rows `rows` of it when given (`Sampler.load`)."""
+        plan = sampler.plan(step, rows)
         views = [(i, flipped) for i, (_, _, flipped), _ in plan]
         return {
             "latents": np.stack([self.latents[v] for v in views]),

@@ -13,7 +13,8 @@ repeat folders, aspect-ratio buckets, crop / flip, caption dropout and tag shuff
   bucketing every image is cropped to `resolution x resolution`.
 - `Sampler`: the batches of epoch `e` are a pure function of `(seed, e)` (each batch from one bucket, short ones
   filled from the same bucket), and each example's crop, flip, caption dropout and tag shuffle a pure function of
-  `(seed, step, index)`, so a run resumed at step k reads exactly what the unbroken run read.
+  `(seed, step, index)`, so a run resumed at step k reads exactly what the unbroken run read, and a process of a
+  multi-host run can open only its own rows of a batch (`Sampler.load(step, rows)`) and get what one host gets.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import math
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -277,23 +279,33 @@ class Sampler:
         epoch, within = divmod(int(step), n)
         return list(self.epoch_batches(epoch)[within]), epoch
 
-    def plan(self, step: int) -> list[tuple[int, tuple[int, int, bool], str]]:
-        """Micro-batch `step` without opening an image: per example `(item index, (top, left, flipped), caption)`,
-        the very draws of `load` (a latent cache's batches)."""
+    def _rows(self, step: int, rows: Sequence[int] | None) -> list[tuple[int, int]]:
+        """`(row, item index)` of micro-batch `step`'s rows `rows` (None: all of them)."""
         indices, _ = self.batch(step)
+        if rows is None:
+            return list(enumerate(indices))
+        bad = [j for j in rows if not 0 <= j < len(indices)]
+        if bad:
+            raise IndexError(f"rows {bad} of a micro-batch of {len(indices)} examples")
+        return [(j, indices[j]) for j in rows]
+
+    def plan(self, step: int, rows: Sequence[int] | None = None) -> list[tuple[int, tuple[int, int, bool], str]]:
+        """Micro-batch `step` without opening an image: per example `(item index, (top, left, flipped), caption)`,
+        the very draws of `load` (a latent cache's batches); `rows` as in `load`."""
         out = []
-        for j, i in enumerate(indices):
+        for j, i in self._rows(step, rows):
             rng = np.random.default_rng((self.seed, int(step), j, 11))
             item = self.dataset.items[i]
             choices = example_choices(item, self.cfg, rng)
             out.append((i, choices, process_caption(item.caption, self.cfg, rng)))
         return out
 
-    def load(self, step: int) -> dict:
-        """Micro-batch `step`: `pixels (B, 3, h, w)`, `time_ids (B, 6)`, `captions` (list), `paths`."""
-        indices, _ = self.batch(step)
+    def load(self, step: int, rows: Sequence[int] | None = None) -> dict:
+        """Micro-batch `step`: `pixels (B, 3, h, w)`, `time_ids (B, 6)`, `captions` (list), `paths`. With `rows`
+        (indices into the micro-batch) only those examples are opened, each with the draws it has in the whole
+        batch (a process of a multi-host run builds the rows of its own devices: `finetune.distributed`)."""
         pixels, time_ids, captions, paths = [], [], [], []
-        for j, i in enumerate(indices):
+        for j, i in self._rows(step, rows):
             rng = np.random.default_rng((self.seed, int(step), j, 11))
             item = self.dataset.items[i]
             try:

@@ -4,10 +4,12 @@
     sdjax train lora --data DIR --out star.safetensors --coordinator 10.0.0.1:1234 --num-processes N --process-id I
     sdjax train lora --data DIR --out star.safetensors --distributed      # TPU pods, SLURM: JAX finds the rest
 
-Every process runs the same loop on the same data order (the samplers are seeded), so each one can build the whole
-global batch on its host; `place` hands each process's devices their part of it (`make_array_from_callback`),
-and the compiled step sums the gradients over all devices as it does on one host. The state and the frozen params
-are replicated on every device. Only process 0 writes the run directory's logs, config, plots and the output
+Every process runs the same loop on the same data order (the samplers are seeded), so each one knows the whole
+global batch without reading it: it opens only the rows its own devices hold (`local_rows`, from the batch's
+sharding) and `place_rows` joins every process's rows into the global array (`make_array_from_process_local_data`);
+the compiled step sums the gradients over all devices as it does on one host. (A trainer whose batches are not built
+by rows gives every process the whole batch, and `place` hands each device its part.) The state and the frozen
+params are replicated on every device. Only process 0 writes the run directory's logs, config, plots and the output
 files; orbax's checkpoints are written by all processes together (they must see the same run directory: a shared
 file system). Not with several processes: validation images and DreamBooth's class-image generation (each is a
 generation on one process's devices), which are refused before anything compiles.
@@ -18,6 +20,7 @@ On CPU the cross-process sums need a collectives backend: `initialize` turns on 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -75,5 +78,34 @@ def place(tree: Any, sharding: Any) -> Any:
     def one(x):
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def local_rows(sharding: Any, size: int) -> list[int] | None:
+    """The rows of a global batch of `size` rows, split on its first dimension by `sharding`, that this process's
+    devices hold, in order; None with one process (it holds every row)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    held = sharding.addressable_devices_indices_map((size,)).values()
+    return sorted({row for index in held for row in range(*index[0].indices(size))})
+
+
+def place_rows(tree: Any, sharding: Any, size: int, rows: Sequence[int] | None) -> Any:
+    """`tree`'s host arrays, which hold the rows `rows` (`local_rows`) of a global batch of `size` rows, as global
+    arrays of `sharding`: `jax.device_put` with one process (`rows` None: the whole batch); with several, every
+    process gives its own rows (`jax.make_array_from_process_local_data`)."""
+    import jax
+
+    if rows is None:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        host = np.asarray(x)
+        if host.shape[0] != len(rows):
+            raise ValueError(f"a batch array of {host.shape[0]} rows where this process builds {len(rows)}")
+        return jax.make_array_from_process_local_data(sharding, host, (size, *host.shape[1:]))
 
     return jax.tree_util.tree_map(one, tree)

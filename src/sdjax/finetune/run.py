@@ -15,7 +15,7 @@ import importlib.util
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -263,7 +263,7 @@ class Session:
         state: dict,
         frozen: dict,
         train_step: Callable,
-        batches: Callable[[int], dict],
+        batches: Callable[[int], dict] | RowBatches,
         schedule: Callable,
         finish: Callable[[dict], None],
         *,
@@ -476,18 +476,40 @@ def _inputs(conditioning, batch: dict, clip_skip: int) -> dict:
     return {**images, "ids": ids, "clip_skip": np.full((n,), clip_skip, np.int32), "time_ids": batch["time_ids"]}
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBatches:
+    """Micro-batches built row by row: `load(micro, rows)` -> the host arrays of rows `rows` (indices into the
+    global micro-batch of `size` rows; None: all of them). `run_loop` asks each process of a multi-host run for the
+    rows of its own devices only (`distributed.local_rows`). A trainer's plain `batches(micro)` instead builds the
+    whole global batch on every process; calling a `RowBatches` does that too."""
+
+    load: Callable[[int, Sequence[int] | None], dict]
+    size: int
+
+    def __call__(self, micro: int) -> dict:
+        return self.load(micro, None)
+
+
 def _batches(cfg: TrainConfig, models, frozen: dict, sampler, log: Callable[[str], None]):
-    """`(batches(micro) -> host arrays, frozen)`: images the step encodes with the VAE, or with `cfg.cache_latents`
+    """`(batches, frozen)`: `RowBatches` of images the step encodes with the VAE, or with `cfg.cache_latents` of
     latents from a cache built now with `models.vae` (`finetune.cache`); the VAE then leaves the step's frozen
     params (it is not in the compiled step)."""
     conditioning = models.conditioning
     if not cfg.cache_latents:
-        return (lambda micro: _inputs(conditioning, sampler.load(micro), cfg.clip_skip)), frozen
+
+        def images(micro: int, rows: Sequence[int] | None) -> dict:
+            return _inputs(conditioning, sampler.load(micro, rows), cfg.clip_skip)
+
+        return RowBatches(images, sampler.batch_size), frozen
     from sdjax.finetune import cache as cache_lib
 
     cache = cache_lib.build(sampler.dataset, sampler.cfg, models, frozen["vae"], cfg.seed, log)
     frozen = {k: v for k, v in frozen.items() if k != "vae"}
-    return (lambda micro: _inputs(conditioning, cache.batch(sampler, micro), cfg.clip_skip)), frozen
+
+    def cached(micro: int, rows: Sequence[int] | None) -> dict:
+        return _inputs(conditioning, cache.batch(sampler, micro, rows), cfg.clip_skip)
+
+    return RowBatches(cached, sampler.batch_size), frozen
 
 
 def write_lora(
@@ -557,7 +579,7 @@ def run_loop(
     state: dict,
     frozen: dict,
     train_step: Callable,
-    batches: Callable[[int], dict],
+    batches: Callable[[int], dict] | RowBatches,
     *,
     mesh: Any,
     schedule: Callable,
@@ -570,11 +592,12 @@ def run_loop(
 ) -> tuple[list[float], int, int]:
     """The run loop every trainer shares: restore the run directory's latest checkpoint into `state` (with
     `cfg.resume`), write config.json, then per update `cfg.accumulation` micro-batches `batches(micro)` (host
-    arrays) through `train_step(state, frozen, batch, key)`, the EMA of `state[trained]` (with `cfg.ema_decay`;
-    checkpointed as `ema` beside the state), the loss log, checkpoints, `validate(values, update)` (before the
-    first update, every `cfg.validation_every` and at the last; the EMA values when on) and `on_step`; a finished
-    run (not cut short by `stop_after`) ends with `finish(state)` (`state[trained]` the EMA values when on) and
-    `loss.png`. Returns the losses of this call, the first update and the end."""
+    arrays; of `RowBatches`, each process's own rows) through `train_step(state, frozen, batch, key)`, the EMA of
+    `state[trained]` (with `cfg.ema_decay`; checkpointed as `ema` beside the state), the loss log, checkpoints,
+    `validate(values, update)` (before the first update, every `cfg.validation_every` and at the last; the EMA
+    values when on) and `on_step`; a finished run (not cut short by `stop_after`) ends with `finish(state)`
+    (`state[trained]` the EMA values when on) and `loss.png`. Returns the losses of this call, the first update and
+    the end."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -616,7 +639,7 @@ def run_loop(
         t0 = time.perf_counter()
         micro_losses = []
         for micro in range(update * cfg.accumulation, (update + 1) * cfg.accumulation):
-            batch = distributed.place(batches(micro), batch_sharding(mesh))
+            batch = _placed_batch(batches, micro, batch_sharding(mesh))
             state, loss = train_step(state, frozen, batch, key)
             micro_losses.append(loss)
         done = update + 1
@@ -651,6 +674,17 @@ def run_loop(
         if loss_log.is_file():
             plot_losses(loss_log, run_dir / "loss.png")
     return losses, start, end
+
+
+def _placed_batch(batches: Callable[[int], dict] | RowBatches, micro: int, sharding: Any) -> Any:
+    """Micro-batch `micro` as global arrays of `sharding`: of `RowBatches`, each process builds only the rows its
+    own devices hold (every row with one process); of a plain callable, each builds the whole batch."""
+    from sdjax.finetune import distributed
+
+    if not isinstance(batches, RowBatches):
+        return distributed.place(batches(micro), sharding)
+    rows = distributed.local_rows(sharding, batches.size)
+    return distributed.place_rows(batches.load(micro, rows), sharding, batches.size, rows)
 
 
 def _fsdp_layout(cfg: Any, mesh: Any, state: dict, frozen: dict, ema: Any, train_step: Callable, trained: str, log):
