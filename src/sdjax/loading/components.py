@@ -74,6 +74,9 @@ VAE = ModelSpec("sdjax.models.vae", "AutoencoderKLConfig", "AutoencoderKL", "con
 CONTROLNET = ModelSpec(
     "sdjax.models.controlnet", "ControlNetConfig", "ControlNetModel", "convert_controlnet", "unet"
 )  # the old FlaxControlNetModel named its params as the Flax UNet did: the "unet" msgpack table applies
+SD3_CONTROLNET = ModelSpec(
+    "sdjax.models.sd3_controlnet", "SD3ControlNetConfig", "SD3ControlNetModel", "convert_sd3_controlnet", "sd3"
+)
 SAFETY_CHECKER = ModelSpec(
     "sdjax.models.safety_checker",
     "SafetyCheckerConfig",

@@ -13,12 +13,17 @@ from typing import Any
 import jax.numpy as jnp
 
 from sdjax.config import read_json
-from sdjax.loading.components import CONTROLNET, LoadRequest, ModelSpec, load_model, resolve_model_folder
+from sdjax.loading.components import (
+    CONTROLNET,
+    SD3_CONTROLNET,
+    LoadRequest,
+    ModelSpec,
+    load_model,
+    resolve_model_folder,
+)
+from sdjax.loading.controlnet_file import load_controlnet_file
 from sdjax.models.controlnet import ControlNetModel
 
-SD3_CONTROLNET = ModelSpec(
-    "sdjax.models.sd3_controlnet", "SD3ControlNetConfig", "SD3ControlNetModel", "convert_sd3_controlnet", "sd3"
-)
 CONTROLNET_CLASSES = {"ControlNetModel": CONTROLNET, "SD3ControlNetModel": SD3_CONTROLNET}  # config `_class_name`
 
 
@@ -46,8 +51,6 @@ def load_controlnet(
     (`sd3.5_large_controlnet_canny.safetensors`, `sd3_controlnet_file`)."""
     del from_pt
     if Path(os.fspath(path_or_repo_id)).expanduser().is_file():
-        from sdjax.loading.controlnet_file import load_controlnet_file
-
         return load_controlnet_file(path_or_repo_id, dtype=dtype, config=config, allow_pickle=allow_pickle)
     if config is not None or allow_pickle:
         raise ValueError("config= and allow_pickle= apply to a ControlNet single file; a folder has its config.json")

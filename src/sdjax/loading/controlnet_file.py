@@ -34,7 +34,6 @@ from sdjax.config import read_json
 from sdjax.loading import components as comp
 from sdjax.loading import ldm_keys
 from sdjax.loading import sd3_controlnet_file as sai
-from sdjax.loading.controlnet import SD3_CONTROLNET
 from sdjax.loading.ldm_checkpoint import (
     Checkpoint,
     UnknownArchitectureError,
@@ -169,9 +168,9 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, di
             )
         raw, source = _config_dict(config)
         _check_class(raw, "SD3ControlNetModel", source, where)
-        cfg = comp.model_config(SD3_CONTROLNET, raw, source=source)
+        cfg = comp.model_config(comp.SD3_CONTROLNET, raw, source=source)
         return comp.model_from_state_dict(
-            SD3_CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})"
+            comp.SD3_CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})"
         )
     raise UnknownArchitectureError(
         f"{where}: not a ControlNet sdjax loads (SD 1.x/2.x and SDXL: input_hint_block.* with or without "
@@ -221,7 +220,7 @@ def _sd3_sai(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, dict]:
     else:
         raw, source = _config_dict(config)
         _check_class(raw, "SD3ControlNetModel", source, where)
-    cfg = comp.model_config(SD3_CONTROLNET, raw, source=source)
+    cfg = comp.model_config(comp.SD3_CONTROLNET, raw, source=source)
     if cfg.joint or cfg.use_pos_embed:
         raise ValueError(
             f"{source}: joint_attention_dim must be null and use_pos_embed false for {where} (Stability's layout "
@@ -229,5 +228,5 @@ def _sd3_sai(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, dict]:
         )
     sai.check_keys(shapes, cfg, component=component)
     return comp.model_from_state_dict(
-        SD3_CONTROLNET, cfg, sai.diffusers_state_dict(ckpt), dtype=dtype, component=component
+        comp.SD3_CONTROLNET, cfg, sai.diffusers_state_dict(ckpt), dtype=dtype, component=component
     )

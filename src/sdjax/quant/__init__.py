@@ -9,9 +9,9 @@ Dense layers (`QuantPolicy(compute=)`); `calibration`: their static input ranges
 `files`: quantized params saved and read back (`save_quantized`, `load_quantized`).
 """
 
-from sdjax.quant.calibration import CALIBRATION_FILE, Calibration, calibrate, use_calibration
+from sdjax.quant.calibration import CALIBRATION_FILE, Calibration
 from sdjax.quant.files import load_quantized, save_quantized
-from sdjax.quant.modules import DequantizingModule, quantize_pipeline
+from sdjax.quant.modules import DequantizingModule, calibrate, quantize_pipeline, use_calibration
 from sdjax.quant.params import (
     QuantPolicy,
     check_quantize,

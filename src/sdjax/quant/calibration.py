@@ -28,15 +28,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from sdjax.quant import compute as compute_lib
-from sdjax.quant import params as params_lib
+from sdjax.quant import scheme as scheme_lib
 
 FORMAT = "sdjax.quant.calibration"
 VERSION = 1
@@ -60,7 +59,7 @@ def _layer_hash(q: Any, scale: Any) -> str:
     return h.hexdigest()
 
 
-def fingerprint(params: Mapping[str, Any], policy: params_lib.QuantPolicy) -> dict[str, tuple[tuple[int, ...], str]]:
+def fingerprint(params: Mapping[str, Any], policy: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """`component/.../kernel -> (shape, sha256)` of every kernel `policy.compute` multiplies quantized, in the
     policy's components of `params` (a pipeline's params, already quantized; abstract params give no hash)."""
     out = {}
@@ -91,14 +90,14 @@ class Calibration:
     def amax_for(self, component: str) -> dict[str, float]:
         """`module path inside component -> amax` (the form `QuantizedDense` looks layers up by) of the recorded
         layers of `component`."""
-        prefix, suffix = component + "/", "/" + params_lib.KERNEL
+        prefix, suffix = component + "/", "/" + scheme_lib.KERNEL
         return {
             path[len(prefix) : -len(suffix)]: rec.amax
             for path, rec in self.layers.items()
             if path.startswith(prefix) and path.endswith(suffix) and rec.amax is not None
         }
 
-    def check(self, params: Mapping[str, Any], policy: params_lib.QuantPolicy) -> None:
+    def check(self, params: Mapping[str, Any], policy: Any) -> None:
         """Raise a ValueError naming the file and the first differing layer unless this calibration was recorded
         for this model: the same compute layers (paths and kernel shapes) holding the same quantized weights
         (abstract params, as `sdjax compile` builds them, are checked by paths and shapes only)."""
@@ -188,56 +187,3 @@ def as_calibration(value: Any) -> Calibration:
     if isinstance(value, (str, os.PathLike)):
         return Calibration.load(value)
     raise TypeError(f"QuantPolicy.calibration={value!r}: expected a sdjax.quant.Calibration or the path of its file")
-
-
-def calibrate(pipe: Any, prompts: str | Sequence[str], steps: int = 8, **generate_kwargs) -> Calibration:
-    """Record the input ranges of `pipe`'s compute layers over `prompts` (one `pipe.generate` call, a batch of
-    `len(prompts)` images, `steps` sampling steps; `generate_kwargs` pass through, e.g. `seed`, `height`).
-    `pipe` must be quantized with a compute mode (`quantize=QuantPolicy(..., compute="int8" | "fp8")`); its
-    modules are put back as they were afterwards (and its compiled programs dropped). Returns the `Calibration`;
-    `save` it next to the weights, or use it at once with `use_calibration`."""
-    policy = getattr(pipe, "quantization", None)
-    if policy is None or policy.compute is None:
-        raise ValueError(
-            "calibrate(pipe): the pipeline has no quantized compute; load it with "
-            "quantize=sdjax.quant.QuantPolicy('int8', compute='int8') (or 'fp8')"
-        )
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"calibrate(prompts={prompts!r}): expected one or more prompt strings")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"calibrate(steps={steps!r}): expected a positive number of sampling steps")
-    from sdjax.quant.modules import install
-
-    seen: dict[str, float] = {}
-    lock = threading.Lock()
-
-    def observe(component: str, path: str, amax: Any) -> None:
-        key = f"{component}/{path}/{params_lib.KERNEL}"
-        with lock:
-            seen[key] = max(seen.get(key, 0.0), float(amax))
-
-    install(pipe, dataclasses.replace(policy, calibration=None), observe=observe)
-    try:
-        generate_kwargs.setdefault("output_type", "np")
-        pipe.generate(prompts, steps=steps, **generate_kwargs)
-        jax.effects_barrier()
-    finally:
-        install(pipe, policy)
-    layers = {
-        path: LayerRecord(shape, digest, seen.get(path))
-        for path, (shape, digest) in fingerprint(pipe.params, policy).items()
-    }
-    return Calibration(policy.compute, layers, tuple(prompts), steps)
-
-
-def use_calibration(pipe: Any, calibration: Calibration | str | os.PathLike) -> Any:
-    """`pipe` (quantized with a compute mode) running on the static input ranges of `calibration` (a
-    `Calibration` or its file), checked against the model first. Returns the pipeline (changed in place)."""
-    from sdjax.quant.modules import quantize_pipeline
-
-    policy = getattr(pipe, "quantization", None)
-    if policy is None or policy.compute is None:
-        raise ValueError("use_calibration(pipe): the pipeline has no quantized compute (QuantPolicy.compute)")
-    quantize_pipeline(pipe, pipe.params, dataclasses.replace(policy, calibration=calibration))
-    return pipe

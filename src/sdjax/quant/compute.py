@@ -32,7 +32,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from sdjax.quant import params as params_lib
 from sdjax.quant import scheme as scheme_lib
 
 FP8 = jnp.float8_e4m3fn
@@ -49,9 +48,9 @@ MODES: dict[str, tuple[Any, float, Any]] = {
 def is_compute_node(node: Any, mode: str) -> bool:
     """A Dense layer's `{kernel, kernel_scale}` whose 2-D kernel is stored in `mode`'s type."""
     return (
-        params_lib.is_quantized_node(node)
-        and node[params_lib.KERNEL].ndim == 2
-        and node[params_lib.KERNEL].dtype == MODES[mode][0]
+        scheme_lib.is_quantized_node(node)
+        and node[scheme_lib.KERNEL].ndim == 2
+        and node[scheme_lib.KERNEL].dtype == MODES[mode][0]
     )
 
 
@@ -59,7 +58,7 @@ def compute_kernels(tree: Any, mode: str, path: str = "") -> dict[str, tuple[Any
     """`path -> (q, scale)` of the kernels that `mode` multiplies quantized (paths as `params.quantized_kernels`)."""
     return {
         p: (q, s)
-        for p, (q, s) in params_lib.quantized_kernels(tree, path).items()
+        for p, (q, s) in scheme_lib.quantized_kernels(tree, path).items()
         if q.ndim == 2 and q.dtype == MODES[mode][0]
     }
 
@@ -70,9 +69,9 @@ def dequantize_except_dense(tree: Any, dtype: Any, mode: str = "fp8") -> Any:
         return tree
     if is_compute_node(tree, mode):
         return dict(tree)
-    out = {k: dequantize_except_dense(v, dtype, mode) for k, v in tree.items() if k != params_lib.SCALE}
-    if params_lib.is_quantized_node(tree):
-        out[params_lib.KERNEL] = scheme_lib.dequantize_kernel(tree[params_lib.KERNEL], tree[params_lib.SCALE], dtype)
+    out = {k: dequantize_except_dense(v, dtype, mode) for k, v in tree.items() if k != scheme_lib.SCALE}
+    if scheme_lib.is_quantized_node(tree):
+        out[scheme_lib.KERNEL] = scheme_lib.dequantize_kernel(tree[scheme_lib.KERNEL], tree[scheme_lib.SCALE], dtype)
     return out
 
 
@@ -135,7 +134,7 @@ class QuantizedDense:
             jax.debug.callback(functools.partial(self.observe, path), jnp.max(jnp.abs(x)).astype(jnp.float32))
         dtype = module.dtype or x.dtype
         bias = params.get("bias") if module.use_bias else None
-        return dense_quantized(x, params[params_lib.KERNEL], params[params_lib.SCALE], bias, dtype, self.amax.get(path))
+        return dense_quantized(x, params[scheme_lib.KERNEL], params[scheme_lib.SCALE], bias, dtype, self.amax.get(path))
 
 
 def quantized_dot_flops(jaxpr: Any) -> dict[str, float]:

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 
+from sdjax.quant import calibration as calibration_lib
 from sdjax.quant import compute as compute_lib
 from sdjax.quant import params as params_lib
 
@@ -149,3 +152,55 @@ def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantP
     pipe.params = params
     pipe.quantization = policy
     return pipe, params
+
+
+# ------------------------------------------------------------------ calibration passes (quant/calibration.py)
+def calibrate(
+    pipe: Any, prompts: str | Sequence[str], steps: int = 8, **generate_kwargs
+) -> calibration_lib.Calibration:
+    """Record the input ranges of `pipe`'s compute layers over `prompts` (one `pipe.generate` call, a batch of
+    `len(prompts)` images, `steps` sampling steps; `generate_kwargs` pass through, e.g. `seed`, `height`).
+    `pipe` must be quantized with a compute mode (`quantize=QuantPolicy(..., compute="int8" | "fp8")`); its
+    modules are put back as they were afterwards (and its compiled programs dropped). Returns the `Calibration`;
+    `save` it next to the weights, or use it at once with `use_calibration`."""
+    policy = getattr(pipe, "quantization", None)
+    if policy is None or policy.compute is None:
+        raise ValueError(
+            "calibrate(pipe): the pipeline has no quantized compute; load it with "
+            "quantize=sdjax.quant.QuantPolicy('int8', compute='int8') (or 'fp8')"
+        )
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"calibrate(prompts={prompts!r}): expected one or more prompt strings")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"calibrate(steps={steps!r}): expected a positive number of sampling steps")
+    seen: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def observe(component: str, path: str, amax: Any) -> None:
+        key = f"{component}/{path}/{params_lib.KERNEL}"
+        with lock:
+            seen[key] = max(seen.get(key, 0.0), float(amax))
+
+    install(pipe, dataclasses.replace(policy, calibration=None), observe=observe)
+    try:
+        generate_kwargs.setdefault("output_type", "np")
+        pipe.generate(prompts, steps=steps, **generate_kwargs)
+        jax.effects_barrier()
+    finally:
+        install(pipe, policy)
+    layers = {
+        path: calibration_lib.LayerRecord(shape, digest, seen.get(path))
+        for path, (shape, digest) in calibration_lib.fingerprint(pipe.params, policy).items()
+    }
+    return calibration_lib.Calibration(policy.compute, layers, tuple(prompts), steps)
+
+
+def use_calibration(pipe: Any, calibration: calibration_lib.Calibration | str | os.PathLike) -> Any:
+    """`pipe` (quantized with a compute mode) running on the static input ranges of `calibration` (a
+    `Calibration` or its file), checked against the model first. Returns the pipeline (changed in place)."""
+    policy = getattr(pipe, "quantization", None)
+    if policy is None or policy.compute is None:
+        raise ValueError("use_calibration(pipe): the pipeline has no quantized compute (QuantPolicy.compute)")
+    quantize_pipeline(pipe, pipe.params, dataclasses.replace(policy, calibration=calibration))
+    return pipe

@@ -19,10 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.quant import scheme as scheme_lib
+from sdjax.quant.calibration import as_calibration
+from sdjax.quant.scheme import KERNEL, SCALE, SCALE_SUFFIX, is_quantized_node, quantized_kernels  # noqa: F401
 
-SCALE_SUFFIX = "_scale"
-KERNEL = "kernel"
-SCALE = KERNEL + SCALE_SUFFIX
 # Below this many weights a kernel stays in high precision: SD's conv_in / conv_out (3x3x4x320 = 11,520), LCM's
 # guidance projection; the memory they would save is negligible and the first and last layers are the most
 # sensitive ones.
@@ -60,8 +59,6 @@ class QuantPolicy:
                 f"scheme={self.scheme!r}"
             )
         if self.calibration is not None:
-            from sdjax.quant.calibration import as_calibration
-
             calibration = as_calibration(self.calibration)
             if self.compute is None:
                 raise ValueError(
@@ -108,10 +105,6 @@ def resolve_policy(quantize: Any, denoiser_component: str) -> QuantPolicy | None
     if isinstance(quantize, str):
         return QuantPolicy(quantize, components=(denoiser_component,))
     return quantize
-
-
-def is_quantized_node(node: Any) -> bool:
-    return isinstance(node, Mapping) and SCALE in node and KERNEL in node
 
 
 def quantize_tree(tree: Any, policy: QuantPolicy, path: str = "") -> Any:
@@ -164,18 +157,6 @@ def has_quantized(tree: Any) -> bool:
     if not isinstance(tree, Mapping):
         return False
     return is_quantized_node(tree) or any(has_quantized(v) for v in tree.values())
-
-
-def quantized_kernels(tree: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
-    """`path -> (q, scale)` of every quantized kernel in `tree`."""
-    if not isinstance(tree, Mapping):
-        return {}
-    out = {}
-    if is_quantized_node(tree):
-        out[f"{path}/{KERNEL}" if path else KERNEL] = (tree[KERNEL], tree[SCALE])
-    for k, v in tree.items():
-        out.update(quantized_kernels(v, f"{path}/{k}" if path else str(k)))
-    return out
 
 
 def nbytes(tree: Any) -> int:

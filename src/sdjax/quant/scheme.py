@@ -17,11 +17,17 @@ jitted program, where the parameters stay one byte per weight (`sdjax.quant.modu
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# A quantized kernel's params node: `{kernel: q, kernel_scale: s}` (per-output-channel float32 scales).
+SCALE_SUFFIX = "_scale"
+KERNEL = "kernel"
+SCALE = KERNEL + SCALE_SUFFIX
 
 # scheme name -> the stored dtype of the quantized kernel
 SCHEMES: dict[str, Any] = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -92,3 +98,19 @@ def error_stats(kernel: np.ndarray, q: Any, scale: Any) -> dict[str, float]:
         "max_err_in_scales": float((err / np.where(s > 0, s, 1.0)).max()),
         "sqnr_db": float(sqnr),
     }
+
+
+def is_quantized_node(node: Any) -> bool:
+    return isinstance(node, Mapping) and SCALE in node and KERNEL in node
+
+
+def quantized_kernels(tree: Any, path: str = "") -> dict[str, tuple[Any, Any]]:
+    """`path -> (q, scale)` of every quantized kernel in `tree`."""
+    if not isinstance(tree, Mapping):
+        return {}
+    out = {}
+    if is_quantized_node(tree):
+        out[f"{path}/{KERNEL}" if path else KERNEL] = (tree[KERNEL], tree[SCALE])
+    for k, v in tree.items():
+        out.update(quantized_kernels(v, f"{path}/{k}" if path else str(k)))
+    return out
