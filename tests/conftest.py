@@ -114,7 +114,15 @@ LONGEST_FIRST = (
 QUICK_SKIPS = ("tests/families/", "tests/finetune/", "tests/aot/", "tests/quant/", "tests/training/", "_parity.py",
                "tests/server/test_real_model.py", "tests/server/test_flux_server.py", "tests/server/test_web_page.py",
                "tests/server/test_sd3_server.py", "tests/server/test_comfy_families.py", "tests/server/test_soak.py",
-               "tests/models/")  # fmt: skip
+               "tests/models/",
+               # seconds-long files that the full suite covers (quantized faces, benches, second and multi-host
+               # paths of features the quick subset tests in their main form)
+               "tests/cli/test_cli_quant_compute.py", "tests/loading/test_saved_quantized_load.py",
+               "tests/samplers/test_kdiffusion_reach.py", "tests/cli/test_bench_samplers.py",
+               "tests/cli/test_bench_controlnet.py", "tests/evaluation/test_quality.py",
+               "tests/pipelines/test_guide_sdxl.py", "tests/parallel/test_multihost.py",
+               "tests/server/test_models_real.py", "tests/pipelines/test_safety_checker_pipeline.py",
+               "tests/pipelines/test_vae_tiling_pipeline.py")  # fmt: skip
 
 
 def _long(path: str) -> bool:
