@@ -237,3 +237,13 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+MAX_SEQUENCE_LENGTH = 512  # diffusers' Flux and SD 3 pipelines: "max_sequence_length cannot be greater than 512"
+
+
+def check_max_sequence_length(n: Any, model: str) -> int:
+    """`n` as the T5 token count of `model`'s prompts ("Flux", "SD 3"): an int in [1, 512]."""
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCE_LENGTH:
+        raise ValueError(f"max_sequence_length={n!r} must be an int in [1, {MAX_SEQUENCE_LENGTH}] ({model}: T5 tokens)")
+    return int(n)

@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-MAX_SEQUENCE_LENGTH = 512  # T5's position buckets are relative, but Flux was trained with at most 512 tokens
+from sdjax.text.t5_tokenizer import MAX_SEQUENCE_LENGTH, check_max_sequence_length
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,7 +45,7 @@ class FluxConditioning:
         return syntax == "plain"
 
     def __post_init__(self):
-        check_max_sequence_length(self.max_sequence_length)
+        check_max_sequence_length(self.max_sequence_length, "Flux")
 
     def with_max_sequence_length(self, n: int) -> FluxConditioning:
         return dataclasses.replace(self, max_sequence_length=int(n))
@@ -128,9 +128,3 @@ def zero_flags(value: bool | Sequence[bool], n: int) -> np.ndarray:
     if flags.shape != (n,):
         raise ValueError(f"zero_negative: got {flags.shape[0]} values for {n} images")
     return flags
-
-
-def check_max_sequence_length(n: Any) -> int:
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCE_LENGTH:
-        raise ValueError(f"max_sequence_length={n!r} must be an int in [1, {MAX_SEQUENCE_LENGTH}] (Flux: T5 tokens)")
-    return int(n)

@@ -19,34 +19,26 @@ sigma grid FluxPipeline passes (`np.linspace(1, 1/n, n)`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 
-from sdjax import samplers
 from sdjax.families import FAMILIES
-from sdjax.families.flux.conditioning import FluxConditioning, check_max_sequence_length
+from sdjax.families.flux.conditioning import FluxConditioning
 from sdjax.families.flux.denoiser import FluxDenoiser
 from sdjax.loading.components import ModelSpec, model_loader
-from sdjax.pipelines.base import DiffusionPipeline
+from sdjax.pipelines.flow import T5_LOADERS, FlowTransformerPipeline, on_flow_grid, per_image
+from sdjax.text.t5_tokenizer import check_max_sequence_length
 
 FAMILY = FAMILIES["flux"]
 
-T5_ENCODER = ModelSpec("sdjax.models.t5", "T5Config", "T5EncoderModel", "convert_t5_encoder", "t5")
 FLUX_TRANSFORMER = ModelSpec(
     "sdjax.models.flux", "FluxTransformerConfig", "FluxTransformer2DModel", "convert_flux_transformer", "flux"
 )
 
 
-def _load_t5_tokenizer(req):
-    from sdjax.text.t5_tokenizer import T5Tokenizer
-
-    return T5Tokenizer.from_folder(req.folder), None
-
-
-class FluxPipeline(DiffusionPipeline):
+class FluxPipeline(FlowTransformerPipeline):
     """Flux.1 text-to-image, image-to-image and inpainting (see the module docstring)."""
 
     model_index_classes = FAMILY.model_index_classes
@@ -55,9 +47,7 @@ class FluxPipeline(DiffusionPipeline):
     default_guidance_scale = FAMILY.defaults.guidance_scale
     # The model classes only this family uses: (library, class) -> loader, consulted before the shared table.
     component_loaders = {
-        ("transformers", "T5EncoderModel"): model_loader(T5_ENCODER),
-        ("transformers", "T5TokenizerFast"): _load_t5_tokenizer,
-        ("transformers", "T5Tokenizer"): _load_t5_tokenizer,
+        **T5_LOADERS,
         ("diffusers", "FluxTransformer2DModel"): model_loader(FLUX_TRANSFORMER),
     }
     # Latents -> RGB by one linear map plus a bias (previews only: the A1111 progress image, ComfyUI's websocket
@@ -74,6 +64,8 @@ class FluxPipeline(DiffusionPipeline):
     # off at 1); dev's embedded guidance is Forge's "Distilled CFG Scale".
     cfg_scale_default = 1.0
     distilled_guidance_scale = 3.5
+    sigma_grid = "flux"  # FluxPipeline's sigmas: linspace(1, 1/n, n), then the shift
+    model_label = "a Flux model"
 
     def __init__(
         self,
@@ -98,7 +90,7 @@ class FluxPipeline(DiffusionPipeline):
         schnell = not transformer.config.guidance_embeds
         if max_sequence_length is None:
             max_sequence_length = 256 if schnell else 512
-        self._max_sequence_length = check_max_sequence_length(max_sequence_length)
+        self._max_sequence_length = check_max_sequence_length(max_sequence_length, "Flux")
         if schnell:  # timestep-distilled: 4 steps, no guidance
             self.default_steps = 4
             self.default_guidance_scale = 0.0
@@ -138,8 +130,7 @@ class FluxPipeline(DiffusionPipeline):
 
         from sdjax.config import read_json
         from sdjax.families.flux import weights
-        from sdjax.quant import quantize_pipeline, resolve_policy
-        from sdjax.quant.loading import policy_without
+        from sdjax.quant import resolve_policy
 
         policy = resolve_policy(quantize, FAMILY.denoiser_component)
 
@@ -148,48 +139,25 @@ class FluxPipeline(DiffusionPipeline):
             return read_json(local) if local.is_file() else None
 
         # The transformer's config fills what tensors cannot say (the rotary axes); it must agree with them.
-        overrides, params = {}, {}
-        overrides["transformer"], params["transformer"] = weights.load_flux_transformer_file(
-            path, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("transformer"), quantize=policy
-        )
+        loaded = {
+            "transformer": weights.load_flux_transformer_file(
+                path, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("transformer"), quantize=policy
+            )
+        }
         if t5 is not None:
-            overrides["text_encoder_2"], params["text_encoder_2"] = weights.load_t5_file(
+            loaded["text_encoder_2"] = weights.load_t5_file(
                 t5, dtype=dtype, keep_fp8=keep_fp8, config=folder_config("text_encoder_2"), quantize=policy
             )
         if clip_l is not None:
-            overrides["text_encoder"], params["text_encoder"] = weights.load_clip_l_file(
+            loaded["text_encoder"] = weights.load_clip_l_file(
                 clip_l, dtype=dtype, config=folder_config("text_encoder"), quantize=policy
             )
-        for name in overrides:
-            if name in kwargs:
-                raise ValueError(f"{name} is given both by a file argument and as {name}=")
-        # what the folder still loads is quantized there, as it is converted (the rest is done above)
-        folder_policy = policy_without(policy, overrides)
-        pipe, loaded = cls.from_pretrained(config, dtype=dtype, quantize=folder_policy, **overrides, **kwargs)
-        params = {**loaded, **params}
-        pipe.params = params
-        pipe.name = str(path)
-        return quantize_pipeline(pipe, params, policy)
+        return cls._with_file_components(path, config, loaded, policy, kwargs, dtype=dtype)
 
     def _conditioning(self):
         return FluxConditioning(
             self.tokenizer, self.text_encoder, self.tokenizer_2, self.text_encoder_2, self._max_sequence_length
         )
-
-    @property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per prompt. Setting it changes the programs' input shapes: compiled programs are dropped."""
-        return self._max_sequence_length
-
-    @max_sequence_length.setter
-    def max_sequence_length(self, n: int) -> None:
-        n = check_max_sequence_length(n)
-        if n != self._max_sequence_length:
-            self._max_sequence_length = n
-            gen = self.generator
-            gen.models = dataclasses.replace(gen.models, conditioning=self._conditioning())
-            gen.cache.clear()
-            gen._pmapped.clear()
 
     @property
     def is_inpainting_model(self) -> bool:
@@ -207,16 +175,6 @@ class FluxPipeline(DiffusionPipeline):
         "CFG scale"); `guidance=` (dev's distilled guidance) defaults to `distilled_guidance_scale`."""
         kwargs.setdefault("guidance", self.distilled_guidance_scale)
         return super().generate_arrays(*args, **kwargs)
-
-    @property
-    def sampler_names(self) -> list[str]:
-        return samplers.available(flow=True)
-
-    def _sampler(self, name) -> Any:
-        """A flow sampler: a registry name of `samplers.FLOW_SAMPLERS`, an A1111/Forge name ("Euler", "Euler a",
-        "DPM++ 2M SDE", optionally with a schedule: "Euler Karras"), a k-diffusion-form name or sampler object, or
-        None (the model's own)."""
-        return flux_sampler(flow_sampler_named(self, name, "a Flux model", super()._sampler))
 
     def generate(
         self,
@@ -251,11 +209,11 @@ class FluxPipeline(DiffusionPipeline):
         conditioning = {"guidance": guidance}
         for key, texts in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)):
             if texts is not None:
-                conditioning[key] = _per_image(texts, len(prompts), num_images, key)
+                conditioning[key] = per_image(texts, len(prompts), num_images, key)
         if true_cfg and negative_prompt_2 is not None and negative_prompt is None:
             negative_prompt = ""
         if true_cfg and prompt_2 is not None and "negative_prompt_2" not in conditioning:
-            conditioning["negative_prompt_2"] = _per_image(
+            conditioning["negative_prompt_2"] = per_image(
                 negative_prompt if negative_prompt is not None else "", len(prompts), num_images, "negative_prompt"
             )
         return super().generate(
@@ -277,46 +235,4 @@ class FluxPipeline(DiffusionPipeline):
 
 def flux_sampler(sampler: Any) -> Any:
     """A flow-matching sampler on FluxPipeline's sigma grid (`linspace(1, 1/n, n)`, then the model's shift)."""
-    return on_flow_grid(sampler, "flux")
-
-
-def on_flow_grid(sampler: Any, grid: str) -> Any:
-    """`sampler` on a family's FlowMatch sigma grid ("flux" or "scheduler"): a FlowMatch sampler's `sigma_grid`, or
-    a k-diffusion-form sampler's "flow" schedule on either FlowMatch grid (DPM-Solver's "solver" grid, and every
-    other schedule, stay as they are)."""
-    if hasattr(sampler, "sigma_grid") and sampler.sigma_grid != grid:
-        return dataclasses.replace(sampler, sigma_grid=grid)
-    if isinstance(sampler, samplers.KDiffusionSampler):
-        schedule = sampler.schedule
-        if schedule.name == "flow" and schedule.grid in ("scheduler", "flux") and schedule.grid != grid:
-            return dataclasses.replace(sampler, schedule=dataclasses.replace(schedule, grid=grid))
-    return sampler
-
-
-def flow_sampler_named(pipe: Any, name: Any, model: str, resolve) -> Any:
-    """A flow family's sampler for `name`: an A1111/Forge name through `samplers.a1111.from_a1111_flow` on the
-    pipeline's scheduler (refused as a ValueError naming the sampler and `model`), anything else (a flow registry
-    name, a diffusers class name, a "kdiffusion:..." name, a sampler object, None) through `resolve`."""
-    if (
-        isinstance(name, str)
-        and name not in samplers.FLOW_SAMPLERS
-        and not name.endswith("Scheduler")
-        and not name.strip().lower().startswith("kdiffusion:")
-    ):
-        try:
-            return samplers.a1111.from_a1111_flow(name, "Automatic", pipe.scheduler)
-        except (samplers.a1111.UnsupportedSamplerError, ValueError) as e:
-            raise ValueError(
-                f"sampler={name!r}: not a flow-matching sampler for {model} ({e}); use one of "
-                f"{samplers.available(flow=True)} or an A1111 name such as 'Euler'"
-            ) from None
-    return resolve(name)
-
-
-def _per_image(texts: str | Sequence[str], prompts: int, num_images: int, name: str) -> list[str]:
-    texts = [texts] if isinstance(texts, str) else list(texts)
-    if len(texts) == 1:
-        texts = texts * prompts
-    if len(texts) != prompts:
-        raise ValueError(f"{name}: got {len(texts)} texts for {prompts} prompts; pass one, or one per prompt")
-    return [t for t in texts for _ in range(num_images)]
+    return on_flow_grid(sampler, FluxPipeline.sigma_grid)

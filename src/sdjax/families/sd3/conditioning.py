@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.families.flux.conditioning import zero_flags
+from sdjax.text.t5_tokenizer import check_max_sequence_length
 
-MAX_SEQUENCE_LENGTH = 512  # diffusers' check_inputs: "max_sequence_length cannot be greater than 512"
 DEFAULT_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline.__call__'s default
 
 # host_inputs' text options -> (the encoder's ids key, the encoder's name)
@@ -65,7 +65,7 @@ class SD3Conditioning:
         return syntax == "plain"
 
     def __post_init__(self):
-        check_max_sequence_length(self.max_sequence_length)
+        check_max_sequence_length(self.max_sequence_length, "SD 3")
         clip = sum(int(e.config.hidden_size) for e in (self.text_encoder, self.text_encoder_2))
         if clip > self.joint_attention_dim:
             raise ValueError(
@@ -172,9 +172,3 @@ class SD3Conditioning:
             keep = jnp.concatenate([~inputs["zero_neg"], jnp.ones_like(inputs["zero_neg"])])
             text, pooled = text * keep[:, None, None].astype(text.dtype), pooled * keep[:, None].astype(pooled.dtype)
         return {"text": text, "pooled": pooled}
-
-
-def check_max_sequence_length(n: Any) -> int:
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCE_LENGTH:
-        raise ValueError(f"max_sequence_length={n!r} must be an int in [1, {MAX_SEQUENCE_LENGTH}] (SD 3: T5 tokens)")
-    return int(n)

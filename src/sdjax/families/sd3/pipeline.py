@@ -27,7 +27,6 @@ img2img and inpaint pipelines default to 50 steps; `generate` uses the family's 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -35,14 +34,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sdjax import samplers
 from sdjax.families import FAMILIES
-from sdjax.families.flux.pipeline import T5_ENCODER, _load_t5_tokenizer, flow_sampler_named, on_flow_grid
-from sdjax.families.sd3.conditioning import DEFAULT_SEQUENCE_LENGTH, SD3Conditioning, check_max_sequence_length
+from sdjax.families.sd3.conditioning import DEFAULT_SEQUENCE_LENGTH, SD3Conditioning
 from sdjax.families.sd3.denoiser import SD3Denoiser
 from sdjax.loading.components import ModelSpec, model_loader
 from sdjax.models.sd3 import check_skip_layers
-from sdjax.pipelines.base import DiffusionPipeline
+from sdjax.pipelines.flow import T5_LOADERS, FlowTransformerPipeline, on_flow_grid, per_image
+from sdjax.text.t5_tokenizer import check_max_sequence_length
 
 FAMILY = FAMILIES["sd3"]
 
@@ -51,7 +49,7 @@ SD3_TRANSFORMER = ModelSpec(
 )
 
 
-class StableDiffusion3Pipeline(DiffusionPipeline):
+class StableDiffusion3Pipeline(FlowTransformerPipeline):
     """SD 3 / 3.5 text-to-image, image-to-image and inpainting (see the module docstring)."""
 
     model_index_classes = FAMILY.model_index_classes
@@ -59,11 +57,11 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
     default_guidance_scale = FAMILY.defaults.guidance_scale
     default_strength = {"img2img": 0.6, "inpaint": 0.6}  # StableDiffusion3Img2ImgPipeline, ...InpaintPipeline
     cfg_scale_default = FAMILY.defaults.guidance_scale  # the faces' CFG scale: the same true CFG (7, as diffusers)
+    sigma_grid = "scheduler"  # diffusers' own FlowMatch sigma grid, what the SD 3 pipelines use
+    model_label = "an SD 3 model"
     # The model classes only this family (and Flux, for T5) uses: (library, class) -> loader.
     component_loaders = {
-        ("transformers", "T5EncoderModel"): model_loader(T5_ENCODER),
-        ("transformers", "T5TokenizerFast"): _load_t5_tokenizer,
-        ("transformers", "T5Tokenizer"): _load_t5_tokenizer,
+        **T5_LOADERS,
         ("diffusers", "SD3Transformer2DModel"): model_loader(SD3_TRANSFORMER),
     }
     # Latents -> RGB by one linear map plus a bias (previews only: the A1111 progress image, ComfyUI's websocket
@@ -104,7 +102,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         self.tokenizer_3 = tokenizer_3 if text_encoder_3 is not None else None
         self.text_encoder_3 = text_encoder_3
         self.transformer = transformer
-        self._max_sequence_length = check_max_sequence_length(max_sequence_length)
+        self._max_sequence_length = check_max_sequence_length(max_sequence_length, "SD 3")
         pooled = sum(int(e.config.projection_dim) for e in (text_encoder, text_encoder_2))
         if pooled != transformer.config.pooled_projection_dim:
             raise ValueError(
@@ -142,24 +140,14 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
         `quantize="int8"|"fp8"` (or a `sdjax.quant.QuantPolicy`): the transformer's kernels (and those of the text
         encoders a policy names) quantized, each as it is converted, from the files or from `config`'s folder."""
         from sdjax.families.sd3.weights import load_single_file_components
-        from sdjax.quant import quantize_pipeline, resolve_policy
-        from sdjax.quant.loading import policy_without
+        from sdjax.quant import resolve_policy
 
         policy = resolve_policy(quantize, FAMILY.denoiser_component)
         loaded = load_single_file_components(
             path, config=config, dtype=dtype, clip_l=clip_l, clip_g=clip_g, t5=t5, keep_fp8=keep_fp8, quantize=policy
         )
-        for name in loaded:
-            if name in kwargs:
-                raise ValueError(f"{name} is given both by a file and as {name}=")
         vae = loaded.pop("vae", None)
-        overrides = {name: module for name, (module, _) in loaded.items()}
-        folder_policy = policy_without(policy, loaded)  # what the folder still loads is quantized there
-        pipe, params = cls.from_pretrained(config, dtype=dtype, vae=vae, quantize=folder_policy, **overrides, **kwargs)
-        params = {**params, **{name: p for name, (_, p) in loaded.items()}}
-        pipe.params = params
-        pipe.name = str(path)
-        return quantize_pipeline(pipe, params, policy)
+        return cls._with_file_components(path, config, loaded, policy, kwargs, dtype=dtype, vae=vae)
 
     def _read_lora(self, path, targets, name):
         """SD 3 / 3.5 LoRAs (diffusers/PEFT, kohya / ComfyUI reference names, OneTrainer layouts) on the transformer
@@ -180,26 +168,6 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
             self._max_sequence_length,
         )
 
-    def _replace_models(self, **models) -> None:
-        """Swap the generator's conditioning or denoiser: the programs' shapes or contents change, so compiled
-        programs are dropped."""
-        gen = self.generator
-        gen.models = dataclasses.replace(gen.models, **models)
-        gen.cache.clear()
-        gen._pmapped.clear()
-
-    @property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per prompt (zeros without T5). Setting it drops the compiled programs."""
-        return self._max_sequence_length
-
-    @max_sequence_length.setter
-    def max_sequence_length(self, n: int) -> None:
-        n = check_max_sequence_length(n)
-        if n != self._max_sequence_length:
-            self._max_sequence_length = n
-            self._replace_models(conditioning=self._conditioning())
-
     @property
     def skip_guidance_layers(self) -> tuple[int, ...]:
         """The transformer blocks that skip-layer guidance leaves out, compiled into the programs (empty: none).
@@ -216,15 +184,6 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
     @property
     def is_inpainting_model(self) -> bool:
         return False  # a 16-channel transformer inpaints by latent blending (StableDiffusion3InpaintPipeline)
-
-    @property
-    def sampler_names(self) -> list[str]:
-        return samplers.available(flow=True)
-
-    def _sampler(self, name) -> Any:
-        """A flow sampler on diffusers' SD 3 grid: a registry name of `samplers.FLOW_SAMPLERS`, an A1111/Forge name
-        ("Euler", "DPM++ 2M SDE", ...), a k-diffusion-form name or sampler object, or None (the model's own)."""
-        return sd3_sampler(flow_sampler_named(self, name, "an SD 3 model", super()._sampler))
 
     def generate(
         self,
@@ -266,7 +225,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
             ("negative_prompt_3", negative_prompt_3),
         ):
             if texts:
-                conditioning[key] = _per_image(texts, len(prompts), num_images, key)
+                conditioning[key] = per_image(texts, len(prompts), num_images, key)
         if kwargs.get("control_image") is not None:
             if skip_guidance_layers is not None:
                 raise ValueError(
@@ -331,7 +290,7 @@ class StableDiffusion3Pipeline(DiffusionPipeline):
 
 def sd3_sampler(sampler: Any) -> Any:
     """A flow-matching sampler on diffusers' own sigma grid (what the SD 3 pipelines use)."""
-    return on_flow_grid(sampler, "scheduler")
+    return on_flow_grid(sampler, StableDiffusion3Pipeline.sigma_grid)
 
 
 def _timesteps(sampler: Any, steps: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -339,12 +298,3 @@ def _timesteps(sampler: Any, steps: int, shape: tuple[int, ...]) -> np.ndarray:
     if "shape" in inspect.signature(sampler.timesteps_for).parameters:
         return np.asarray(sampler.timesteps_for(steps, shape), np.float32)
     return np.asarray(sampler.timesteps_for(steps), np.float32)
-
-
-def _per_image(texts: str | Sequence[str], prompts: int, num_images: int, name: str) -> list[str]:
-    texts = [texts] if isinstance(texts, str) else list(texts)
-    if len(texts) == 1:
-        texts = texts * prompts
-    if len(texts) != prompts:
-        raise ValueError(f"{name}: got {len(texts)} texts for {prompts} prompts; pass one, or one per prompt")
-    return [t for t in texts for _ in range(num_images)]
