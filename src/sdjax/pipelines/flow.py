@@ -38,6 +38,18 @@ class FlowTransformerPipeline(DiffusionPipeline):
     sigma_grid = "scheduler"  # the family's FlowMatch sigma grid: "flux" (linspace(1, 1/n, n)) or "scheduler"
     model_label = "a flow model"  # how errors name the family's models ("a Flux model")
 
+    def __init__(self, *, denoiser, vae, scheduler, dtype, name: str, params: dict | None):
+        super().__init__(
+            denoiser=denoiser,
+            vae=vae,
+            scheduler=on_flow_grid(scheduler, self.sigma_grid),
+            dtype=dtype,
+            name=name,
+            params=params,
+        )
+        # img2img's first step as the flow img2img pipelines' get_timesteps: int(steps - steps * strength)
+        self.generator.strength_rule = "float"
+
     def _conditioning(self):
         raise NotImplementedError
 

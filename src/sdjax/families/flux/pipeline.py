@@ -97,12 +97,11 @@ class FluxPipeline(FlowTransformerPipeline):
         super().__init__(
             denoiser=FluxDenoiser(transformer, dtype),
             vae=vae,
-            scheduler=flux_sampler(scheduler),
+            scheduler=scheduler,
             dtype=dtype,
             name=name,
             params=params,
         )
-        self.generator.strength_rule = "float"  # FluxImg2ImgPipeline.get_timesteps
 
     @classmethod
     def from_single_file(

@@ -112,12 +112,11 @@ class StableDiffusion3Pipeline(FlowTransformerPipeline):
         super().__init__(
             denoiser=SD3Denoiser(transformer, dtype),
             vae=vae,
-            scheduler=sd3_sampler(scheduler),
+            scheduler=scheduler,
             dtype=dtype,
             name=name,
             params=params,
         )
-        self.generator.strength_rule = "float"  # StableDiffusion3Img2ImgPipeline.get_timesteps
 
     @classmethod
     def from_single_file(
