@@ -59,17 +59,19 @@ def peft_transformer(torch_transformer, targets, rank: int, alpha: float, seed: 
 
 
 def script_loss(family: str, transformer, scheduler_config, batch: dict, *, weighting_scheme: str, guidance=3.5,
-                precondition_outputs: bool = False):  # fmt: skip
-    """The scripts' loss on `batch` (`latents`, `noise`, `u`, `text`, `pooled` numpy) -> torch scalar."""
+                precondition_outputs: bool = False, prior_loss_weight: float | None = None):  # fmt: skip
+    """The scripts' loss on `batch` (`latents`, `noise`, `u`, `text`, `pooled`: numpy, or torch tensors, e.g. the
+    outputs of text encoders with LoRA) -> torch scalar; with `prior_loss_weight` the batch is [instance; class]
+    and the loss the scripts' `--with_prior_preservation` sum."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
     noise_scheduler_copy = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
-    model_input = torch.from_numpy(batch["latents"])
-    noise = torch.from_numpy(batch["noise"])
-    u = torch.from_numpy(batch["u"])
-    prompt_embeds, pooled_prompt_embeds = torch.from_numpy(batch["text"]), torch.from_numpy(batch["pooled"])
+    model_input, noise, u, prompt_embeds, pooled_prompt_embeds = (
+        v if isinstance(v, torch.Tensor) else torch.from_numpy(v)
+        for v in (batch[k] for k in ("latents", "noise", "u", "text", "pooled"))
+    )
 
     def get_sigmas(timesteps, n_dim=4, dtype=torch.float32):
         sigmas = noise_scheduler_copy.sigmas.to(dtype=dtype)
@@ -114,11 +116,63 @@ def script_loss(family: str, transformer, scheduler_config, batch: dict, *, weig
         model_pred = model_pred * (-sigmas) + noisy_model_input
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=weighting_scheme, sigmas=sigmas)
     target = model_input if precondition_outputs else noise - model_input
+    if prior_loss_weight is not None:  # the scripts' lines
+        model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
+        target, target_prior = torch.chunk(target, 2, dim=0)
+        weighting, weighting_prior = torch.chunk(weighting, 2, dim=0)
+        prior_loss = torch.mean(
+            (weighting_prior.float() * (model_pred_prior.float() - target_prior.float()) ** 2).reshape(
+                target_prior.shape[0], -1
+            ),
+            1,
+        )
+        prior_loss = prior_loss.mean()
     loss = torch.mean(
         (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1),
         1,
     )
-    return loss.mean()
+    loss = loss.mean()
+    if prior_loss_weight is not None:
+        loss = loss + prior_loss_weight * prior_loss
+    return loss
+
+
+def peft_text_encoder(torch_text_encoder, rank: int, alpha: float, seed: int = 0):
+    """A frozen float32 copy of a transformers CLIP text encoder with the scripts' `text_lora_config` (peft LoRA on
+    `q_proj`, `k_proj`, `v_proj`, `out_proj`, gaussian init) and nonzero B factors."""
+    import torch
+    from peft import LoraConfig
+
+    model = copy.deepcopy(torch_text_encoder).float()
+    model.requires_grad_(False)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(flow_models.TEXT_TARGETS)
+    )
+    model.add_adapter(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def text_lora_from_peft(params_te, peft_model, rank: int, component: str) -> tuple[dict, dict]:
+    """The sdjax LoRA of one CLIP encoder holding `peft_model`'s LoRA weights, and `{module: (A, B) parameters}`."""
+    import jax
+
+    lora = flow_models.init_lora(jax.random.PRNGKey(0), params_te, flow_models.TEXT_TARGETS, rank, component=component)
+    named = dict(peft_model.named_parameters())
+    torch_params = {}
+    for name in lora[component]:
+        module = flow_models.diffusers_module(tuple(name.split("/")))
+        torch_module = module if f"{module}.lora_A.default.weight" in named else module.removeprefix("text_model.")
+        a, b = named[f"{torch_module}.lora_A.default.weight"], named[f"{torch_module}.lora_B.default.weight"]
+        lora[component][name] = {"down": a.detach().numpy().copy(), "up": b.detach().numpy().copy()}
+        torch_params[module] = (a, b)
+    assert 2 * len(torch_params) == sum("lora_" in n for n in named), "every peft LoRA layer has its sdjax twin"
+    return lora, torch_params
 
 
 def lora_from_peft(params_t, peft_model, targets, rank: int) -> tuple[dict, dict]:

@@ -14,7 +14,8 @@ repeat folders, aspect-ratio buckets, crop / flip, caption dropout and tag shuff
 - `Sampler`: the batches of epoch `e` are a pure function of `(seed, e)` (each batch from one bucket, short ones
   filled from the same bucket), and each example's crop, flip, caption dropout and tag shuffle a pure function of
   `(seed, step, index)`, so a run resumed at step k reads exactly what the unbroken run read, and a process of a
-  multi-host run can open only its own rows of a batch (`Sampler.load(step, rows)`) and get what one host gets.
+  multi-host run can open only its own rows of a batch (`Sampler.load(step, rows)`) and get what one host gets;
+  `part_rows` splits such rows over the samplers of a stacked batch (DreamBooth's instance and class examples).
 """
 
 from __future__ import annotations
@@ -331,3 +332,19 @@ class Sampler:
                 except Exception:
                     continue
         raise DataError(f"{bad.path}: unreadable, and no other image of its bucket {bad.bucket} is readable")
+
+
+def part_rows(rows: Sequence[int] | None, sizes: Sequence[int]) -> list[list[int] | None]:
+    """Rows `rows` of a micro-batch stacked from parts of `sizes` rows (DreamBooth's [instance; class]) as each
+    part's own row indices, in order (None: every row of every part). A part none of whose rows is asked for gets
+    an empty list: a process of a multi-host run opens nothing of it."""
+    if rows is None:
+        return [None] * len(sizes)
+    bad = [r for r in rows if not 0 <= r < sum(sizes)]
+    if bad:
+        raise IndexError(f"rows {bad} of a micro-batch of {sum(sizes)} examples (parts of {list(sizes)})")
+    out, start = [], 0
+    for size in sizes:
+        out.append([r - start for r in rows if start <= r < start + size])
+        start += size
+    return out

@@ -18,9 +18,14 @@
 - The LoRA is PEFT's branch `W x + alpha/r * up(down(dropout(x)))` on the targeted Dense layers
   (`finetune.lora.branch`): in bfloat16 compute the frozen kernels stay bfloat16 while the LoRA's matmuls run in
   float32, as peft runs a float32 LoRA beside a bfloat16 base layer (the merged form would round small updates away).
+- Prior preservation (DreamBooth, the scripts' `--with_prior_preservation`): the batch is [instance; class] halves
+  and the loss is `loss(instance half) + prior_loss_weight * loss(class half)`, each the weighted MSE above
+  (the scripts' `torch.chunk(2)` of prediction, target and weighting).
 - The model call is the family adapter's (`finetune.flow_models`: Flux packs 2x2 patches and adds ids and
-  guidance; SD 3 takes the latents as they are); the text states are inputs of the step (computed once per caption
-  outside it), so no text encoder is traced or differentiated.
+  guidance; SD 3 takes the latents as they are). Without text-encoder LoRA the text states are inputs of the step
+  (computed once per caption outside it), so no text encoder is traced. With it (the scripts'
+  `--train_text_encoder`) the step runs the CLIP encoders on the batch's ids with their LoRA (the adapter's
+  `encode_text`; T5's states stay inputs: T5 is frozen), and their LoRA is differentiated with the transformer's.
 
 Randomness: the VAE sample, noise, u and LoRA dropout of micro-step `s` come from `fold_in(key, s)` (the shared
 `step.jit_step`), so a resumed run repeats an unbroken one.
@@ -55,6 +60,7 @@ class FlowObjective:
     num_train_timesteps: int = 1000
     shift: float = 1.0
     use_dynamic_shifting: bool = False
+    prior_loss_weight: float | None = None  # DreamBooth prior preservation: [instance; class] batches; None: off
 
     def __post_init__(self):
         if self.weighting_scheme not in WEIGHTING_SCHEMES:
@@ -69,6 +75,9 @@ class FlowObjective:
             raise ValueError(f"num_train_timesteps={self.num_train_timesteps} must be a positive integer")
         if not self.shift > 0:
             raise ValueError(f"scheduler shift={self.shift} must be positive")
+        w = self.prior_loss_weight
+        if w is not None and not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"prior_loss_weight={w} (--prior-loss-weight) must be a finite number >= 0")
 
 
 def training_grid(objective: FlowObjective) -> tuple[np.ndarray, np.ndarray]:
@@ -129,19 +138,24 @@ def flow_loss(pred, latents, noise, noisy, sigmas, objective: FlowObjective) -> 
         target = noise.astype(jnp.float32) - latents.astype(jnp.float32)
     weighting = loss_weighting(objective.weighting_scheme, s)
     per_example = jnp.mean((weighting * (pred - target) ** 2).reshape(pred.shape[0], -1), axis=1)
+    if objective.prior_loss_weight is not None:  # torch.chunk(2): the instance half, then the class half
+        instance, prior = jnp.split(per_example, 2)
+        return jnp.mean(instance) + objective.prior_loss_weight * jnp.mean(prior)
     return jnp.mean(per_example)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FlowModels:
     """The frozen pieces a flow step runs: the family adapter (`predict(params, x, timesteps, cond)`), the VAE,
-    the compute dtype, the LoRA scale `alpha / r` and PEFT's LoRA dropout."""
+    the compute dtype, the LoRA scale `alpha / r`, PEFT's LoRA dropout, and with text-encoder LoRA the family's
+    conditioning (whose CLIP modules the adapter's `encode_text` runs)."""
 
     adapter: Any
     vae: Any
     dtype: Any = jnp.float32
     scale: float = 1.0
     lora_dropout: float = 0.0
+    conditioning: Any = None
 
 
 def denoiser_loss(lora_t, params_t, models: FlowModels, objective: FlowObjective, inputs: dict) -> jax.Array:
@@ -166,14 +180,27 @@ def encode_latents(models: FlowModels, vae_params, pixels, key) -> jax.Array:
     return jax.lax.stop_gradient(autoencoder.encode(models.vae, vae_params, pixels, eps, models.dtype))
 
 
+def batch_text(models: FlowModels, lora: dict, frozen: dict, batch: dict, key) -> tuple[jax.Array, jax.Array]:
+    """The batch's `(text, pooled)`: given (`batch["text"]`, `batch["pooled"]`), or with a text-encoder LoRA in
+    `lora` the adapter's `encode_text` of the batch's ids with it (LoRA dropout from `key`)."""
+    adapter = models.adapter
+    if not any(c in lora for c in adapter.text_encoders):
+        return batch["text"], batch["pooled"]
+    rate = models.lora_dropout
+    return adapter.encode_text(models.conditioning, frozen, lora, models.scale, batch, rate, key)
+
+
 def make_flow_loss(models: FlowModels, objective: FlowObjective) -> Callable:
     """`loss(lora, frozen, batch, key)`: `batch` holds `pixels` `(B, 3, H, W)` in [-1, 1] (or cached `latents`)
-    and the captions' text states `text`, `pooled`; `frozen` the denoiser's params under the adapter's component
-    and the VAE's (not needed with cached latents)."""
+    and the captions' text states `text`, `pooled` (with a text-encoder LoRA, a `lora` component besides the
+    transformer's: their CLIP `ids` (`ids_2`) and T5 states `t5`, `flow_models.TextInputs`); `frozen` the
+    denoiser's params under the adapter's component, the VAE's (not needed with cached latents) and the CLIP
+    encoders' with a text-encoder LoRA."""
     component = models.adapter.component
 
     def loss(lora, frozen, batch, key):
         k_vae, k_noise, k_u, k_drop = jax.random.split(key, 4)
+        text, pooled = batch_text(models, lora, frozen, batch, jax.random.fold_in(k_drop, 1 << 20))
         if "latents" in batch:  # from a latent cache (`finetune.cache`): no VAE in the step
             latents = jnp.asarray(batch["latents"], jnp.float32)
         else:
@@ -182,8 +209,8 @@ def make_flow_loss(models: FlowModels, objective: FlowObjective) -> Callable:
             "latents": latents,
             "noise": jax.random.normal(k_noise, latents.shape, jnp.float32),
             "u": draw_u(k_u, latents.shape[0], objective),
-            "text": batch["text"],
-            "pooled": batch["pooled"],
+            "text": text,
+            "pooled": pooled,
             "dropout_key": k_drop,
         }
         return denoiser_loss(lora[component], frozen[component], models, objective, inputs)

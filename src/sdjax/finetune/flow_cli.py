@@ -1,10 +1,12 @@
 """The flow-matching options of `sdjax train lora` (Flux.1, SD 3 / 3.5; `finetune.flow_run`) and the choice of
-trainer: a `--model` of a flow family, or any of these options, makes the command a flow run. Imports nothing
+trainer: a `--model` of a flow family, or any of these options, makes the command a flow run (the DreamBooth ones
+too: `sdjax train dreambooth` is SD 1.x / 2.x / XL's). Imports nothing
 heavy (the CLI module imports it at start-up). Every option defaults to None ("the family's default"), so an option
 the user gave can be told from one they did not."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -46,6 +48,43 @@ FLOW_CLI: dict[str, tuple[Any, Any]] = {
             bool | None,
             typer.Option(help="Flux / SD 3: loss on x0 = x_t - sigma v (EDM). Default: SD 3 yes, Flux no."),
         ],
+        None,
+    ),
+    # DreamBooth (the scripts' options; `sdjax train dreambooth`'s names, which states its own for SD models)
+    "instance_prompt": (
+        Annotated[
+            str | None,
+            typer.Option(help="Flux / SD 3 DreamBooth: every image's prompt, e.g. 'a photo of sks dog' (not .txt)."),
+        ],
+        None,
+    ),
+    "with_prior_preservation": (
+        Annotated[
+            bool | None,
+            typer.Option(
+                help="Flux / SD 3: train class images too (prior preservation). Default: on with --class-prompt."
+            ),
+        ],
+        None,
+    ),
+    "class_data": (
+        Annotated[Path | None, typer.Option(help="Flux / SD 3: class images; missing ones are drawn there.")],
+        None,
+    ),
+    "class_prompt": (
+        Annotated[str | None, typer.Option(help="Flux / SD 3: the class images' prompt, e.g. 'a photo of dog'.")],
+        None,
+    ),
+    "num_class_images": (
+        Annotated[int | None, typer.Option(help="Flux / SD 3: class images wanted (missing ones drawn; 100).")],
+        None,
+    ),
+    "prior_loss_weight": (
+        Annotated[float | None, typer.Option(help="Flux / SD 3: weight of the class images' loss (1).")],
+        None,
+    ),
+    "class_steps": (
+        Annotated[int | None, typer.Option(help="Flux / SD 3: denoising steps of drawn class images.")],
         None,
     ),
 }

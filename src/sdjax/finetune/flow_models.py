@@ -15,8 +15,15 @@ step, the LoRA targets, the captions' text states, and the LoRA file.
 - Initialisation: the scripts' `init_lora_weights="gaussian"`: down ~ N(0, 1/r), up = 0.
 - Text: each distinct caption is encoded once (`TextStates`, the family's conditioning `encode` under `jit`, one
   caption at a time so it compiles once) and kept on the host in the compute dtype; the step gets the states.
+- Text-encoder LoRA (the scripts' `--train_text_encoder`): PEFT's LoRA on the CLIP encoders' attention projections
+  (`q_proj`, `k_proj`, `v_proj`, `out_proj`; Flux: CLIP-L, SD 3: CLIP-L and CLIP-G), T5 frozen. The step then
+  gets the CLIP ids and the (frozen) T5 states of each caption (`TextInputs`) and runs the CLIP encoders itself
+  (`encode_text`, the adapters' part of `FluxPipeline.encode_prompt` / `StableDiffusion3Pipeline.encode_prompt`:
+  Flux's pooled CLIP-L output; SD 3's penultimate CLIP-L / CLIP-G states padded to T5's width before the T5
+  states, and their projected pooled outputs).
 - Files: diffusers' `pytorch_lora_weights.safetensors` layout (`transformer.<module>.lora_A.weight` `(r, in)`,
-  `.lora_B.weight` `(out, r)`, float32) with the alpha, rank and targets in its `lora_adapter_metadata`, as
+  `.lora_B.weight` `(out, r)`, float32; `text_encoder.` / `text_encoder_2.` + the CLIP module names for a
+  text-encoder LoRA) with each component's alpha, rank and targets in its `lora_adapter_metadata`, as
   `FluxPipeline.save_lora_weights` writes them: `load_lora_weights` of diffusers and sdjax's readers
   (`families.flux.lora`, `families.sd3.lora`) read it.
 """
@@ -34,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict
 
+from sdjax.finetune import lora as lora_lib
 from sdjax.finetune.lora import LoraConfigError
 from sdjax.loading.lora import METADATA_KEY
 from sdjax.models.convert import LIST_ATTRIBUTES, torch_key_to_path
@@ -53,6 +61,7 @@ FLUX_TARGETS = (  # train_dreambooth_lora_flux.py's default `--lora_layers`
     "ff_context.net.0.proj",
     "ff_context.net.2",
 )
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")  # the scripts' text_lora_config
 SD3_TARGETS = (  # train_dreambooth_lora_sd3.py's default `--lora_layers`
     "attn.add_k_proj",
     "attn.add_q_proj",
@@ -83,6 +92,13 @@ class FluxAdapter:
     default_weighting = "none"
     default_precondition = False
     latent_multiple = 2  # latents are packed in 2x2 patches
+    text_encoders = ("text_encoder",)  # CLIP-L takes the text-encoder LoRA; T5 (text_encoder_2) stays frozen
+
+    def encode_text(self, conditioning, params: dict, lora: dict, scale: float, batch: dict, rate=0.0, key=None):
+        """`(text, pooled)`: the frozen T5 states `batch["t5"]` and CLIP-L's pooled output of `batch["ids"]` with
+        its LoRA (`_encoder`)."""
+        clip = _encoder(conditioning.text_encoder, "text_encoder", params, lora, scale, batch["ids"], rate, key)
+        return batch["t5"], clip.pooler_output
 
     def predict(self, params: dict, x_bchw: jax.Array, timesteps_b: jax.Array, cond: dict) -> jax.Array:
         from sdjax.models import flux as flux_model
@@ -115,6 +131,20 @@ class SD3Adapter:
     default_targets = SD3_TARGETS
     default_weighting = "logit_normal"
     default_precondition = True
+    text_encoders = ("text_encoder", "text_encoder_2")  # CLIP-L, CLIP-G; T5 (text_encoder_3) stays frozen
+
+    def encode_text(self, conditioning, params: dict, lora: dict, scale: float, batch: dict, rate=0.0, key=None):
+        """`(text, pooled)`: [CLIP-L, CLIP-G penultimate states padded to T5's width; the frozen T5 states
+        `batch["t5"]`] along tokens, and [CLIP-L, CLIP-G `text_embeds`], each CLIP with its LoRA (`_encoder`)."""
+        enc = (conditioning.text_encoder, conditioning.text_encoder_2)
+        outs = [
+            _encoder(e, c, params, lora, scale, batch[ids], rate, key)
+            for e, c, ids in zip(enc, self.text_encoders, ("ids", "ids_2"))
+        ]
+        clip = jnp.concatenate([o.hidden_states[-2] for o in outs], axis=-1)
+        t5 = batch["t5"].astype(clip.dtype)
+        clip = jnp.pad(clip, ((0, 0), (0, 0), (0, t5.shape[-1] - clip.shape[-1])))
+        return jnp.concatenate([clip, t5], axis=1), jnp.concatenate([o.text_embeds for o in outs], axis=-1)
 
     @property
     def latent_multiple(self) -> int:
@@ -129,6 +159,16 @@ class SD3Adapter:
             timesteps_b.astype(jnp.float32),
         )
         return out.astype(jnp.float32)
+
+
+def _encoder(module, component: str, params: dict, lora: dict, scale: float, ids, rate: float, key):
+    """One CLIP encoder's output on `ids` with PEFT's LoRA branch on its adapted layers (`finetune.lora.branch`:
+    float32 LoRA matmuls beside the frozen, maybe bfloat16, kernels; dropout `rate` from `key` folded with the
+    component's index, so CLIP-L and CLIP-G draw apart)."""
+    index = 1 + int(component.removeprefix("text_encoder").removeprefix("_") or 0)
+    k = None if key is None else jax.random.fold_in(key, index)
+    with lora_lib.branch(lora.get(component, {}), scale, rate, k):
+        return module.apply({"params": params[component]}, ids)
 
 
 def adapter_for(pipe: Any, dtype: Any, *, guidance_scale: float, remat: bool = False) -> FluxAdapter | SD3Adapter:
@@ -184,8 +224,10 @@ def target_paths(params: Mapping[str, Any], targets: Sequence[str], *, source: s
     return sorted(found)
 
 
-def init_lora(key: jax.Array, params: Mapping[str, Any], targets: Sequence[str], rank: int, **kw) -> dict:
-    """A fresh LoRA `{"transformer": {"a/b/kernel": {"down" (r, in), "up" (out, r)}}}` (float32 numpy) with the
+def init_lora(
+    key: jax.Array, params: Mapping[str, Any], targets: Sequence[str], rank: int, *, component: str = COMPONENT, **kw
+) -> dict:
+    """A fresh LoRA `{component: {"a/b/kernel": {"down" (r, in), "up" (out, r)}}}` (float32 numpy) with the
     scripts' gaussian init: down ~ N(0, 1/r), up = 0."""
     if int(rank) != rank or rank < 1:
         raise LoraConfigError(f"rank={rank!r}: a LoRA rank must be a positive integer")
@@ -195,7 +237,19 @@ def init_lora(key: jax.Array, params: Mapping[str, Any], targets: Sequence[str],
         fan_in, fan_out = flat[path].shape
         down = jax.random.normal(jax.random.fold_in(key, i), (rank, fan_in), jnp.float32) / rank
         layers["/".join(path)] = {"down": np.asarray(down), "up": np.zeros((fan_out, rank), np.float32)}
-    return {COMPONENT: layers}
+    return {component: layers}
+
+
+def init_text_lora(key: jax.Array, params: Mapping[str, Any], components: Sequence[str], rank: int) -> dict:
+    """Fresh LoRAs of the CLIP encoders `components` on `TEXT_TARGETS` (the scripts' `text_lora_config`, gaussian
+    init), each from its own key (`fold_in(key, 1 + index)`; the transformer's is `key` itself)."""
+    lora = {}
+    for i, c in enumerate(components):
+        if params.get(c) is None:
+            raise LoraConfigError(f"train_text_encoder (--train-text-encoder): this pipeline has no {c} (CLIP) params")
+        k = jax.random.fold_in(key, 1 + i)
+        lora |= init_lora(k, params[c], TEXT_TARGETS, rank, component=c, source=f"the {c} (CLIP)")
+    return lora
 
 
 # ------------------------------------------------------------------------------------------------ text
@@ -228,32 +282,64 @@ class TextStates:
         return {"text": np.stack([t for t, _ in states]), "pooled": np.stack([p for _, p in states])}
 
 
+class TextInputs:
+    """What a step with text-encoder LoRA gets of each caption: the CLIP ids (`ids`, SD 3's `ids_2`; int32 `(77,)`)
+    and the frozen T5 states `t5` `(L, D)` (the T5 part of `TextStates`' text: all of Flux's, SD 3's after its 77
+    CLIP tokens; zeros for an SD 3 pipeline without T5, as its conditioning gives)."""
+
+    def __init__(self, states: TextStates, adapter: Any):
+        self.states = states
+        self.id_keys = ("ids", "ids_2")[: len(adapter.text_encoders)]
+        self.cache: dict[str, dict[str, np.ndarray]] = {}
+
+    def one(self, caption: str) -> dict[str, np.ndarray]:
+        if caption not in self.cache:
+            inputs = self.states._inputs(caption)
+            ids = {k: np.asarray(inputs[k][0], np.int32) for k in self.id_keys}
+            text, _ = self.states.one(caption)
+            clip_tokens = ids["ids"].shape[0] if "ids_2" in ids else 0  # SD 3: [CLIP (77), T5 (L)] along tokens
+            self.cache[caption] = {**ids, "t5": text[clip_tokens:]}
+        return self.cache[caption]
+
+    def __call__(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
+        rows = [self.one(c) for c in captions]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
 def _text_and_pooled(cond: dict) -> tuple[jax.Array, jax.Array]:
     return cond["text"], cond["pooled"]
 
 
 # ------------------------------------------------------------------------------------------------ files
 def peft_state_dict(
-    lora: Mapping[str, Mapping[str, Mapping[str, Any]]], *, rank: int, alpha: float, targets: Sequence[str]
+    lora: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    *,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] | Mapping[str, Sequence[str]],
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The LoRA as diffusers writes a transformer LoRA: `transformer.<module>.lora_A.weight` / `.lora_B.weight`
-    float32, and the `lora_adapter_metadata` (`transformer.r`, `transformer.lora_alpha`,
-    `transformer.target_modules`, ...) from which `load_lora_weights` builds its `LoraConfig`."""
+    """The LoRA as diffusers writes it: `<component>.<module>.lora_A.weight` / `.lora_B.weight` float32
+    (`transformer`, `text_encoder`, `text_encoder_2`), and the `lora_adapter_metadata` (`transformer.r`,
+    `transformer.lora_alpha`, `transformer.target_modules`, ..., the same under `text_encoder.`) from which
+    `load_lora_weights` builds each component's `LoraConfig`; `targets`: the transformer's, or per component."""
     tensors: dict[str, np.ndarray] = {}
     for component, layers in lora.items():
         for name, ab in layers.items():
             module = diffusers_module(tuple(name.split("/")))
             tensors[f"{component}.{module}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ab["down"], np.float32))
             tensors[f"{component}.{module}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ab["up"], np.float32))
+    per = targets if isinstance(targets, Mapping) else {COMPONENT: targets}
     config = {
         "r": int(rank),
         "lora_alpha": float(alpha),
-        "target_modules": sorted(targets),
         "init_lora_weights": "gaussian",
         "lora_dropout": 0.0,
         "use_rslora": False,
         "use_dora": False,
         "bias": "none",
     }
-    meta = {f"{c}.{k}": v for c in lora for k, v in config.items()}
+    meta = {}
+    for c in lora:
+        modules = per.get(c, TEXT_TARGETS if c != COMPONENT else ())
+        meta |= {f"{c}.{k}": v for k, v in (config | {"target_modules": sorted(modules)}).items()}
     return tensors, {METADATA_KEY: json.dumps(meta, indent=2, sort_keys=True), "format": "pt"}

@@ -4,9 +4,20 @@ diffusers' LoRA file; what `train_lora` (and `sdjax train lora`) runs when `mode
 The run is `train lora`'s (`finetune.run.run_loop`: the run directory, loss log, orbax checkpoints, exact
 resuming, EMA, validation images) with the flow step of `finetune.flow` and the family pieces of
 `finetune.flow_models`. The settings are `LoraTrainConfig`'s plus the scripts' flow options (`FLOW_OPTIONS`); the
-UNet-only ones (prediction type, Min-SNR-gamma, noise offset, input perturbation, text-encoder LoRA, clip skip) are
-refused. `out` is diffusers' `pytorch_lora_weights.safetensors` layout (`transformer.<module>.lora_A.weight`),
-which diffusers' `load_lora_weights` and `sdjax generate --lora` read.
+UNet-only ones (prediction type, Min-SNR-gamma, noise offset, input perturbation, clip skip) are refused.
+
+- `train_text_encoder`: LoRA on the CLIP encoders too (the scripts' `--train_text_encoder`; T5 frozen).
+- DreamBooth (the scripts' `--instance_prompt`, `--with_prior_preservation`, ...): `instance_prompt` replaces the
+  images' captions; with prior preservation (on with a `class_prompt`) each micro-batch is `batch_size` instance
+  examples then `batch_size` class examples of `class_data` (trained with `class_prompt`; the missing ones of
+  `num_class_images` drawn by the base model first, `finetune.dreambooth.fill_class_images`), and the loss is
+  `instance + prior_loss_weight * class` (`flow.FlowObjective.prior_loss_weight`).
+- Batches are built by rows (`run.RowBatches`): each process of a multi-host run decodes (or takes from the latent
+  cache) only the rows of the global [instance; class] batch its devices hold, and encodes only their captions.
+
+`out` is diffusers' `pytorch_lora_weights.safetensors` layout (`transformer.<module>.lora_A.weight`, and
+`text_encoder.<module>...` with text-encoder LoRA), which diffusers' `load_lora_weights` and `sdjax generate
+--lora` read.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,8 +36,8 @@ from sdjax.finetune import run as run_lib
 from sdjax.finetune.run import LoraTrainConfig, OnStep, TrainResult
 
 FLOW_FAMILIES = ("flux", "sd3")
-# The options only flow models have (a CLI or API call naming one is a flow run, and refused for other models).
-FLOW_OPTIONS = (
+# The flow scripts' objective and model options.
+_SCRIPT_OPTIONS = (
     "weighting_scheme",
     "logit_mean",
     "logit_std",
@@ -36,6 +47,20 @@ FLOW_OPTIONS = (
     "max_sequence_length",
     "precondition_outputs",
 )
+# DreamBooth's (the scripts' names; for SD models they are `sdjax train dreambooth`'s).
+DREAMBOOTH_OPTIONS = (
+    "instance_prompt",
+    "with_prior_preservation",
+    "class_data",
+    "class_prompt",
+    "num_class_images",
+    "prior_loss_weight",
+    "class_steps",
+    "class_guidance_scale",
+    "class_seed",
+)
+# The options only flow LoRA runs have (a CLI or API call naming one is a flow run, and refused for other models).
+FLOW_OPTIONS = (*_SCRIPT_OPTIONS, *DREAMBOOTH_OPTIONS)
 _RESUME_KEYS = (
     "model",
     "rank",
@@ -46,7 +71,12 @@ _RESUME_KEYS = (
     "lr",
     "optimizer",
     "ema_decay",
-    *FLOW_OPTIONS,
+    "train_text_encoder",
+    *_SCRIPT_OPTIONS,
+    "instance_prompt",
+    "with_prior_preservation",
+    "class_prompt",
+    "prior_loss_weight",
 )
 # UNet-only settings -> their default (a flow run refuses other values).
 _UNET_ONLY = {
@@ -54,7 +84,6 @@ _UNET_ONLY = {
     "min_snr_gamma": None,
     "noise_offset": 0.0,
     "input_perturbation": 0.0,
-    "train_text_encoder": False,
     "clip_skip": 1,
     "peft": False,
 }
@@ -95,6 +124,16 @@ class FlowLoraTrainConfig(LoraTrainConfig):
     lora_layers: tuple[str, ...] | None = None  # PEFT target_modules; None: the script's default
     max_sequence_length: int | None = None  # T5 tokens; None: the pipeline's (Flux dev 512, schnell 256, SD 3 256)
     precondition_outputs: bool | None = None  # None: SD 3 yes (its script's default), Flux no
+    # DreamBooth (the scripts' options)
+    instance_prompt: str | None = None  # every instance image's prompt; None: the images' .txt captions
+    with_prior_preservation: bool | None = None  # None: on with a class_prompt
+    class_data: str | None = None  # class images; the missing ones of num_class_images are drawn there
+    class_prompt: str | None = None
+    num_class_images: int = 100
+    prior_loss_weight: float = 1.0
+    class_steps: int | None = None  # denoising steps of drawn class images (default: the pipeline's)
+    class_guidance_scale: float | None = None  # default: the pipeline's
+    class_seed: int = 0
 
     written: ClassVar[str] = "the LoRA (diffusers' transformer.<module>.lora_A/lora_B layout)"
     latent_cache: ClassVar[bool] = True  # `cache_latents` (`finetune.cache`) serves flow runs too
@@ -107,9 +146,19 @@ class FlowLoraTrainConfig(LoraTrainConfig):
         if layers is not None:
             object.__setattr__(self, "lora_layers", tuple(layers))
 
+    @property
+    def prior_preservation(self) -> bool:
+        """DreamBooth's prior preservation: `with_prior_preservation`, by default on with a `class_prompt`."""
+        if self.with_prior_preservation is None:
+            return self.class_prompt is not None
+        return bool(self.with_prior_preservation)
+
     def check(self) -> None:
         """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
         from sdjax.finetune import flow
+
+        if not isinstance(self.train_text_encoder, bool):
+            raise ValueError(f"train_text_encoder={self.train_text_encoder!r} (--train-text-encoder) must be a bool")
 
         for name, default in _UNET_ONLY.items():
             if getattr(self, name) != default:
@@ -140,10 +189,51 @@ class FlowLoraTrainConfig(LoraTrainConfig):
             what = f"a {FAMILIES[family].title} model" if family in FAMILIES else "not a model sdjax can read"
             raise ValueError(
                 f"model={self.model!r} is {what}: the flow-matching options {given} (flow LoRA training) are for "
-                "Flux.1 and SD 3 / 3.5 models"
+                "Flux.1 and SD 3 / 3.5 models (SD 1.x / 2.x / XL DreamBooth: sdjax train dreambooth)"
             )
+        _check_dreambooth(self)
         if self.lora_layers is not None:
             _check_targets_from_config(self.model, family, self.lora_layers)
+
+
+def _check_dreambooth(cfg: FlowLoraTrainConfig) -> None:
+    """The DreamBooth settings (the CLI flag named beside each)."""
+    if cfg.instance_prompt is not None and not (isinstance(cfg.instance_prompt, str) and cfg.instance_prompt.strip()):
+        raise ValueError(f"instance_prompt={cfg.instance_prompt!r} (--instance-prompt) is empty")
+    given = [k for k in ("class_prompt", "class_data") if getattr(cfg, k) is not None]
+    if cfg.with_prior_preservation is False and given:
+        raise ValueError(
+            f"{given[0]} (--{given[0].replace('_', '-')}) is for prior preservation, which "
+            "with_prior_preservation=False (--no-with-prior-preservation) turns off"
+        )
+    if not cfg.prior_preservation:
+        return
+    if not isinstance(cfg.class_prompt, str) or not cfg.class_prompt.strip():
+        raise ValueError(
+            "with_prior_preservation (--with-prior-preservation) needs a class_prompt (--class-prompt), e.g. "
+            "'a photo of dog'"
+        )
+    if not cfg.class_data:
+        raise ValueError(
+            "with_prior_preservation (--with-prior-preservation) needs class_data (--class-data): the class images' "
+            "folder (the missing ones are drawn there)"
+        )
+    n = cfg.num_class_images
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_class_images={n!r} (--num-class-images) must be a positive integer")
+    w = cfg.prior_loss_weight
+    if isinstance(w, bool) or not isinstance(w, int | float) or not (math.isfinite(w) and w >= 0):
+        raise ValueError(f"prior_loss_weight={w!r} (--prior-loss-weight) must be a finite number >= 0")
+    if cfg.class_steps is not None and (not isinstance(cfg.class_steps, int) or cfg.class_steps < 1):
+        raise ValueError(f"class_steps={cfg.class_steps!r} (--class-steps) must be a positive integer")
+    if cfg.bucketing:
+        raise ValueError(
+            "bucketing with prior preservation (--with-prior-preservation): instance and class examples share a "
+            "batch, so every example is cropped to resolution x resolution; add --no-bucketing (bucketing=False)"
+        )
+    folder = Path(cfg.class_data).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise data_lib.DataError(f"class_data {cfg.class_data} (--class-data) is not a folder")
 
 
 def _check_targets_from_config(model: str, family: str, targets) -> None:
@@ -171,6 +261,7 @@ def _objective(cfg: FlowLoraTrainConfig, adapter: Any, scheduler: Any):
 
     precondition = cfg.precondition_outputs
     return flow.FlowObjective(
+        prior_loss_weight=float(cfg.prior_loss_weight) if cfg.prior_preservation else None,
         weighting_scheme=cfg.weighting_scheme or adapter.default_weighting,
         logit_mean=cfg.logit_mean,
         logit_std=cfg.logit_std,
@@ -192,7 +283,8 @@ def _pixel_multiple(cfg: FlowLoraTrainConfig, pipe: Any, adapter: Any, resolutio
 
 
 def write_flow_lora(cfg: FlowLoraTrainConfig, lora: dict, targets, family: str, num_images: int = 0) -> None:
-    """`cfg.out` in diffusers' LoRA layout (`flow_models.peft_state_dict`) with a few training notes."""
+    """`cfg.out` in diffusers' LoRA layout (`flow_models.peft_state_dict`; `targets`: the transformer's, or per
+    component) with a few training notes."""
     from sdjax.finetune import flow_models
     from sdjax.finetune import lora as lora_lib
 
@@ -221,6 +313,88 @@ def _load(cfg: FlowLoraTrainConfig):
     return pipe, params, dtype
 
 
+def _with_prompt(dataset: data_lib.Dataset, prompt: str) -> data_lib.Dataset:
+    items = tuple(dataclasses.replace(item, caption=prompt) for item in dataset.items)
+    return dataclasses.replace(dataset, items=items)
+
+
+def _samplers(cfg: FlowLoraTrainConfig, session, pipe, params, resolution: int, log) -> list[data_lib.Sampler]:
+    """The instance sampler (every image with `instance_prompt` when given) and, with prior preservation, the class
+    images' (drawn first where missing; `class_prompt`, no caption dropout or tag shuffling); the session's mesh
+    splits the [instance; class] batch."""
+    from sdjax.finetune import dreambooth
+
+    data_cfg = cfg.data_config(resolution)
+    if not cfg.prior_preservation:
+        dataset = session.prepare(resolution)  # buckets and the mesh
+    else:  # the mesh splits the [instance; class] batch
+        dataset = session.dataset = data_lib.with_buckets(session.dataset, data_cfg)
+        session.mesh = run_lib._mesh(dataclasses.replace(cfg, batch_size=2 * cfg.batch_size), log)
+    if cfg.instance_prompt is not None:
+        dataset = session.dataset = _with_prompt(dataset, cfg.instance_prompt)
+    samplers = [data_lib.Sampler(dataset, data_cfg, cfg.batch_size, cfg.seed)]
+    if not cfg.prior_preservation:
+        return samplers
+    log(f"{len(dataset.items)} instance images ({dataset.examples_per_epoch} examples per epoch)")
+    drawn = dreambooth.fill_class_images(pipe, params, cfg, resolution, log)
+    class_cfg = dataclasses.replace(data_cfg, caption_dropout=0.0, shuffle_tags=False)
+    classes = _with_prompt(data_lib.scan(cfg.class_data, class_cfg), cfg.class_prompt)
+    log(f"{len(classes.items)} class images ({len(drawn)} drawn now), prior loss weight {cfg.prior_loss_weight}")
+    samplers.append(data_lib.Sampler(classes, class_cfg, cfg.batch_size, cfg.seed + 1))
+    return samplers
+
+
+def row_batches(cfg: FlowLoraTrainConfig, models, frozen: dict, samplers: list, text, log):
+    """`(run.RowBatches, frozen)`: micro-batches [instance; class] built row by row (a process's rows only: their
+    images decoded, or their latents taken from a cache built now, `finetune.cache`; their captions' `text`
+    inputs); with `cfg.cache_latents` the VAE leaves `frozen`."""
+    loads = [s.load for s in samplers]
+    if cfg.cache_latents:  # every view encoded once now; the VAE leaves the step
+        from sdjax.finetune import cache as cache_lib
+
+        caches = [
+            cache_lib.build(s.dataset, s.cfg, models, frozen["vae"], cfg.seed + i, log) for i, s in enumerate(samplers)
+        ]
+        loads = [lambda micro, rows, c=c, s=s: c.batch(s, micro, rows) for c, s in zip(caches, samplers)]
+        frozen = {k: v for k, v in frozen.items() if k != "vae"}
+    sizes = [s.batch_size for s in samplers]
+
+    def load(micro: int, rows: Sequence[int] | None) -> dict:
+        mine = data_lib.part_rows(rows, sizes)  # [instance; class] rows as each sampler's own
+        parts = [fn(micro, r) for fn, r in zip(loads, mine, strict=True) if r is None or r]
+        key = "latents" if cfg.cache_latents else "pixels"
+        captions = [c for p in parts for c in p["captions"]]
+        return {key: np.concatenate([p[key] for p in parts]), **text(captions)}
+
+    return run_lib.RowBatches(load, sum(sizes)), frozen
+
+
+def _lora(cfg: FlowLoraTrainConfig, adapter, params: dict, log) -> tuple[dict, dict]:
+    """`(lora, targets per component)`: the transformer's LoRA and with `train_text_encoder` the CLIP encoders'."""
+    import jax
+
+    from sdjax.finetune import flow_models
+
+    key = jax.random.PRNGKey(cfg.seed)
+    targets = {adapter.component: tuple(cfg.lora_layers or adapter.default_targets)}
+    lora = flow_models.init_lora(key, params[adapter.component], targets[adapter.component], cfg.rank)
+    if cfg.train_text_encoder:
+        lora |= flow_models.init_text_lora(key, params, adapter.text_encoders, cfg.rank)
+        targets |= {c: flow_models.TEXT_TARGETS for c in adapter.text_encoders}
+    for c, layers in lora.items():
+        log(f"LoRA on {len(layers)} layers of the {adapter.family} {c} ({', '.join(targets[c])})")
+    return lora, targets
+
+
+def _text(cfg: FlowLoraTrainConfig, pipe, params: dict, adapter, dtype):
+    """The step's text inputs of captions: their text states, or with text-encoder LoRA their CLIP ids and T5
+    states (`flow_models.TextStates`, `TextInputs`)."""
+    from sdjax.finetune import flow_models
+
+    states = flow_models.TextStates(pipe.generator.models.conditioning, params, dtype)
+    return flow_models.TextInputs(states, adapter) if cfg.train_text_encoder else states
+
+
 def train_flow_lora(
     data: str | Path,
     out: str | Path,
@@ -232,8 +406,6 @@ def train_flow_lora(
 ) -> TrainResult:
     """Train a LoRA of a Flux.1 or SD 3 model on the images of `data` and write it to `out` (diffusers' LoRA
     layout); `options` are the fields of `FlowLoraTrainConfig`; `stop_after` as in `train_lora`."""
-    import jax
-
     from sdjax.finetune import flow, flow_models
     from sdjax.finetune import step as step_lib
 
@@ -243,35 +415,21 @@ def train_flow_lora(
     adapter = flow_models.adapter_for(pipe, dtype, guidance_scale=cfg.guidance_scale, remat=cfg.gradient_checkpointing)
     resolution = cfg.resolution or pipe.default_size[0]
     _pixel_multiple(cfg, pipe, adapter, resolution)
-    targets = cfg.lora_layers or adapter.default_targets
-    component = adapter.component
-    lora = flow_models.init_lora(jax.random.PRNGKey(cfg.seed), params[component], targets, cfg.rank)
-    dataset = session.prepare(resolution)
-    log(f"LoRA on {len(lora[component])} layers of the {adapter.family} transformer ({', '.join(targets)})")
+    lora, targets = _lora(cfg, adapter, params, log)
+    samplers = _samplers(cfg, session, pipe, params, resolution, log)
     objective = _objective(cfg, adapter, pipe.scheduler)
     scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
-    models = flow.FlowModels(adapter, pipe.vae, dtype, scale, cfg.lora_dropout)
+    conditioning = pipe.generator.models.conditioning
+    models = flow.FlowModels(adapter, pipe.vae, dtype, scale, cfg.lora_dropout, conditioning)
     schedule, optimizer = run_lib._optimizer(cfg)
     state = step_lib.init_state(lora, optimizer)
     train_step = flow.make_flow_train_step(models, objective, optimizer)
-    frozen = {component: params[component], "vae": params["vae"]}
-    texts = flow_models.TextStates(pipe.generator.models.conditioning, params, dtype)
-    sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
-    images = sampler.load
-    if cfg.cache_latents:  # every view encoded once now; the VAE leaves the step
-        from sdjax.finetune import cache as cache_lib
-
-        cache = cache_lib.build(sampler.dataset, sampler.cfg, models, frozen["vae"], cfg.seed, log)
-        frozen = {component: params[component]}
-        images = lambda micro: cache.batch(sampler, micro)
-
-    def batches(micro: int) -> dict:
-        batch = images(micro)
-        pixels = {k: batch[k] for k in ("pixels", "latents") if k in batch}
-        return {**pixels, **texts(batch["captions"])}
+    frozen = {c: params[c] for c in (adapter.component, "vae", *lora)}
+    texts = _text(cfg, pipe, params, adapter, dtype)
+    batches, frozen = row_batches(cfg, models, frozen, samplers, texts, log)
 
     def finish(state: dict) -> None:
-        write_flow_lora(cfg, state["lora"], targets, adapter.family, len(dataset.items))
+        write_flow_lora(cfg, state["lora"], targets, adapter.family, len(session.dataset.items))
 
     validate = run_lib.lora_validator(cfg, pipe, params, resolution, log)
     return session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate)

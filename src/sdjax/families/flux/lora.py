@@ -24,8 +24,11 @@ another width fails there), and the layers it converts without the `transformer.
 `time_in`, `vector_in`, `guidance_in`, `final_layer`) are not loaded by `load_lora_weights`; sdjax applies them,
 with their alpha, as kohya and ComfyUI do.
 
-Not applied: text-encoder layers (`lora_te1_`, `text_encoder.`, `text_encoders.clip_l` / `t5xxl`) are skipped with
-a warning naming them; LoHa, LoKr, DoRA, full-weight diffs are refused (`loading.lora`'s rules); a LoRA for another
+Text encoders: given CLIP-L's params (`text_encoder=`, as the pipeline's `load_lora` does), its layers
+(`text_encoder.<module>` as diffusers' `FluxPipeline.save_lora_weights` writes them, kohya's `lora_te_` / `lora_te1_`)
+are resolved by `loading.lora` (the SD reader) and applied to `text_encoder`. Not applied: T5's layers
+(`text_encoder_2.`, `lora_te2_`, `text_encoders.t5xxl`), and CLIP-L's without `text_encoder=`, are skipped with a
+warning naming them; LoHa, LoKr, DoRA, full-weight diffs are refused (`loading.lora`'s rules); a LoRA for another
 model (SD / SDXL UNet layers, or layers whose shapes differ) fails naming what it looks like; a LoRA on float8
 kernels (`keep_fp8`) is refused, since the sum would be rounded to float8.
 """
@@ -56,6 +59,7 @@ _SUFFIXES = (
     (".alpha", "alpha"),
 )
 _TEXT_ENCODER = ("lora_te", "text_encoder.", "text_encoder_2.", "text_encoders.")
+_CLIP_L = ("text_encoder.", "lora_te_", "lora_te1_")  # CLIP-L's keys (`text_encoder_2.`, `lora_te2_`: T5's)
 _DIFFUSERS_TOP = frozenset(
     {"transformer_blocks", "single_transformer_blocks", "x_embedder", "context_embedder", "time_text_embed"}
     | {"norm_out", "proj_out"}
@@ -152,6 +156,20 @@ def _alpha_over_rank(tensors, keys: Mapping[str, str], style: str, name: str, ra
     return 1.0
 
 
+def _clip_factors(tensors, keys: list[str], text_encoder, source: str, metadata) -> tuple[dict, list[str]]:
+    """`(factors, keys left)`: CLIP-L's LoRA layers among the text-encoder `keys`, resolved by `loading.lora`
+    against `text_encoder`'s params (None: none resolved)."""
+    clip = [k for k in keys if k.startswith(_CLIP_L)]
+    if text_encoder is None or not clip:
+        return {}, keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnmatchedLoraKeysWarning)  # warned below with the other skipped keys
+        lora = sd_lora.resolve_lora(
+            {k: tensors[k] for k in clip}, {"text_encoder": text_encoder}, source=source, metadata=metadata
+        )
+    return dict(lora.factors), [k for k in keys if k not in clip] + list(lora.unmatched)
+
+
 def resolve_flux_lora(
     tensors: Mapping[str, Any],
     params: Mapping[str, Any],
@@ -159,10 +177,12 @@ def resolve_flux_lora(
     source: str,
     name: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    text_encoder: Mapping[str, Any] | None = None,
 ) -> Lora:
     """Match a LoRA state dict against a Flux transformer's params (arrays or ShapeDtypeStructs) -> `Lora` whose
-    factors are keyed `("transformer", kernel path)`. Raises `LoraError` naming `source` for a file that does not
-    fit; warns (`UnmatchedLoraKeysWarning`) about text-encoder layers and unknown keys when others match."""
+    factors are keyed `("transformer", kernel path)` (and `("text_encoder", kernel path)` for CLIP-L's layers when
+    its params `text_encoder` are given). Raises `LoraError` naming `source` for a file that does not fit; warns
+    (`UnmatchedLoraKeysWarning`) about skipped text-encoder layers and unknown keys when others match."""
     keys = list(tensors)
     sd_lora.group_layers(keys, source=source)  # refuses LoHa, LoKr, DoRA, full diffs by loading.lora's rules
     adapter_meta: dict[str, Any] = {}
@@ -174,14 +194,14 @@ def resolve_flux_lora(
     model = _Model(params)
     layers: dict[tuple[str, str], dict[str, str]] = {}
     unknown: list[str] = []
-    text_encoder: list[str] = []
+    text_encoder_keys: list[str] = []
     for key in keys:
         split = _split_key(key)
         where = _classify(split[0]) if split else None
         if where is None:
             unknown.append(key)
         elif where[0] == "te":
-            text_encoder.append(key)
+            text_encoder_keys.append(key)
         else:
             layers.setdefault(where, {})[split[1]] = key
     factors: dict[tuple[str, tuple[str, ...]], LoraFactor] = {}
@@ -224,6 +244,8 @@ def resolve_flux_lora(
     if misfit:
         shown = "; ".join(misfit[:5]) + (f"; ... and {len(misfit) - 5} more" if len(misfit) > 5 else "")
         raise LoraError(f"{source}: {len(misfit)} LoRA layer(s) do not fit this Flux transformer's shapes: {shown}")
+    clip_factors, text_encoder = _clip_factors(tensors, text_encoder_keys, text_encoder, source, metadata)
+    factors |= clip_factors
     if not factors:
         raise LoraError(
             f"{source}: no layer of this LoRA adapts the Flux transformer: it looks like {_looks_like(keys)}; "
@@ -232,7 +254,7 @@ def resolve_flux_lora(
     if text_encoder:
         warnings.warn(
             f"{source}: {len(text_encoder)} text-encoder LoRA key(s) are not applied (sdjax applies Flux LoRAs to "
-            f"the transformer only), such as {', '.join(text_encoder[:3])}",
+            f"the transformer and CLIP-L), such as {', '.join(text_encoder[:3])}",
             UnmatchedLoraKeysWarning,
             stacklevel=2,
         )
@@ -247,10 +269,17 @@ def resolve_flux_lora(
     return Lora(name=name or Path(source).stem, source=str(source), factors=factors, unmatched=skipped)
 
 
-def load_flux_lora(path: str | Path, params: Mapping[str, Any], *, name: str | None = None) -> Lora:
-    """Read a LoRA `.safetensors` file (any layout in the module docstring) for a Flux transformer's `params`."""
+def load_flux_lora(
+    path: str | Path,
+    params: Mapping[str, Any],
+    *,
+    name: str | None = None,
+    text_encoder: Mapping[str, Any] | None = None,
+) -> Lora:
+    """Read a LoRA `.safetensors` file (any layout in the module docstring) for a Flux transformer's `params` (and
+    CLIP-L's `text_encoder` params, for its layers)."""
     tensors, metadata = sd_lora.read_lora_file(path)
-    return resolve_flux_lora(tensors, params, source=str(path), name=name, metadata=metadata)
+    return resolve_flux_lora(tensors, params, source=str(path), name=name, metadata=metadata, text_encoder=text_encoder)
 
 
 def apply_loras(params: Mapping[str, Any], loras: Sequence[Lora], scales: Sequence[float]) -> dict[str, Any]:

@@ -163,11 +163,11 @@ class FluxPipeline(FlowTransformerPipeline):
         return False  # Flux inpaints by latent blending (FluxInpaintPipeline); Fill models are not loaded yet
 
     def _read_lora(self, path, targets, name):
-        """Flux LoRAs (kohya, ComfyUI, BFL, diffusers/PEFT layouts) on the transformer (`families.flux.lora`);
-        text-encoder layers in them are reported and skipped."""
+        """Flux LoRAs (kohya, ComfyUI, BFL, diffusers/PEFT layouts) on the transformer and CLIP-L
+        (`families.flux.lora`); T5 layers in them are reported and skipped."""
         from sdjax.families.flux.lora import load_flux_lora
 
-        return load_flux_lora(path, targets["transformer"], name=name)
+        return load_flux_lora(path, targets["transformer"], name=name, text_encoder=targets.get("text_encoder"))
 
     def generate_arrays(self, *args, **kwargs):
         """`DiffusionPipeline.generate_arrays` (the faces' entry): `guidance_scales` are the true-CFG scales (Forge's
