@@ -123,6 +123,48 @@ def test_class_images_drawn_when_missing_then_reused(sd1_dir, tmp_path):
         train_dreambooth(instance, tmp_path / "sks.safetensors", **(options | {"prior_loss_weight": 2.0}))
 
 
+def test_a_process_rows_of_the_instance_and_class_batch(sd1_dir, tmp_path):
+    """`_batch(..., rows)` (what one process of several builds: `run.RowBatches`) equals those rows of the whole
+    [instance; class] micro-batch, opening only the images of those rows: instance rows from the instance images,
+    class rows from the class images, none of a part without rows."""
+    instance, classes = tmp_path / "sks", tmp_path / "dog"
+    _images(instance, 3, 0)
+    _images(classes, 3, 1)
+    pipe, _ = load_pipeline(str(sd1_dir))
+    conditioning = pipe.generator.models.conditioning
+    data_cfg = dreambooth.data_lib.DataConfig(resolution=64, bucketing=False, flip=True, random_crop=True)
+    samplers = [
+        dreambooth.data_lib.Sampler(
+            dreambooth._with_prompt(dreambooth.data_lib.scan(folder, data_cfg), prompt), data_cfg, 2, seed
+        )
+        for folder, prompt, seed in ((instance, "a photo of sks dog", 0), (classes, "a photo of dog", 1))
+    ]
+    opened: list[str] = []
+    crop = dreambooth.data_lib.crop_example
+
+    def counted(item, *args):
+        opened.append(item.path.parent.name)
+        return crop(item, *args)
+
+    batches = dreambooth._row_batches(samplers, conditioning, 1)
+    assert batches.size == 4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dreambooth.data_lib, "crop_example", counted)
+        for micro in range(3):
+            whole = batches(micro)
+            for rows in ([0, 1], [2, 3], [1, 2], [3]):
+                opened.clear()
+                part = batches.load(micro, rows)
+                assert opened == ["sks" if r < 2 else "dog" for r in rows]
+                for key in ("pixels", "time_ids", "ids", "clip_skip"):
+                    np.testing.assert_array_equal(part[key], whole[key][rows], err_msg=f"{key} rows {rows}")
+    assert dreambooth.data_lib.part_rows([1, 2, 3], [2, 2]) == [[1], [0, 1]]
+    assert dreambooth.data_lib.part_rows([0, 1], [2, 2]) == [[0, 1], []]
+    assert dreambooth.data_lib.part_rows(None, [2, 2]) == [None, None]
+    with pytest.raises(IndexError, match=r"rows \[4\] of a micro-batch of 4 examples"):
+        dreambooth.data_lib.part_rows([0, 4], [2, 2])
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

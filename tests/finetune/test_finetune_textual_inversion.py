@@ -182,6 +182,30 @@ def test_embedded_run_changes_only_the_token_rows(images, tmp_path):
     assert len(list(tmp_path.glob("*.png"))) == 1
 
 
+def test_a_process_rows_keep_their_templates(sd1_dir, images):
+    """`row_batches(...).load(micro, rows)` (what one process of several builds) equals those rows of the whole
+    micro-batch: the same pixels and the same prompts, an uncaptioned row's template chosen by its row in the whole
+    batch (were it chosen by its place among the rows asked for, some would differ)."""
+    from sdjax.finetune import data as data_lib
+
+    cfg = ti_lib.TextualInversionConfig(data=str(images), out="x.safetensors", token=TOKEN, init_word=INIT, flip=True)
+    data_cfg = cfg.data_config(64)
+    sampler = data_lib.Sampler(data_lib.scan(images, data_cfg), data_cfg, 3, seed=5)
+    pipe, _ = load_pipeline(str(sd1_dir))
+    batches = ti_lib.row_batches(cfg, sampler, pipe.generator.models.conditioning)
+    differs = False
+    for micro in range(4):
+        whole = batches(micro)
+        for rows in ([0], [1, 2], [2]):
+            part = batches.load(micro, rows)
+            for key in ("pixels", "time_ids", "ids"):
+                np.testing.assert_array_equal(part[key], whole[key][rows], err_msg=f"{key} rows {rows}")
+        # rows 1 and 2 prompted as if they were rows 0 and 1 (a split blind to the rows) get other templates
+        blind = ti_lib.prompts(["", ""], TOKEN, cfg.seed, micro)
+        differs |= blind != ti_lib.prompts(["", ""], TOKEN, cfg.seed, micro, [1, 2])
+    assert differs
+
+
 def test_bad_settings_fail_before_loading(images, tmp_path):
     from sdjax.finetune.textual_inversion import train_textual_inversion
 

@@ -1,7 +1,8 @@
-"""`sdjax train lora` over two processes (`jax.distributed`, gloo collectives on CPU, 2 devices each) against one
-process with 4 devices: the same global batch split over 4 devices either way, so the same losses and the same
-LoRA; each process opens only the images of its own rows of every batch; only process 0 writes the outputs. Plus
-what several processes refuse."""
+"""`sdjax train lora|dreambooth|textual-inversion` over two processes (`jax.distributed`, gloo collectives on CPU,
+2 devices each) against one process with 4 devices: the same global batch split over 4 devices either way, so the
+same losses and the same trained values; each process opens only the images of its own rows of every batch
+(DreamBooth's [instance; class] batch: process 0's devices hold the instance rows, process 1's the class rows);
+only process 0 writes the outputs. Plus what several processes refuse."""
 
 import json
 import os
@@ -66,20 +67,60 @@ sys.exit(main())
 """
 
 
-def _train(devices: int, argv: list[str], loads) -> subprocess.Popen:
+def _train(devices: int, argv: list[str], loads, command: str = "lora") -> subprocess.Popen:
     flags = f"--xla_force_host_platform_device_count={devices} {os.environ.get('SDJAX_TEST_COMPILE_FLAGS', '')}"
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "SDJAX_TEST_LOADS": str(loads)}
-    cmd = [sys.executable, "-c", _COUNTED_CLI, "train", "lora", *argv]
+    cmd = [sys.executable, "-c", _COUNTED_CLI, "train", command, *argv]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[str]:
     outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, out[-3000:]
-        outs.append(out)
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            assert p.returncode == 0, out[-3000:]
+            outs.append(out)
+    finally:  # a failed or hung process leaves no other waiting for it at the coordinator
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     return outs
+
+
+def _one_and_two(command: str, common: list[str], tmp_path, suffix: str = ".safetensors") -> None:
+    """`sdjax train COMMAND` on one process of 4 devices (out `one`, its decodes in loads-one.txt), then on two
+    processes of 2 devices each on 127.0.0.1 (out `two`, decodes in loads-0.txt and loads-1.txt)."""
+    one = _train(4, [*common, "--out", str(tmp_path / f"one{suffix}")], tmp_path / "loads-one.txt", command)
+    _wait([one])
+    port = str(_free_port())
+    hosts = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    two = [
+        _train(
+            2,
+            [*common, "--out", str(tmp_path / f"two{suffix}"), *hosts, "--process-id", str(i)],
+            tmp_path / f"loads-{i}.txt",
+            command,
+        )
+        for i in range(2)
+    ]
+    _wait(two)
+
+
+def _halves(loaded: list[str], steps: int, size: int) -> list[list[str]]:
+    """Per process, the decodes of its rows [p * size / 2, (p + 1) * size / 2) of each of the one-process run's
+    batches (`loaded`: `size` decodes a batch, in row order)."""
+    half = size // 2
+    return [[loaded[s * size + r] for s in range(steps) for r in range(p * half, p * half + half)] for p in (0, 1)]
+
+
+def _worst_tensor(a: dict, b: dict) -> float:
+    """The worst relative L2 difference of two files' tensors (Adam divides each gradient by its own running size,
+    so an element whose gradient is only summation noise can move by up to lr either way: whole tensors, not
+    elements)."""
+    assert a.keys() == b.keys()
+    return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(a[k]), 1e-12)) for k in a)
 
 
 def _losses(run) -> list[float]:
@@ -93,24 +134,7 @@ def _loads(path) -> list[str]:
 @pytest.mark.parametrize("cached", [False, True], ids=["images", "cache-latents"])
 def test_two_processes_train_as_one_process_with_their_devices(sd1_dir, images, tmp_path, cached):
     common = ["--model", str(sd1_dir), "--data", str(images), *ARGS, *(["--cache-latents"] if cached else [])]
-    one = _train(4, [*common, "--out", str(tmp_path / "one.safetensors")], tmp_path / "loads-one.txt")
-    _wait([one])
-
-    port = str(_free_port())
-    two = [
-        _train(
-            2,
-            [
-                *common,
-                "--out",
-                str(tmp_path / "two.safetensors"),
-                *("--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)),
-            ],
-            tmp_path / f"loads-{i}.txt",
-        )
-        for i in range(2)
-    ]
-    _wait(two)
+    _one_and_two("lora", common, tmp_path)
 
     # what each process decoded: with images, rows [2p, 2p + 2) of each of the one-process run's batches (process
     # p's two devices hold the batch's p-th half); with a latent cache, every image once, while the cache is built
@@ -121,10 +145,7 @@ def test_two_processes_train_as_one_process_with_their_devices(sd1_dir, images, 
         expected = [names, names]
     else:
         assert len(loaded) == STEPS * BATCH and sorted(loaded[:BATCH]) == names
-        half = BATCH // 2
-        expected = [
-            [loaded[s * BATCH + r] for s in range(STEPS) for r in range(p * half, p * half + half)] for p in (0, 1)
-        ]
+        expected = _halves(loaded, STEPS, BATCH)
     for p in (0, 1):
         print(f"process {p} decoded {_loads(tmp_path / f'loads-{p}.txt')}")
         assert _loads(tmp_path / f"loads-{p}.txt") == expected[p], p
@@ -133,15 +154,76 @@ def test_two_processes_train_as_one_process_with_their_devices(sd1_dir, images, 
     print(f"losses: one process {ref}, two processes {got}")
     assert len(got) == 2 and np.allclose(got, ref, rtol=1e-5, atol=0)
     a, b = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
-    assert a.keys() == b.keys() and any(np.abs(v).max() > 0 for k, v in b.items() if "lora_up" in k)
-    # Adam divides each gradient by its own running size, so an element whose gradient is only summation noise
-    # (the two runs add the devices' gradients in another order) can move by up to lr either way: compare whole
-    # tensors (relative L2), not elements
-    worst = max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(a[k]), 1e-12)) for k in a)
+    assert any(np.abs(v).max() > 0 for k, v in b.items() if "lora_up" in k)
+    worst = _worst_tensor(a, b)
     print(f"LoRA tensors: worst relative L2 difference {worst:.2e}")
     assert worst < 1e-3, worst
     # one writer: the loss log has each update once, and the checkpoints are one set (orbax, written together)
     assert sorted(p.name for p in (tmp_path / "two-run" / "checkpoints").iterdir()) == ["2"]
+
+
+@pytest.fixture(scope="module")
+def classes(tmp_path_factory):
+    """A full class folder (4 images: drawing class images is refused over several processes)."""
+    root = tmp_path_factory.mktemp("class-shapes")
+    rng = np.random.default_rng(2)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), np.uint8)).save(root / f"c{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """Images of which only two have captions: the others train on object templates chosen by their row."""
+    root = tmp_path_factory.mktemp("bare-shapes")
+    rng = np.random.default_rng(4)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), np.uint8)).save(root / f"b{i}.png")
+    for i in range(2):
+        (root / f"b{i}.txt").write_text(f"a <shape> in colour {i}")
+    return root
+
+
+def _trainer_args(command: str, images, classes, bare) -> tuple[list[str], int]:
+    """`(arguments, rows of a global micro-batch)` of a DreamBooth run with prior preservation (2 instance + 2
+    class rows) or a textual-inversion run (4 rows)."""
+    common = ["--steps", str(STEPS), "--resolution", "64", "--lr", "1e-3", "--seed", "3"]
+    if command == "dreambooth":
+        args = ["--instance-data", str(images), "--instance-prompt", "a photo of sks shape", "--rank", "2"]
+        args += ["--class-data", str(classes), "--class-prompt", "a photo of a shape", "--num-class-images", "4"]
+        return [*common, *args, "--batch-size", "2"], 4
+    args = ["--data", str(bare), "--token", "<shape>", "--init-word", "shape", "--vectors", "2"]
+    return [*common, *args, "--batch-size", "4"], 4
+
+
+@pytest.mark.parametrize("command", ["dreambooth", "textual-inversion"])
+def test_dreambooth_and_textual_inversion_over_two_processes(sd1_dir, images, classes, bare, tmp_path, command):
+    """Each process decodes only its own rows of every batch (a DreamBooth batch is [instance; class]: process 0's
+    devices hold the instance rows, process 1's the class rows; a textual-inversion row keeps the template of its
+    row in the whole batch), and the run's losses and trained values are the one-process run's."""
+    args, size = _trainer_args(command, images, classes, bare)
+    _one_and_two(command, ["--model", str(sd1_dir), *args], tmp_path)
+
+    loaded = _loads(tmp_path / "loads-one.txt")
+    assert len(loaded) == STEPS * size
+    expected = _halves(loaded, STEPS, size)
+    decoded = [_loads(tmp_path / f"loads-{p}.txt") for p in (0, 1)]
+    print(f"{command}: one process decoded {loaded}; the two processes {decoded}")
+    assert decoded == expected and [len(d) for d in decoded] == [STEPS * size // 2] * 2
+    if command == "dreambooth":  # the instance rows on process 0, the class rows on process 1
+        assert all(n.startswith("s") for n in decoded[0]) and all(n.startswith("c") for n in decoded[1])
+
+    ref, got = _losses(tmp_path / "one-run"), _losses(tmp_path / "two-run")
+    worst_loss = max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True))
+    a, b = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
+    start = load_file(str(tmp_path / "one-run" / "init.safetensors")) if command != "dreambooth" else None
+    worst = _worst_tensor(a, b)
+    print(f"{command}: losses {ref} vs {got} (worst relative {worst_loss:.1e}); trained tensors {worst:.1e}")
+    assert len(got) == STEPS and worst_loss <= 1e-6
+    assert worst < 1e-3, worst
+    if start is not None:  # the rows moved (the comparison is not of two untrained copies)
+        assert _worst_tensor(start, b) > 1e-3
+    assert sorted(p.name for p in (tmp_path / "two-run" / "checkpoints").iterdir()) == [str(STEPS)]
 
 
 def test_a_process_rows_are_those_rows_of_the_whole_batch(images):

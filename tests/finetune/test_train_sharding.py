@@ -7,8 +7,9 @@ default 2^20 would split none of them). Each test runs the trainers' own step fu
 `full.make_loss` under `step.jit_step`, `flow.make_flow_train_step`) twice, once on replicated arguments, once on
 the FSDP layout, from the same state, batches and key, and compares the losses and the updated values (the LoRA
 steps with plain SGD, so every leaf's update is its gradient; the full fine-tune with the trainers' AdamW and
-accumulation, whose moments and accumulated gradients FSDP splits); it also checks on the device arrays themselves
-that the layout split what it says.
+accumulation, whose moments and accumulated gradients FSDP splits; Adafactor's and Prodigy's states on a toy
+problem); it also checks on the device arrays themselves that the layout split what it says. Whole runs with FSDP
+(stopped and resumed, each trainer): tests/finetune/test_fsdp_runs.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ RTOL = 1e-5  # relative (L2): the losses, each updated leaf of an SGD step, all 
 # FSDP against replicated 9.6e-7 over the whole UNet, 1.2e-5 worst leaf; the replicated run on 1 device against 8
 # (the same program, no FSDP) differs more: 1.9e-6 and 1.7e-5.
 LEAF_RTOL = 5e-5
-UNET_RTOL = 1e-4  # the whole written UNet of two `train_finetune` runs (their test)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,25 @@ def _run(train_step, state, frozen, batches, key, mesh, *, fsdp: bool, trained: 
     return losses, state, frozen, lay
 
 
+def _both_layouts(train_step, init, frozen, batches, key, mesh, *, trained: str, label: str):
+    """`_run` from a fresh state `init()` (the step donates its state) on the replicated layout and on the FSDP
+    one -> (worst relative loss error, `_compare`'s errors of the values, the FSDP run's state, its placed frozen
+    params, its layout, the replicated run's state); printed under `label`."""
+    initial = _host(init()[trained])
+    ref_losses, ref_state, _, _ = _run(train_step, init(), frozen, batches, key, mesh, fsdp=False, trained=trained)
+    losses, state, placed, lay = _run(train_step, init(), frozen, batches, key, mesh, fsdp=True, trained=trained)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    errors = _compare(ref_state, state, initial, trained)
+    print(f"{label}: losses {losses} vs {ref_losses} (worst relative {loss_err:.1e}); after the run: {errors}")
+    return loss_err, errors, state, placed, lay, ref_state
+
+
+def _assert_sgd_close(loss_err: float, errors: dict) -> None:
+    """An SGD run's tolerances (module docstring): the losses and each leaf to RTOL, each leaf's change too."""
+    assert loss_err <= RTOL
+    assert errors["leaf"] <= RTOL and errors["update_median"] <= RTOL and errors["update_max"] <= 10 * RTOL
+
+
 def _compare(ref_state, got_state, initial, trained: str) -> dict[str, float]:
     """Relative errors of the updated values of two runs that started from `initial`: over the whole tree, the
     worst leaf, and the worst and median leaf of the changes (new - initial)."""
@@ -139,19 +158,11 @@ def test_lora_step_fsdp_equals_replicated(tiny_sd, mesh):
     lora = _perturbed(lora_lib.init_lora(jax.random.PRNGKey(0), frozen, targets, 4))
     train_step = step_lib.make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)  # train lora's
     batches = [_sd_batch(pipe, seed=0), _sd_batch(pipe, seed=1)]
-    key = jax.random.PRNGKey(3)
-
-    ref_losses, ref_state, _, _ = _run(
-        train_step, step_lib.init_state(lora, optimizer), frozen, batches, key, mesh, fsdp=False, trained="lora"
+    init = lambda: step_lib.init_state(lora, optimizer)
+    loss_err, errors, state, placed, lay, _ = _both_layouts(
+        train_step, init, frozen, batches, jax.random.PRNGKey(3), mesh, trained="lora", label="LoRA"
     )
-    losses, state, placed, lay = _run(
-        train_step, step_lib.init_state(lora, optimizer), frozen, batches, key, mesh, fsdp=True, trained="lora"
-    )
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    errors = _compare(ref_state, state, lora, "lora")
-    print(f"LoRA: losses {losses} vs {ref_losses} (worst relative {loss_err:.1e}); after 2 updates: {errors}")
-    assert loss_err <= RTOL
-    assert errors["leaf"] <= RTOL and errors["update_median"] <= RTOL and errors["update_max"] <= 10 * RTOL
+    _assert_sgd_close(loss_err, errors)
     # the step moved the LoRA (the comparison is not of two unchanged copies)
     first = next(iter(lora["unet"]))
     assert _rel(_host(state["lora"])["unet"][first]["up"], lora["unet"][first]["up"]) > 1e-3
@@ -187,11 +198,9 @@ def test_full_finetune_step_fsdp_equals_replicated(tiny_sd, mesh):
     def fresh():  # a copy: the step donates its state, and the fixture's params are shared
         return full.init_state(jax.tree_util.tree_map(np.array, initial), optimizer)
 
-    ref_losses, ref_state, _, _ = _run(train_step, fresh(), frozen, batches, key, mesh, fsdp=False, trained="unet")
-    losses, state, _, lay = _run(train_step, fresh(), frozen, batches, key, mesh, fsdp=True, trained="unet")
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    errors = _compare(ref_state, state, initial, "unet")
-    print(f"full: losses {losses} vs {ref_losses} (worst relative {loss_err:.1e}); after 2 updates: {errors}")
+    loss_err, errors, state, _, lay, _ = _both_layouts(
+        train_step, fresh, frozen, batches, key, mesh, trained="unet", label="full"
+    )
     assert loss_err <= RTOL
     assert errors["tree"] <= RTOL and errors["leaf"] <= LEAF_RTOL
     assert int(state["opt_state"].gradient_step) == 2
@@ -241,18 +250,11 @@ def test_flux_lora_step_fsdp_equals_replicated(mesh):
         }
         for _ in range(2)
     ]
-    key = jax.random.PRNGKey(7)
-    ref_losses, ref_state, _, _ = _run(
-        train_step, step_lib.init_state(lora, optimizer), frozen, batches, key, mesh, fsdp=False, trained="lora"
+    init = lambda: step_lib.init_state(lora, optimizer)
+    loss_err, errors, _, placed, _, _ = _both_layouts(
+        train_step, init, frozen, batches, jax.random.PRNGKey(7), mesh, trained="lora", label="Flux LoRA"
     )
-    losses, state, placed, _ = _run(
-        train_step, step_lib.init_state(lora, optimizer), frozen, batches, key, mesh, fsdp=True, trained="lora"
-    )
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    errors = _compare(ref_state, state, lora, "lora")
-    print(f"Flux LoRA: losses {losses} vs {ref_losses} (worst relative {loss_err:.1e}); after 2 updates: {errors}")
-    assert loss_err <= RTOL
-    assert errors["leaf"] <= RTOL and errors["update_median"] <= RTOL and errors["update_max"] <= 10 * RTOL
+    _assert_sgd_close(loss_err, errors)
     assert _sharded_fraction(placed["transformer"]) < 0.25
 
 
@@ -281,93 +283,96 @@ def test_state_specs_follow_the_values_through_optax_wrappers(mesh):
     assert specs["step"] == PartitionSpec()
 
 
+# Per optimiser, the fields of its state that hold one array per trained value, shaped like it (they take its
+# sharding); every other leaf (counters, Prodigy's scalar estimates, Adafactor's factored moments and the (1,)
+# placeholders it keeps for unfactored values) is whole on every device.
+MIRRORS = {
+    "adafactor": ("v", "acc_grads"),
+    "prodigy": ("exp_avg", "exp_avg_sq", "grad_sum", "params0", "acc_grads"),
+}
+
+
+def _toy_values() -> dict:
+    """A (128, 256) kernel (Adafactor factors its second moment: both dims >= 128), a conv kernel and a bias (not
+    factored), all at least MIN_SIZE elements (FSDP splits each on its largest dimension)."""
+    rng = np.random.default_rng(0)
+    shapes = {"to_q": (128, 256), "conv_in": (3, 3, 8, 32), "bias": (256,)}
+    return {k: (0.1 * rng.standard_normal(v)).astype(np.float32) for k, v in shapes.items()}
+
+
+def _toy_loss(values, frozen, batch, key):
+    h = jnp.tanh(batch["x"] @ values["to_q"] + values["bias"]) @ frozen["head"]
+    conv = batch["z"] @ values["conv_in"].reshape(72, 32)
+    return jnp.mean((h - batch["y"]) ** 2) + jnp.mean(conv**2)
+
+
+def _toy_batches(n: int) -> list[dict]:
+    rng = np.random.default_rng(1)
+    shapes = {"x": (8, 128), "y": (8, 16), "z": (8, 72)}
+    return [{k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()} for _ in range(n)]
+
+
+def _field_and_value(path) -> tuple[str, tuple[str, ...]]:
+    """The optimiser-state field of a leaf's path (the last attribute name: `v_row`, `exp_avg`, `acc_grads`, ...)
+    and the dict keys below it (the value it belongs to)."""
+    field, below = "", ()
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            field, below = k.name, ()
+        elif isinstance(k, jax.tree_util.DictKey):
+            below = (*below, k.key)
+    return field, below
+
+
+@pytest.mark.parametrize("name", ["adafactor", "prodigy"])
+def test_optimizer_states_fsdp_equal_replicated(mesh, name):
+    """Adafactor's and Prodigy's states (other shapes than AdamW's: factored moments, scalar step-size estimates)
+    under FSDP, with accumulation (`optax.MultiSteps`): every leaf that holds an array per value has that value's
+    sharding, a device holds 1/8 of each of those leaves, everything else is whole; two updates of the FSDP layout
+    give the replicated layout's losses, values and every optimiser-state leaf."""
+    lr = 1.0 if name == "prodigy" else 1e-2  # Prodigy's lr multiplies its own step-size estimate
+    optimizer = step_lib.make_optimizer(step_lib.lr_schedule(lr, 10, 0, "constant"), optimizer=name, accumulation=2)
+    values = _toy_values()
+    frozen = {"head": np.random.default_rng(2).standard_normal((256, 16)).astype(np.float32)}
+    train_step = step_lib.jit_step(_toy_loss, optimizer, "unet")
+    init = lambda: step_lib.init_state(jax.tree_util.tree_map(np.array, values), optimizer, "unet")
+    loss_err, errors, state, _, lay, ref = _both_layouts(
+        train_step, init, frozen, _toy_batches(4), jax.random.PRNGKey(0), mesh, trained="unet", label=name
+    )
+    opt_err = max(
+        _rel(a, b) if np.any(b) else float(np.abs(a).max())
+        for a, b in zip(jax.tree_util.tree_leaves(_host(state)), jax.tree_util.tree_leaves(_host(ref)), strict=True)
+    )
+    print(f"{name}: every state leaf (values and optimiser) within {opt_err:.1e} of the replicated run")
+    assert loss_err <= 1e-6 and errors["tree"] <= 1e-6 and opt_err <= 1e-5
+    assert int(state["opt_state"].gradient_step) == 2 and errors["update_median"] < 1e-5
+    moved = min(_rel(_host(state["unet"])[k], v) for k, v in values.items())
+    print(f"{name}: the least moved value changed by {moved:.1e} (relative)")
+    assert moved > 1e-6, moved  # every value moved (float32 resolves 6e-8): not a comparison of unchanged copies
+
+    value_specs = {k: s.spec for k, s in lay.state["unet"].items()}
+    assert value_specs == {"to_q": PartitionSpec(None, "data"), "conv_in": PartitionSpec(None, None, None, "data"),
+                           "bias": PartitionSpec("data")}  # fmt: skip
+    mirrored = held = whole = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0]:
+        field, below = _field_and_value(path)
+        mirrors = field in MIRRORS[name] and len(below) == 1 and x.shape == values[below[0]].shape
+        want = value_specs[below[0]] if mirrors else PartitionSpec()
+        assert x.sharding.spec == want, (jax.tree_util.keystr(path), x.sharding.spec, want)
+        shard = x.addressable_shards[0].data.nbytes
+        assert shard * (8 if mirrors else 1) == x.nbytes, jax.tree_util.keystr(path)
+        mirrored += mirrors
+        held, whole = held + shard, whole + x.nbytes
+    print(f"{name}: {mirrored} optimiser leaves split; a device holds {held} of {whole} bytes of the state")
+    assert mirrored == {"adafactor": 2 + 3, "prodigy": 4 * 3 + 3}[name]  # Adafactor: v of conv_in and bias
+    if name == "adafactor":  # the kernel's factored moments: its row and column means, whole on every device
+        inner = state["opt_state"].inner_opt_state[-1][0]
+        assert inner.v_row["to_q"].shape == (128,) and inner.v_col["to_q"].shape == (256,)
+        assert inner.v["to_q"].shape == (1,)
+    assert held < 0.2 * whole
+
+
 def test_layout_refuses_a_missing_trained_entry(mesh):
     state = {"lora": {}, "opt_state": (), "step": jnp.zeros((), jnp.int32)}
     with pytest.raises(ValueError, match="trained='unet'"):
         train_sharding.layout(mesh, state, {}, trained="unet")
-
-
-# ------------------------------------------------------------------------------------------------ the run, end to end
-def _cats(root, n: int = 3):
-    from PIL import Image
-
-    rng = np.random.default_rng(2)
-    root.mkdir()
-    for i in range(n):
-        Image.fromarray(rng.integers(0, 255, (32, 32, 3), np.uint8)).save(root / f"c{i}.png")
-        (root / f"c{i}.txt").write_text(f"a cat, pose {i}")
-    return root
-
-
-def test_finetune_run_with_fsdp_repeats_the_replicated_run(sd1_dir, mesh, tmp_path, monkeypatch):
-    """`train_finetune(fsdp=True)` (`run.run_loop` placing the state with `finetune.sharding`), stopped after update
-    1 and resumed from its checkpoint, against the same run replicated and unbroken: the same losses and written
-    UNet within float32 summation-order noise, while the master copy and the AdamW moments were split over the 8
-    devices."""
-    from sdjax.finetune import full
-    from sdjax.pipelines import load_pipeline
-
-    data = _cats(tmp_path / "cats")
-    options = dict(
-        model=str(sd1_dir), steps=2, batch_size=8, resolution=32, bucketing=False, lr=1e-3, ema_decay=0.5, seed=1
-    )
-    placed: list[dict] = []
-    place = train_sharding.Layout.place
-
-    def recording_place(self, state, frozen, put=None):  # what the run's arrays look like on the devices
-        state, frozen = place(self, state, frozen, put)
-        placed.append({"state": _sharded_fraction(state["unet"]), "frozen": _sharded_fraction(frozen)})
-        placed[-1]["adam_mu"] = _sharded_fraction(
-            [
-                s.mu
-                for s in jax.tree_util.tree_leaves(state["opt_state"], is_leaf=lambda s: hasattr(s, "mu"))
-                if hasattr(s, "mu")
-            ]
-        )
-        placed[-1]["conv_in"] = state["unet"]["conv_in"]["kernel"].sharding.spec
-        return state, frozen
-
-    monkeypatch.setattr(train_sharding.Layout, "place", recording_place)
-    logs: list[str] = []
-    ref = full.train_finetune(data, tmp_path / "ref", **options)
-    assert not placed  # the replicated run never builds a layout
-    fsdp = dict(fsdp=True, fsdp_min_size=MIN_SIZE, log=logs.append, **options)
-    first = full.train_finetune(data, tmp_path / "fsdp", stop_after=1, **fsdp)  # checkpointed from the split arrays
-    got = full.train_finetune(data, tmp_path / "fsdp", **fsdp)  # resumed at update 1 into the layout
-    assert (len(first.losses), got.start_step, len(got.losses)) == (1, 1, 1)
-    got.losses = first.losses + got.losses
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(got.losses, ref.losses, strict=True))
-    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
-    unet_err = _rel(flat(got.unet), flat(ref.unet))
-    moved = _rel(flat(ref.unet), flat(load_pipeline(str(sd1_dir))[1]["unet"]))
-    print(f"fine-tune run: losses {got.losses} vs {ref.losses} (worst relative {loss_err:.1e}); UNet {unet_err:.1e}")
-    print(f"(the run moved the UNet by {moved:.1e}); {placed}; {[line for line in logs if 'FSDP' in line]}")
-    # The losses to RTOL; the written UNet (EMA of AdamW updates at lr 1e-3) to UNET_RTOL: AdamW's first update moves
-    # a coordinate whose gradient is summation noise by a full lr either way (module docstring). Measured: losses
-    # 1.1e-7 (update 1) and 0 (update 2), UNet 2.2e-5 against a change of 2.2e-2.
-    assert loss_err <= RTOL and unet_err <= UNET_RTOL and unet_err < 0.01 * moved
-    assert len(placed) == 2  # the first call and the resumed one
-    for held in placed:  # a device's share of the master copy, the AdamW moments, the frozen weights (VAE whole)
-        assert held["state"] < 0.25 and held["adam_mu"] < 0.25 and held["frozen"] < 0.5
-        assert held["conv_in"] != PartitionSpec()
-    assert any(line.startswith("FSDP over 8 devices") for line in logs)
-
-
-def test_fsdp_refusals(sd1_dir, tmp_path):
-    from typer.testing import CliRunner
-
-    from sdjax.cli import app
-    from sdjax.finetune import full, train_lora
-
-    data = _cats(tmp_path / "cats", 1)
-    with pytest.raises(ValueError, match=r"fsdp_min_size=64 \(--fsdp-min-size\) applies with fsdp=True"):
-        train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "nowhere"), fsdp_min_size=64)
-    with pytest.raises(ValueError, match=r"fsdp_min_size=0 \(--fsdp-min-size\) must be a positive integer"):
-        full.train_finetune(data, tmp_path / "o", model=str(tmp_path / "nowhere"), fsdp=True, fsdp_min_size=0)
-    # one device to split over: refused before anything compiles (the CLI before the model is loaded)
-    with pytest.raises(ValueError, match=r"fsdp=True \(--fsdp\) splits the weights .* this run has one"):
-        full.train_finetune(data, tmp_path / "o", model=str(sd1_dir), fsdp=True, batch_size=1, resolution=32)
-    assert not (tmp_path / "o-run" / "checkpoints").exists()
-    cli = ["train", "lora", "--data", str(data), "--out", str(tmp_path / "x.safetensors"), "--fsdp"]
-    result = CliRunner().invoke(app, cli + ["--model", str(tmp_path / "nowhere")])  # batch size 1: one device
-    assert result.exit_code == 2 and "fsdp=True (--fsdp) splits the weights" in result.output

@@ -7,12 +7,15 @@
 Every process runs the same loop on the same data order (the samplers are seeded), so each one knows the whole
 global batch without reading it: it opens only the rows its own devices hold (`local_rows`, from the batch's
 sharding) and `place_rows` joins every process's rows into the global array (`make_array_from_process_local_data`);
-the compiled step sums the gradients over all devices as it does on one host. (A trainer whose batches are not built
-by rows gives every process the whole batch, and `place` hands each device its part.) The state and the frozen
-params are replicated on every device. Only process 0 writes the run directory's logs, config, plots and the output
-files; orbax's checkpoints are written by all processes together (they must see the same run directory: a shared
-file system). Not with several processes: validation images and DreamBooth's class-image generation (each is a
-generation on one process's devices), which are refused before anything compiles.
+the compiled step sums the gradients over all devices as it does on one host. The SD / SDXL trainers (LoRA,
+DreamBooth with its [instance; class] rows, textual inversion, full fine-tune) build their batches by rows
+(`run.RowBatches`). (A trainer whose batches are not built by rows gives every process the whole batch, and `place`
+hands each device its part.) The state and the frozen params are replicated on every device (with `--fsdp`, split as
+`finetune.sharding` lays them out). Only process 0 writes the run directory's logs, config, plots and the output
+files (and a textual inversion's initial embedding); orbax's checkpoints are written by all processes together (they
+must see the same run directory: a shared file system). Not with several processes: validation images and
+DreamBooth's class-image generation (each is a generation on one process's devices), which are refused before
+anything compiles.
 
 On CPU the cross-process sums need a collectives backend: `initialize` turns on gloo
 (`jax_cpu_collectives_implementation`), which is how the tests run two processes on 127.0.0.1.

@@ -10,6 +10,13 @@
   resolution) and saves them as `class_data/sdjax-class-NNNNN.png`; a second run finds them and draws nothing.
 - Examples are cropped to `resolution x resolution` (diffusers' square crop; no buckets: instance and class examples
   share a batch). Min-SNR weighting together with prior preservation is refused (see `step.Objective`).
+- Several hosts (`finetune.distributed`): micro-batches are built by rows (`run.RowBatches` of `2 * batch_size`
+  rows with prior preservation): each process opens only the rows its devices hold, instance rows from the
+  instance sampler and class rows from the class sampler (`data.part_rows`), so the global batch is the one-process
+  [instance; class] batch and the loss's halves pair as they do on one host. The class folder must be full
+  (drawing class images is refused over several processes).
+- FSDP (`fsdp=True`): the frozen UNet and text encoders split over the devices as in `train lora`
+  (`finetune.sharding`); the LoRA and its optimiser state stay whole.
 - The rest is `train lora`'s: the LoRA, the optimiser, the run directory, checkpoints and resuming, the kohya /
   PEFT files (`run.write_lora`).
 """
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,15 +132,28 @@ def _with_prompt(dataset: data_lib.Dataset, prompt: str) -> data_lib.Dataset:
     return dataclasses.replace(dataset, items=items)
 
 
-def _batch(samplers: list[data_lib.Sampler], conditioning, micro: int, clip_skip: int) -> dict:
-    """Micro-batch `micro`: the instance examples, then (with prior preservation) the class examples."""
-    parts = [s.load(micro) for s in samplers]
+def _batch(
+    samplers: list[data_lib.Sampler], conditioning, micro: int, clip_skip: int, rows: Sequence[int] | None = None
+) -> dict:
+    """Micro-batch `micro`: the instance examples, then (with prior preservation) the class examples; with `rows`
+    (indices into that whole micro-batch, as `run.RowBatches` asks) only those rows, each sampler opening its own."""
+    sizes = [s.batch_size for s in samplers]
+    parts = [s.load(micro, r) for s, r in zip(samplers, data_lib.part_rows(rows, sizes), strict=True) if r is None or r]
     joined = {
         "pixels": np.concatenate([p["pixels"] for p in parts]),
         "time_ids": np.concatenate([p["time_ids"] for p in parts]),
         "captions": [c for p in parts for c in p["captions"]],
     }
     return run_lib._inputs(conditioning, joined, clip_skip)
+
+
+def _row_batches(samplers: list[data_lib.Sampler], conditioning, clip_skip: int) -> run_lib.RowBatches:
+    """The run's micro-batches, built by rows (`_batch`)."""
+
+    def load(micro: int, rows: Sequence[int] | None) -> dict:
+        return _batch(samplers, conditioning, micro, clip_skip, rows)
+
+    return run_lib.RowBatches(load, sum(s.batch_size for s in samplers))
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -176,8 +196,6 @@ def train_dreambooth(
     def finish(state: dict) -> None:
         run_lib.write_lora(cfg, state["lora"], pipe.unet.config, prediction_type, run_dir, len(instances.items))
 
-    def batches(micro: int) -> dict:
-        return _batch(samplers, conditioning, micro, cfg.clip_skip)
-
+    batches = _row_batches(samplers, conditioning, cfg.clip_skip)
     validate = run_lib.lora_validator(cfg, pipe, params, resolution, log)
     return session.loop(state, frozen, train_step, batches, schedule, finish, validate=validate)

@@ -6,16 +6,21 @@ splits their work by the shardings of their inputs. This module chooses those sh
 
 - Replicated (`fsdp=False`; `run.run_loop`'s default): the frozen params, the trained values and the optimiser
   state whole on every device; the batch split over the mesh's `data` axis; the compiler all-reduces the gradients.
-- FSDP (`fsdp=True`; ZeRO-3, Rajbhandari et al. 2020; `TrainConfig.fsdp`, `--fsdp`): every frozen param of at
-  least `min_size` elements is split over `data` as well, by the inference rules table (`sdjax.parallel.sharding`:
-  the `model`-axis split of a rule, then the largest dimension left whole that divides by `data`; the VAE and the
+- FSDP (`fsdp=True`; ZeRO-3, Rajbhandari et al. 2020; `TrainConfig.fsdp`, `--fsdp`): every frozen param of at least
+  `min_size` elements is split over `data` as well, by the inference rules table (`sdjax.parallel.sharding`: the
+  `model`-axis split of a rule, then the largest dimension left whole that divides by `data`; the VAE and the
   scheduler never). The trained values get the same treatment under the state's key (`state["unet"]` of a full
-  fine-tune is named `unet/...`, so the UNet rules match), and every optimiser-state leaf that mirrors a trained
-  value (AdamW's `mu`, `nu`, `MultiSteps`' accumulated gradients, Prodigy's initial values) takes that value's
-  sharding. A LoRA's leaves are far below the threshold,
-  so a LoRA run shards its frozen model and keeps the LoRA and its moments whole. The partitioner all-gathers a
-  weight where a layer uses it and reduce-scatters its gradient: a device stores `1 / data` of the large weights,
-  master copy and moments, at the price of those collectives.
+  fine-tune is named `unet/...`, so the UNet rules match), and every optimiser-state leaf that mirrors a trained value
+  (same path below the optimiser's wrappers, same shape: AdamW's `mu`, `nu`, `MultiSteps`' accumulated gradients,
+  Prodigy's `exp_avg`, `exp_avg_sq`, `grad_sum` and initial values `params0`, Adafactor's unfactored `v`) takes that
+  value's sharding. The rest stays whole on every device: the counters, Prodigy's scalar step-size estimate
+  (`estim_lr`, `numerator_weighted`) and Adafactor's factored second moments (`v_row`, `v_col`: the mean squared
+  gradient over one of the value's two largest dimensions, one rank below the value; a full-size SD 1.5 UNet's whole
+  Adafactor state is 7.2 MiB against 3.3 GB of weights, so splitting it would save nothing). A LoRA's leaves are far
+  below the threshold, so a LoRA or DreamBooth run shards its frozen model and keeps the LoRA and its moments whole,
+  as a textual inversion run keeps its few trained token rows. The partitioner all-gathers a weight where a layer uses
+  it and reduce-scatters its gradient: a device stores `1 / data` of the large weights, master copy and moments, at
+  the price of those collectives.
 
 `Layout` holds the shardings of one run (`layout(...)`) and places host or abstract trees with them; its `step`
 re-jits a step function with those shardings pinned on both sides (inputs and outputs; the state donated), so an

@@ -13,6 +13,11 @@ data folder to an A1111 `.safetensors` file and diffusers' `learned_embeds.safet
 - Prompts: a caption that names the token is used as it is; a caption without it gets the token in front
   (`"<star>, caption"`); an image without a caption gets one of diffusers' object templates (`"a photo of a
   <star>"`, ...), chosen from `(seed, step, index)` so a resumed run reads what the unbroken one read.
+- Several hosts (`finetune.distributed`): micro-batches are built by rows (`run.RowBatches`), so each process opens
+  only the images of its own devices' rows (a row's template is still chosen by its row in the whole batch).
+- FSDP (`fsdp=True`, `finetune.sharding`): supported as for a LoRA, and for the same reason: what is big is frozen
+  (the UNet and the text encoders, token table included, split over the devices), while the trained rows and their
+  optimiser state are a few vectors and stay whole on every device.
 - Outputs: `out` in A1111 / kohya form (`emb_params` `(n, D)`; SDXL `clip_l`, `clip_g`) and, in the run directory,
   diffusers' `learned_embeds.safetensors` `{token: (n, D)}` (SDXL: `learned_embeds_2.safetensors` for the second
   encoder, as `textual_inversion_sdxl.py` writes). The run directory is `train_lora`'s (`config.json`,
@@ -21,7 +26,9 @@ data folder to an A1111 `.safetensors` file and diffusers' `learned_embeds.safet
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sdjax.finetune import data as data_lib
+from sdjax.finetune import distributed
 from sdjax.finetune import run as run_lib
 
 # diffusers' examples/textual_inversion `imagenet_templates_small` (object templates)
@@ -125,15 +133,20 @@ def init_vectors(tokenizer, table, init_word: str, vectors: int) -> np.ndarray:
 def add_token(pipe, token: str, init_word: str, vectors: int, path: Path) -> tuple[dict[str, int], dict]:
     """Add `token` (its rows from `init_word`) to `pipe` through `load_textual_inversion`, writing the initial
     embedding to `path` (A1111 form); returns, per text-encoder component, the table size before the new rows
-    and the initial rows (float32)."""
+    and the initial rows (float32). With several processes (`finetune.distributed`) only the first writes `path`
+    (the run directory is shared: another's rewrite could cut the file under a process reading it); the others
+    load their own copy from a temporary folder."""
     components = [c for c in pipe.generator.models.conditioning.components if c in TOKENIZERS]
     rows, base = {}, {}
     for c in components:
         table = _table(pipe.params[c])
         rows[c] = init_vectors(getattr(pipe, TOKENIZERS[c]), table, init_word, vectors)
         base[c] = int(table.shape[0])
-    write_a1111(path, rows, {"sdjax_token": token, "sdjax_init_word": init_word})
-    pipe.load_textual_inversion(path, token=token)
+    with contextlib.ExitStack() as stack:
+        if not distributed.is_primary():
+            path = Path(stack.enter_context(tempfile.TemporaryDirectory())) / Path(path).name
+        write_a1111(path, rows, {"sdjax_token": token, "sdjax_init_word": init_word})
+        pipe.load_textual_inversion(path, token=token)
     return base, rows
 
 
@@ -162,10 +175,11 @@ def _replace(tree, path: Sequence[str], value) -> dict:
     return out
 
 
-def prompts(captions: Sequence[str], token: str, seed: int, step: int) -> list[str]:
-    """The training prompts of a micro-batch's captions (see the module docstring)."""
+def prompts(captions: Sequence[str], token: str, seed: int, step: int, rows: Sequence[int] | None = None) -> list[str]:
+    """The training prompts of a micro-batch's captions (see the module docstring); `rows`: the captions' rows in
+    the whole micro-batch (None: all of them, in order), which choose the templates."""
     out = []
-    for i, caption in enumerate(captions):
+    for i, caption in zip(range(len(captions)) if rows is None else rows, captions, strict=True):
         if token in caption:
             out.append(caption)
         elif caption.strip():
@@ -209,6 +223,18 @@ def make_train_step(models, objective, alphas_cumprod, optimizer) -> Callable:
     return step_lib.jit_step(loss_fn, optimizer, "rows")
 
 
+def row_batches(cfg: TextualInversionConfig, sampler: data_lib.Sampler, conditioning) -> run_lib.RowBatches:
+    """The run's micro-batches, built by rows (`run.RowBatches`: a process of a multi-host run opens only the rows
+    its devices hold); a row's prompt template is chosen by its row in the whole micro-batch, as on one host."""
+
+    def load(micro: int, rows: Sequence[int] | None) -> dict:
+        loaded = sampler.load(micro, rows)
+        loaded["captions"] = prompts(loaded["captions"], cfg.token, cfg.seed, micro, rows)
+        return run_lib._inputs(conditioning, loaded, cfg.clip_skip)
+
+    return run_lib.RowBatches(load, sampler.batch_size)
+
+
 # ------------------------------------------------------------------------------------------------ files
 def write_a1111(path: str | Path, rows: dict, metadata: dict[str, str]) -> None:
     """A1111 / kohya: `emb_params` (one text encoder) or `clip_l` + `clip_g` (SDXL)."""
@@ -232,6 +258,19 @@ def write_diffusers(run_dir: Path, token: str, rows: dict) -> list[Path]:
         save_safetensors(path, {token: np.ascontiguousarray(np.asarray(v, np.float32))}, {"format": "pt"})
         paths.append(path)
     return paths
+
+
+def write_files(cfg: TextualInversionConfig, rows: dict) -> None:
+    """The trained `rows` as `cfg.out` (A1111) and the run directory's diffusers files."""
+    trained = {c: np.asarray(v, np.float32) for c, v in rows.items()}
+    meta = {
+        "sdjax_token": cfg.token,
+        "sdjax_init_word": cfg.init_word,
+        "sdjax_steps": str(cfg.steps),
+        "sdjax_model": str(cfg.model or "embedded"),
+    }
+    write_a1111(cfg.out, trained, meta)
+    write_diffusers(cfg.run_path, cfg.token, trained)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -268,23 +307,8 @@ def train_textual_inversion(
     state = step_lib.init_state(rows, optimizer, "rows")
     train_step = make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
     sampler = data_lib.Sampler(dataset, cfg.data_config(resolution), cfg.batch_size, cfg.seed)
-
-    def batches(micro: int) -> dict:
-        loaded = sampler.load(micro)
-        loaded["captions"] = prompts(loaded["captions"], cfg.token, cfg.seed, micro)
-        return run_lib._inputs(conditioning, loaded, cfg.clip_skip)
-
-    def finish(state: dict) -> None:
-        trained = {c: np.asarray(v, np.float32) for c, v in state["rows"].items()}
-        meta = {
-            "sdjax_token": cfg.token,
-            "sdjax_init_word": cfg.init_word,
-            "sdjax_steps": str(cfg.steps),
-            "sdjax_model": str(cfg.model or "embedded"),
-        }
-        write_a1111(cfg.out, trained, meta)
-        write_diffusers(run_dir, cfg.token, trained)
-
+    batches = row_batches(cfg, sampler, conditioning)
+    finish = lambda state: write_files(cfg, state["rows"])
     validate = validation_lib.make_validator(
         cfg, pipe, lambda rows: rows_params(params, rows), (resolution, resolution), log
     )

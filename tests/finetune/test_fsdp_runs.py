@@ -1,0 +1,211 @@
+"""Whole training runs with `--fsdp` (`run.run_loop` placing the state and frozen params with `finetune.sharding`)
+on 8 simulated CPU devices: each run is stopped after update 1 and resumed from its orbax checkpoint, and compared
+with the same run replicated and unbroken. The full fine-tune with AdamW, Adafactor and Prodigy (their optimiser
+states split with the master copy), textual inversion and DreamBooth with prior preservation (their frozen models
+split, the trained token rows or LoRA whole). The FSDP threshold is lowered to 256 elements so that nearly every
+kernel of the tiny SD 1.x model is split (the step-level checks: tests/finetune/test_train_sharding.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+from PIL import Image
+from safetensors.numpy import load_file
+
+from sdjax.finetune import sharding as train_sharding
+from sdjax.finetune import train_dreambooth
+
+MIN_SIZE = 256
+RTOL = 1e-5  # the losses (relative)
+# The written UNet of a fine-tune (EMA of the updates): AdamW's and Prodigy's first updates move a coordinate whose
+# gradient is summation-order noise by a full step either way (test_train_sharding.py's docstring), so the whole
+# UNet is held to UNET_RTOL, and to 1% of what the run moved it. Adafactor (epsilon 1e-30 under its square root,
+# against AdamW's 1e-8 beside it) moves every coordinate whose gradient is noise-sized by a full step, and the tiny
+# UNet has many whose gradient is zero in exact arithmetic (its 32-channel GroupNorms of 32 groups cancel the biases
+# and time embeddings before it). Measured: FSDP 3.8e-3 from the replicated run against a change of 1.9e-2 (1.8e-2
+# within those biases and projections, 2.2e-4 in the rest, median leaf 6.5e-6), and the replicated run on 4 devices
+# 3.8e-3 from that on 8 as well. So its FSDP run is held to that noise floor (at most twice the distance of the
+# 4-device replicated run, the same program in another summation order) and its median leaf to UNET_RTOL; the
+# step-level check of Adafactor under FSDP, on gradients that are not noise, holds every state leaf to 1e-5
+# (test_train_sharding.py).
+UNET_RTOL = 1e-4
+# A trained LoRA or token rows (relative L2), for the same reason; a LoRA's worst single tensor to 10x that (rank 2:
+# a few coordinates a step apart weigh more in a small tensor; measured 3.2e-3 on DreamBooth's).
+LORA_RTOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets --xla_force_host_platform_device_count=8)")
+
+
+def _cats(root, n: int = 3, captions: bool = True, seed: int = 2):
+    rng = np.random.default_rng(seed)
+    root.mkdir()
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), np.uint8)).save(root / f"c{i}.png")
+        if captions:
+            (root / f"c{i}.txt").write_text(f"a cat, pose {i}")
+    return root
+
+
+def _held(tree) -> tuple[float, bool]:
+    """`(bytes one device holds of tree / the tree's bytes, whether every split leaf is split in 8 equal parts)`,
+    read from the placed arrays' own shards."""
+    held = total = 0
+    eighths = True
+    for x in jax.tree_util.tree_leaves(tree):
+        shard = x.addressable_shards[0].data.nbytes
+        held, total = held + shard, total + x.nbytes
+        if x.sharding.spec != PartitionSpec():
+            eighths = eighths and shard * 8 == x.nbytes
+    return held / total, eighths
+
+
+def _recording(monkeypatch, trained: str) -> list[dict]:
+    """`Layout.place` wrapped: per call (a run placing its arrays), a device's share of the trained values, the
+    optimiser state and each frozen component."""
+    placed: list[dict] = []
+    place = train_sharding.Layout.place
+
+    def recording_place(self, state, frozen, put=None):
+        state, frozen = place(self, state, frozen, put)
+        shares = {"values": _held(state[trained]), "opt_state": _held(state["opt_state"])}
+        placed.append(shares | {c: _held(v) for c, v in frozen.items()})
+        return state, frozen
+
+    monkeypatch.setattr(train_sharding.Layout, "place", recording_place)
+    return placed
+
+
+def _runs(train, data, tmp_path, suffix: str, **options):
+    """`train` replicated and unbroken, then with FSDP stopped after update 1 and resumed -> (the replicated
+    result, the resumed result, both calls' losses of the FSDP run)."""
+    ref = train(data, tmp_path / f"ref{suffix}", **options)
+    fsdp = dict(options, fsdp=True, fsdp_min_size=MIN_SIZE)
+    first = train(data, tmp_path / f"fsdp{suffix}", stop_after=1, **fsdp)
+    got = train(data, tmp_path / f"fsdp{suffix}", **fsdp)
+    assert (len(first.losses), got.start_step, len(got.losses)) == (1, 1, len(ref.losses) - 1)
+    losses = first.losses + got.losses
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
+    print(f"losses: FSDP stopped and resumed {losses}, replicated {ref.losses} (worst relative {loss_err:.1e})")
+    assert loss_err <= RTOL
+    return ref, got
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
+
+
+def _flat(tensors: dict, keys) -> np.ndarray:
+    return np.concatenate([np.ravel(tensors[k]) for k in sorted(keys)])
+
+
+def _worst_tensor(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(_rel(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------------ full fine-tune
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "prodigy"])
+def test_finetune_run_with_fsdp_repeats_the_replicated_run(sd1_dir, eight_devices, tmp_path, monkeypatch, optimizer):
+    """`train_finetune(fsdp=True, optimizer=...)`: the same losses and written UNet as the replicated unbroken run,
+    while the master copy and the optimiser state (AdamW's moments, Adafactor's second moments, Prodigy's four
+    per-weight trees) were split over the 8 devices, each split leaf in eighths, in both calls."""
+    from sdjax.finetune import full
+    from sdjax.pipelines import load_pipeline
+
+    data = _cats(tmp_path / "cats")
+    lr = 1.0 if optimizer == "prodigy" else 1e-3  # Prodigy's lr multiplies its own step-size estimate
+    options = dict(
+        model=str(sd1_dir), steps=2, batch_size=8, resolution=32, bucketing=False, lr=lr, ema_decay=0.5, seed=1
+    )
+    placed = _recording(monkeypatch, "unet")
+    logs: list[str] = []
+    ref, got = _runs(full.train_finetune, data, tmp_path, "", optimizer=optimizer, log=logs.append, **options)
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+    unet_err = _rel(flat(got.unet), flat(ref.unet))
+    moved = _rel(flat(ref.unet), flat(load_pipeline(str(sd1_dir))[1]["unet"]))
+    print(f"{optimizer}: UNet {unet_err:.1e} (the run moved it by {moved:.1e}); placed {placed}")
+    print([line for line in logs if "FSDP" in line])
+    if optimizer == "adafactor":  # its own noise floor: the replicated run on 4 devices against the one on 8
+        other = full.train_finetune(data, tmp_path / "ref4", optimizer=optimizer, devices=4, **options)
+        noise = _rel(flat(other.unet), flat(ref.unet))
+        print(f"adafactor: replicated on 4 devices against 8: UNet {noise:.1e}; FSDP against 8: {unet_err:.1e}")
+        leaf_errs = [_rel(x, y) for x, y in zip(*map(jax.tree_util.tree_leaves, (got.unet, ref.unet)), strict=True)]
+        print(f"adafactor: median leaf {np.median(leaf_errs):.1e}")
+        assert noise > UNET_RTOL and unet_err <= 2 * noise and np.median(leaf_errs) <= UNET_RTOL
+    else:
+        assert unet_err <= UNET_RTOL and unet_err < 0.01 * moved
+    assert len(placed) == 2  # the two FSDP calls (the replicated run builds no layout)
+    for shares in placed:  # a device's share: ~1/8 of the master copy and optimiser state; the VAE whole
+        assert shares["values"][0] < 0.2 and shares["opt_state"][0] < 0.2, shares
+        assert shares["values"][1] and shares["opt_state"][1] and shares["text_encoder"][0] < 0.25
+        assert shares["vae"][0] == 1.0
+    assert any(line.startswith("FSDP over 8 devices") for line in logs)
+
+
+# ------------------------------------------------------------------------------------------------ the LoRA-like runs
+def test_textual_inversion_run_with_fsdp_repeats_the_replicated_run(sd1_dir, eight_devices, tmp_path, monkeypatch):
+    """Textual inversion supports `--fsdp` as a LoRA does: the frozen UNet and text encoder (its token table too)
+    are split, the trained token rows and their moments stay whole; losses and embedding as the replicated run."""
+    from sdjax.finetune.textual_inversion import train_textual_inversion
+
+    data = _cats(tmp_path / "cats", captions=False)  # object templates, chosen by row
+    options = dict(model=str(sd1_dir), token="<cat>", init_word="cat", vectors=2, steps=2, batch_size=8)
+    options |= dict(resolution=32, bucketing=False, lr=1e-2, seed=1)
+    placed = _recording(monkeypatch, "rows")
+    ref, got = _runs(train_textual_inversion, data, tmp_path, ".safetensors", **options)
+    a, b = load_file(str(ref.out))["emb_params"], load_file(str(got.out))["emb_params"]
+    init = load_file(str(got.run_dir / "init.safetensors"))["emb_params"]
+    err, moved = _rel(b, a), _rel(a, init)
+    print(f"embedding: {err:.1e} from the replicated run's (the run moved it by {moved:.1e}); placed {placed}")
+    assert err <= LORA_RTOL and err < 0.01 * moved
+    assert len(placed) == 2
+    for shares in placed:
+        assert shares["values"] == (1.0, True) and shares["opt_state"] == (1.0, True)  # whole on every device
+        assert shares["unet"][0] < 0.25 and shares["text_encoder"][0] < 0.25 and shares["vae"][0] == 1.0
+
+
+def test_dreambooth_run_with_fsdp_repeats_the_replicated_run(sd1_dir, eight_devices, tmp_path, monkeypatch):
+    """DreamBooth with prior preservation and `--fsdp` ([instance; class] micro-batches of 4 + 4 over the 8
+    devices): the frozen UNet split, the LoRA whole; losses and LoRA as the replicated run."""
+    instance, classes = _cats(tmp_path / "sks"), _cats(tmp_path / "cats", n=4, captions=False, seed=3)
+    options = dict(model=str(sd1_dir), instance_prompt="a photo of sks cat", with_prior_preservation=True)
+    options |= dict(class_data=str(classes), class_prompt="a photo of a cat", num_class_images=4, prior_loss_weight=0.5)
+    options |= dict(steps=2, rank=2, batch_size=4, resolution=32, lr=1e-3, seed=1)
+    placed = _recording(monkeypatch, "lora")
+    ref, got = _runs(train_dreambooth, instance, tmp_path, ".safetensors", **options)
+    a, b = load_file(str(ref.out)), load_file(str(got.out))
+    ups = sorted(k for k in a if "lora_up" in k)  # zero at the start: their size is what the run moved them
+    up_err, worst = _rel(_flat(b, ups), _flat(a, ups)), _worst_tensor(b, a)
+    print(f"DreamBooth LoRA: up factors {up_err:.1e}, whole LoRA {_rel(_flat(b, a), _flat(a, a)):.1e}, worst tensor")
+    print(f"{worst:.1e} from the replicated run's; placed {placed}")
+    assert up_err <= LORA_RTOL and _rel(_flat(b, a), _flat(a, a)) <= LORA_RTOL and worst <= 10 * LORA_RTOL
+    assert len(placed) == 2
+    for shares in placed:
+        assert shares["values"][0] == 1.0 and shares["unet"][0] < 0.25 and shares["vae"][0] == 1.0
+
+
+def test_fsdp_refusals(sd1_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from sdjax.cli import app
+    from sdjax.finetune import full, train_lora
+
+    data = _cats(tmp_path / "cats", 1)
+    with pytest.raises(ValueError, match=r"fsdp_min_size=64 \(--fsdp-min-size\) applies with fsdp=True"):
+        train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "nowhere"), fsdp_min_size=64)
+    with pytest.raises(ValueError, match=r"fsdp_min_size=0 \(--fsdp-min-size\) must be a positive integer"):
+        full.train_finetune(data, tmp_path / "o", model=str(tmp_path / "nowhere"), fsdp=True, fsdp_min_size=0)
+    # one device to split over: refused before anything compiles (the CLI before the model is loaded)
+    with pytest.raises(ValueError, match=r"fsdp=True \(--fsdp\) splits the weights .* this run has one"):
+        full.train_finetune(data, tmp_path / "o", model=str(sd1_dir), fsdp=True, batch_size=1, resolution=32)
+    assert not (tmp_path / "o-run" / "checkpoints").exists()
+    cli = ["train", "lora", "--data", str(data), "--out", str(tmp_path / "x.safetensors"), "--fsdp"]
+    result = CliRunner().invoke(app, cli + ["--model", str(tmp_path / "nowhere")])  # batch size 1: one device
+    assert result.exit_code == 2 and "fsdp=True (--fsdp) splits the weights" in result.output
