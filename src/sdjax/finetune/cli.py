@@ -351,13 +351,18 @@ def textual_inversion(
     _run("train textual-inversion", TextualInversionConfig, train_textual_inversion, data, out, options)
 
 
-@train_app.command("dreambooth")
-@_options(
+_DREAMBOOTH_ORDER = (
     "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
     "prior_loss_weight class_steps steps rank alpha lr lr_schedule warmup batch_size accumulation resolution "
     "random_crop flip train_text_encoder prediction_type min_snr_gamma mixed_precision gradient_checkpointing seed "
     "run_dir save_every resume peft" + EXTRAS
 )
+# the flow-matching options (Flux, SD 3) that DreamBooth does not state itself
+_DREAMBOOTH_FLOW = tuple(k for k in FLOW_CLI if k not in _DREAMBOOTH_ORDER.split())
+
+
+@train_app.command("dreambooth")
+@_options(_DREAMBOOTH_ORDER + "".join(f" {k}" for k in _DREAMBOOTH_FLOW))
 def dreambooth(
     instance_data: Annotated[Path, typer.Option(help="The subject's images (their captions are not read).")],
     instance_prompt: Annotated[str, typer.Option(help="Prompt of every instance image, e.g. 'a photo of sks dog'.")],
@@ -375,11 +380,20 @@ def dreambooth(
     **shared: Any,
 ) -> None:
     """Train a DreamBooth LoRA (instance prompt, class images with prior preservation); writes OUT
-    (kohya/A1111) and a run directory."""
+    (kohya/A1111; Flux and SD 3: diffusers' layout) and a run directory."""
     options = {k: v for k, v in locals().items() if k not in ("instance_data", "out", "shared")} | shared
     if with_prior_preservation is None:
         options["with_prior_preservation"] = class_prompt is not None
     _require_train_extra()
+    from sdjax.finetune import flow_run
+
+    flow = {k: v for k in _DREAMBOOTH_FLOW if (v := options.pop(k)) is not None}
+    if flow or flow_run.model_family(options.get("model")) in flow_run.FLOW_FAMILIES:
+        # Flux / SD 3: the flow LoRA trainer's DreamBooth (one resolution, as diffusers' scripts); a UNet model
+        # given flow options is refused by its config, naming them
+        options |= flow | {"bucketing": False}
+        _run("train dreambooth", flow_run.FlowLoraTrainConfig, flow_run.train_flow_lora, instance_data, out, options)
+        return
     from sdjax.finetune.dreambooth import DreamBoothConfig, train_dreambooth
 
     _run("train dreambooth", DreamBoothConfig, train_dreambooth, instance_data, out, options)
