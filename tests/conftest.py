@@ -83,7 +83,9 @@ if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
 # --no-loadscope-reorder` (scripts/test.sh) xdist gives files to the workers in collection order, so a long file
 # collected last would keep one worker busy after the other has finished.
 LONGEST_FIRST = (
+    "tests/finetune/test_fsdp_runs.py",
     "tests/core/test_controlnet_parity.py",
+    "tests/finetune/test_multihost_training.py",
     "tests/training/test_train.py",
     "tests/loading/test_single_file.py",
     "tests/core/test_generator.py",
@@ -107,6 +109,8 @@ LONGEST_FIRST = (
     "tests/server/test_sd3_controlnet_file_server.py",
     "tests/server/test_comfy_two_stage.py",
     "tests/server/test_sd3_controlnet_server.py",
+    "tests/finetune/test_flow_multihost.py",
+    "tests/finetune/test_flow_dreambooth.py",
 )
 
 

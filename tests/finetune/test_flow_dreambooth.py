@@ -98,8 +98,12 @@ def test_cli_dreambooth_with_text_encoder_lora(models, tmp_path, family):
 
     torch_pipe, folder, pipe, _ = models[family]
     data, classes, out = _images(tmp_path / "sks", 2), tmp_path / "class", tmp_path / "sks.safetensors"
-    cli = ["train", "lora", "-m", str(folder), "--data", str(data), "--out", str(out), "--steps", "2", "--rank", "2"]
-    cli += ["--resolution", str(SIZE), "--no-bucketing", "--train-text-encoder", "--instance-prompt", "a sks square"]
+    if family == "flux":  # `train lora` with the DreamBooth options, and `train dreambooth` (one resolution)
+        cli = ["train", "lora", "-m", str(folder), "--data", str(data), "--no-bucketing"]
+    else:
+        cli = ["train", "dreambooth", "-m", str(folder), "--instance-data", str(data)]
+    cli += ["--out", str(out), "--steps", "2", "--rank", "2"]
+    cli += ["--resolution", str(SIZE), "--train-text-encoder", "--instance-prompt", "a sks square"]
     cli += ["--class-prompt", "a square", "--class-data", str(classes), "--num-class-images", "2", "--class-steps", "2"]
     cli += ["--prior-loss-weight", "0.5", "--max-sequence-length", str(MAX_SEQ), "--lr", "3e-2"]
     run = CliRunner().invoke(app, cli)

@@ -209,3 +209,22 @@ def test_fsdp_refusals(sd1_dir, tmp_path):
     cli = ["train", "lora", "--data", str(data), "--out", str(tmp_path / "x.safetensors"), "--fsdp"]
     result = CliRunner().invoke(app, cli + ["--model", str(tmp_path / "nowhere")])  # batch size 1: one device
     assert result.exit_code == 2 and "fsdp=True (--fsdp) splits the weights" in result.output
+
+
+@pytest.mark.parametrize("command", ["textual-inversion", "dreambooth"])
+def test_fsdp_reaches_textual_inversion_and_dreambooth_from_the_cli(tmp_path, command):
+    """`--fsdp` is an option of both commands and is checked before any model is loaded: one image per batch on
+    one device has nothing to split over."""
+    from typer.testing import CliRunner
+
+    from sdjax.cli import app
+
+    data, out = _cats(tmp_path / "cats", 1), tmp_path / "x.safetensors"
+    if command == "textual-inversion":
+        cli = [command, "--data", str(data), "--token", "<cat>", "--init-word", "cat"]
+    else:
+        cli = [command, "--instance-data", str(data), "--instance-prompt", "a sks cat"]
+    cli = ["train", *cli, "--out", str(out), "--model", str(tmp_path / "nowhere"), "--fsdp"]
+    result = CliRunner().invoke(app, cli)
+    assert result.exit_code == 2 and "fsdp=True (--fsdp) splits the weights" in result.output, result.output
+    assert not out.exists()

@@ -329,7 +329,7 @@ def lora(
 @_options(
     "data token init_word out model vectors steps lr lr_schedule warmup batch_size accumulation resolution bucketing "
     "random_crop flip on_bad_image prediction_type min_snr_gamma noise_offset mixed_precision gradient_checkpointing "
-    "seed run_dir save_every resume" + EXTRAS
+    "seed run_dir save_every resume fsdp fsdp_min_size" + EXTRAS
 )
 def textual_inversion(
     data: Annotated[Path, typer.Option(help="Images (.txt captions naming the token optional; else templates).")],
@@ -355,7 +355,7 @@ _DREAMBOOTH_ORDER = (
     "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
     "prior_loss_weight class_steps steps rank alpha lr lr_schedule warmup batch_size accumulation resolution "
     "random_crop flip train_text_encoder prediction_type min_snr_gamma mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft" + EXTRAS
+    "run_dir save_every resume peft fsdp fsdp_min_size" + EXTRAS
 )
 # the flow-matching options (Flux, SD 3) that DreamBooth does not state itself
 _DREAMBOOTH_FLOW = tuple(k for k in FLOW_CLI if k not in _DREAMBOOTH_ORDER.split())
