@@ -5,7 +5,8 @@ MMDiT of 6 joint blocks of width 512 (8 heads of 64; the first 3 with the dual a
 the last block context pre-only), `pos_embed_max_size` 384 as released; CLIP-L and CLIP-G with projection shrunk to
 widths 192 and 320 (together the 512 of the T5 width, as 768 + 1280 <= 4096 in the release); a 4-layer T5 v1.1 of
 width 512; the 16-channel VAE at (64, 128, 256, 256). float32, 512x512, 4 flow-matching Euler steps (shift 3),
-classifier-free guidance 7 on, 128 T5 tokens. Timed alternately in one run, warm-up excluded, medians of `--reps`:
+classifier-free guidance 7 on, 128 T5 tokens. Timed alternately in one run (`side_by_side.py`: one warm-up call
+of each excluded, medians of `--reps`):
 
 - one transformer call (the CFG batch of 2 at 512x512: 1024 image tokens + 77 CLIP + 128 T5 text tokens);
 - end to end: prompt -> text encoders -> 4 steps -> decoded image (sdjax's compiled program vs diffusers' eager
@@ -15,46 +16,29 @@ Then a sanity line: sdjax is handed diffusers' initial noise and the two end-to-
 
     python benchmarks/sd3_cpu.py [--reps 3] [--json out.json]
 
-Prints a table and (with --json) writes the numbers. Run it on a quiet machine; the ratio is the result, the
-absolute times are this CPU's.
+Prints a table and the load average and (with --json) writes the numbers. Run it on a quiet machine; the ratio is
+the result, the absolute times are this CPU's.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from side_by_side import MAX_SEQ, SIZE, STEPS, T5_WIDTH, alternate, load_average, parse_args, report, t5_parts, vae
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-SIZE = 512
-STEPS = 4
-MAX_SEQ = 128
 GUIDANCE = 7.0
 PROMPT = "a red circle on a blue background"
-WIDTH = 512  # the transformer's and T5's width: 8 heads of 64
+WIDTH = T5_WIDTH  # the transformer's width: 8 heads of 64
 
 
 def build(folder: Path):
+    """The random diffusers StableDiffusion3Pipeline, saved under `folder`: `(pipeline, its folder)`."""
     import reference
-    import t5_reference
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import T5TokenizerFast
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    tok = t5_reference.write_t5_tokenizer(folder / "t5tok")
-    t5_cfg = {**t5_reference.T5_TINY, "d_model": WIDTH, "d_ff": 1024, "d_kv": 64, "num_heads": 8, "num_layers": 4}
     clip_l = {**reference.CLIP_SDXL_1, "hidden_size": 192, "intermediate_size": 768, "num_attention_heads": 3}
     clip_l["projection_dim"] = 192
     clip_g = {**reference.CLIP_SDXL_2, "hidden_size": 320, "intermediate_size": 1280, "num_attention_heads": 5}
@@ -75,60 +59,79 @@ def build(folder: Path):
         dual_attention_layers=(0, 1, 2),
         qk_norm="rms_norm",
     ).eval()
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=16,
-        block_out_channels=(64, 128, 256, 256),
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        norm_num_groups=32,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
+    autoencoder = vae(scaling_factor=1.5305, shift_factor=0.0609)
+    t5, t5_tokenizer = t5_parts(folder, seed=2)
     pipe = StableDiffusion3Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
         text_encoder=reference.text_encoder(clip_l, with_projection=True, seed=0),
         tokenizer=reference.clip_tokenizer(),
         text_encoder_2=reference.text_encoder(clip_g, with_projection=True, seed=1),
         tokenizer_2=reference.clip_tokenizer(pad_token="!"),
-        text_encoder_3=t5_reference.t5_encoder(t5_cfg, seed=2),
-        tokenizer_3=T5TokenizerFast.from_pretrained(str(tok)),
+        text_encoder_3=t5,
+        tokenizer_3=t5_tokenizer,
         transformer=transformer,
-        vae=vae,
+        vae=autoencoder,
     )
     pipe.save_pretrained(folder / "sd3", safe_serialization=True)
     return pipe, folder / "sd3"
 
 
-def seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def transformer_row(pipe, params, torch_pipe, reps: int):
+    """One transformer call on the CFG batch of 2, the inputs one step of the pipeline would give it."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    h = w = SIZE // 8
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 16, h, w)).astype(np.float32)
+    text = rng.standard_normal((2, 77 + MAX_SEQ, WIDTH)).astype(np.float32)
+    pooled = rng.standard_normal((2, 512)).astype(np.float32)
+    t = np.full((2,), 750.0, np.float32)
+    module = pipe.transformer
+    call = jax.jit(lambda p, *a: module.apply({"params": p}, *a))
+    args_j = [jnp.asarray(a) for a in (x, text, pooled, t)]
+    tt = [torch.from_numpy(a) for a in (x, text, pooled, t)]
+
+    def sdjax_call():
+        call(params["transformer"], *args_j).block_until_ready()
+
+    def torch_call():
+        torch_pipe.transformer(
+            hidden_states=tt[0], encoder_hidden_states=tt[1], pooled_projections=tt[2], timestep=tt[3]
+        )
+
+    return ("transformer call (CFG batch 2, 1024+205 tokens)", *alternate(sdjax_call, torch_call, reps))
 
 
-def alternate(sdjax_fn, torch_fn, reps: int) -> tuple[float, float]:
-    """Medians of `reps` alternating timings (one warm-up call of each first, not counted)."""
-    sdjax_fn()
-    torch_fn()
-    sj, pt = [], []
-    for _ in range(reps):
-        sj.append(seconds(sdjax_fn))
-        pt.append(seconds(torch_fn))
-    return statistics.median(sj), statistics.median(pt)
+def end_to_end_row(pipe, torch_pipe, reps: int):
+    """End to end, and the max abs difference of the two images: sdjax starts from diffusers' noise."""
+    import torch
+
+    noise = torch.randn((1, 16, SIZE // 8, SIZE // 8), generator=torch.Generator().manual_seed(0))
+    common = dict(height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, guidance_scale=GUIDANCE)
+    images = {}
+
+    def sdjax_e2e():
+        images["sdjax"] = pipe.generate(PROMPT, steps=STEPS, noise=noise.numpy(), output_type="np", **common)
+
+    def torch_e2e():
+        images["torch"] = torch_pipe(
+            PROMPT, num_inference_steps=STEPS, latents=noise.clone(), output_type="np", **common
+        ).images
+
+    row = (f"end to end ({STEPS} steps, CFG, 512x512, decode)", *alternate(sdjax_e2e, torch_e2e, reps))
+    a, b = np.asarray(images["sdjax"], np.float32), np.asarray(images["torch"], np.float32)
+    diff = float(np.abs(a - b).max()) if a.shape == b.shape else float("nan")
+    return (
+        row,
+        f"end-to-end images from the same noise, shapes {a.shape} / {b.shape}: max abs difference {diff:.2e}",
+        diff,
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", type=str, default=None)
-    args = ap.parse_args()
-
-    import jax
-    import jax.numpy as jnp
+    args = parse_args(__doc__)
     import torch
 
     from sdjax.families.sd3.pipeline import StableDiffusion3Pipeline
@@ -137,58 +140,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch_pipe, folder = build(Path(tmp))
         pipe, params = StableDiffusion3Pipeline.from_pretrained(str(folder))
-
-        # (a) One transformer call on the CFG batch of 2, the inputs one step of the pipeline would give it.
-        h = w = SIZE // 8
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((2, 16, h, w)).astype(np.float32)
-        text = rng.standard_normal((2, 77 + MAX_SEQ, WIDTH)).astype(np.float32)
-        pooled = rng.standard_normal((2, 512)).astype(np.float32)
-        t = np.full((2,), 750.0, np.float32)
-        module = pipe.transformer
-        call = jax.jit(lambda p, *a: module.apply({"params": p}, *a))
-        args_j = [jnp.asarray(a) for a in (x, text, pooled, t)]
-        tt = [torch.from_numpy(a) for a in (x, text, pooled, t)]
-
-        def sdjax_call():
-            call(params["transformer"], *args_j).block_until_ready()
-
-        def torch_call():
-            torch_pipe.transformer(
-                hidden_states=tt[0], encoder_hidden_states=tt[1], pooled_projections=tt[2], timestep=tt[3]
-            )
-
-        rows = [("transformer call (CFG batch 2, 1024+205 tokens)", *alternate(sdjax_call, torch_call, args.reps))]
-
-        # (b) End to end, and the images for the sanity check: sdjax starts from diffusers' noise.
-        noise = torch.randn((1, 16, h, w), generator=torch.Generator().manual_seed(0))
-        common = dict(height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, guidance_scale=GUIDANCE)
-        images = {}
-
-        def sdjax_e2e():
-            images["sdjax"] = pipe.generate(PROMPT, steps=STEPS, noise=noise.numpy(), output_type="np", **common)
-
-        def torch_e2e():
-            images["torch"] = torch_pipe(
-                PROMPT, num_inference_steps=STEPS, latents=noise.clone(), output_type="np", **common
-            ).images
-
-        rows.append((f"end to end ({STEPS} steps, CFG, 512x512, decode)", *alternate(sdjax_e2e, torch_e2e, args.reps)))
-        a, b = np.asarray(images["sdjax"], np.float32), np.asarray(images["torch"], np.float32)
-        diff = float(np.abs(a - b).max()) if a.shape == b.shape else float("nan")
-
-    print(f"{'piece':<52} {'sdjax s':>9} {'torch s':>9} {'sdjax/torch':>12}")
-    for name, sj, pt in rows:
-        print(f"{name:<52} {sj:9.3f} {pt:9.3f} {sj / pt:12.2f}")
-    print(f"end-to-end images from the same noise, shapes {a.shape} / {b.shape}: max abs difference {diff:.2e}")
-    if args.json:
-        out = {
-            "reps": args.reps,
-            "statistic": "median",
-            "rows": [{"piece": n, "sdjax_s": sj, "torch_s": pt, "ratio": sj / pt} for n, sj, pt in rows],
-            "image_max_abs_diff": diff,
-        }
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        before = load_average()
+        rows = [transformer_row(pipe, params, torch_pipe, args.reps)]
+        e2e, sanity, diff = end_to_end_row(pipe, torch_pipe, args.reps)
+        rows.append(e2e)
+        report(rows, args, (before, load_average()), [sanity], image_max_abs_diff=diff)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,9 @@ def flux_pos_embed(ids_n3: jax.Array, axes_dims: tuple[int, ...], theta: float =
     freqs = [1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d) for d in axes_dims]
     axis = np.concatenate([np.full(d // 2, i) for i, d in enumerate(axes_dims)])
     angles = ids_n3.astype(jnp.float32)[:, axis] * jnp.asarray(np.concatenate(freqs), jnp.float32)
-    return jnp.cos(angles), jnp.sin(angles)
+    # Materialized once: without the barrier XLA fuses cos and sin into every block's rotation of q and of k and
+    # evaluates them again per element there (24 times per call for 12 blocks, per head and per channel pair).
+    return jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
 
 
 def apply_rope(x_bshd: jax.Array, rope) -> jax.Array:
@@ -161,6 +163,15 @@ def apply_rope(x_bshd: jax.Array, rope) -> jax.Array:
     re, im = x[..., 0], x[..., 1]
     cos, sin = cos_sk[None, :, None, :], sin_sk[None, :, None, :]
     return jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1).reshape(b, s, h, d)
+
+
+def query_chunk(tokens: int, most: int = 1024) -> int:
+    """Queries per block for `ops.attention`'s "chunked" implementation (what "auto" picks on CPU): the fewest
+    blocks of at most `most` queries, of equal size rounded up to a multiple of 8. The attention pads the queries
+    to whole blocks, so the default 1024 would pad Flux's 1024 image + 128 text tokens to 2048 (1.8x the work of
+    the attention's matrix products); 2 blocks of 576 pad none."""
+    blocks = -(-tokens // most)
+    return -(-tokens // (8 * blocks)) * 8
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -281,7 +292,9 @@ class FluxAttention(nn.Module):
             q, k, v = (jnp.concatenate([c, x], axis=1) for c, x in ((cq, q), (ck, k), (cv, v)))
         b, s = q.shape[:2]
         q, k = (apply_rope(t, rope).reshape(b, s, -1).astype(self.dtype) for t in (q, k))
-        out = ops_attention.attention(q, k, v, heads=self.heads, implementation=self.implementation)
+        out = ops_attention.attention(
+            q, k, v, heads=self.heads, implementation=self.implementation, chunk_size=query_chunk(s)
+        )
         if not self.joint:
             return out
         t, d = context_btd.shape[1], x_bld.shape[-1]
