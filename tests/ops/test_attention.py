@@ -44,6 +44,20 @@ def test_chunked_any_chunk_size_matches_torch(chunk):
     np.testing.assert_allclose(np.asarray(got), _torch_sdpa(q, k, v, heads), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "tokens,most", [(1152, 1024), (1229, 1024), (4096, 1024), (1024, 1024), (77, 1024), (2049, 1024), (50, 16)]
+)
+def test_balanced_chunk_pads_less_than_a_row_of_eight_per_block(tokens, most):
+    """The fewest blocks of at most `most` queries; the padding is under 8 rows a block (blocks of `most` would pad
+    up to `most - 1`); counts `most` divides keep blocks of `most`."""
+    chunk = ops_attention.balanced_chunk(tokens, most)
+    blocks = -(-tokens // chunk)
+    assert chunk <= most and blocks == -(-tokens // most)
+    assert 0 <= blocks * chunk - tokens < 8 * blocks
+    if tokens % most == 0:
+        assert chunk == most
+
+
 def test_bad_arguments():
     x = np.zeros((1, 4, 6), np.float32)
     with pytest.raises(ValueError, match="unknown implementation 'sparse'"):

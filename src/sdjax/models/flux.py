@@ -165,15 +165,6 @@ def apply_rope(x_bshd: jax.Array, rope) -> jax.Array:
     return jnp.stack([re * cos - im * sin, im * cos + re * sin], axis=-1).reshape(b, s, h, d)
 
 
-def query_chunk(tokens: int, most: int = 1024) -> int:
-    """Queries per block for `ops.attention`'s "chunked" implementation (what "auto" picks on CPU): the fewest
-    blocks of at most `most` queries, of equal size rounded up to a multiple of 8. The attention pads the queries
-    to whole blocks, so the default 1024 would pad Flux's 1024 image + 128 text tokens to 2048 (1.8x the work of
-    the attention's matrix products); 2 blocks of 576 pad none."""
-    blocks = -(-tokens // most)
-    return -(-tokens // (8 * blocks)) * 8
-
-
 # ---------------------------------------------------------------------------------------------- norms
 def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """`nn.LayerNorm(elementwise_affine=False, eps)` over the last axis, float32 in and out."""
@@ -292,9 +283,7 @@ class FluxAttention(nn.Module):
             q, k, v = (jnp.concatenate([c, x], axis=1) for c, x in ((cq, q), (ck, k), (cv, v)))
         b, s = q.shape[:2]
         q, k = (apply_rope(t, rope).reshape(b, s, -1).astype(self.dtype) for t in (q, k))
-        out = ops_attention.attention(
-            q, k, v, heads=self.heads, implementation=self.implementation, chunk_size=query_chunk(s)
-        )
+        out = ops_attention.attention(q, k, v, heads=self.heads, implementation=self.implementation)
         if not self.joint:
             return out
         t, d = context_btd.shape[1], x_bld.shape[-1]

@@ -52,7 +52,6 @@ from sdjax.models.flux import (
     RMSNorm,
     layer_norm,
     modulate,
-    query_chunk,
 )
 from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
 from sdjax.ops import attention as ops_attention
@@ -234,8 +233,7 @@ class JointAttention(nn.Module):
                 context_btd, ("add_q_proj", "add_k_proj", "add_v_proj"), ("norm_added_q", "norm_added_k")
             )
             q, k, v = (jnp.concatenate([x, c], axis=1) for x, c in ((q, cq), (k, ck), (v, cv)))
-        chunk = query_chunk(q.shape[1])  # no padded query block on CPU: 1024 image + 205 text tokens pad to 2048
-        out = ops_attention.attention(q, k, v, heads=self.heads, implementation=self.implementation, chunk_size=chunk)
+        out = ops_attention.attention(q, k, v, heads=self.heads, implementation=self.implementation)
         image = nn.Dense(d, dtype=self.dtype, name="to_out_0")(out[:, :n])
         if self.context == "none":
             return image
