@@ -264,9 +264,9 @@ def compile_for(
     `dtype="bfloat16", weights_dtype="float8_e4m3fn"`. `fsdp` also splits the large weights over the data axis
     (`sdjax.parallel.sharding.fsdp`). `quantize` ("int8", "fp8"; `sdjax.quant`, as `from_pretrained(quantize=)`)
     stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program.
-    `quant_compute` ("int8", "fp8"; needs `quantize` of the same scheme) multiplies its Dense layers 8-bit x 8-bit
-    (`QuantPolicy(quantize, components=(denoiser,), compute=quant_compute)`, per-call input scales); their FLOPs are
-    counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline."""
+    `quant_compute` ("int8", "fp8"; needs `quantize` of the same scheme) multiplies its Dense layers and 2-D convs
+    8-bit x 8-bit (`QuantPolicy(quantize, components=(denoiser,), compute=quant_compute)`, per-call input scales);
+    their FLOPs are counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline."""
 
     from sdjax.core.tasks import TASKS
     from sdjax.parallel import sharding as sharding_lib
@@ -398,8 +398,8 @@ def _model_and_dtypes(model: str, dtype: str, weights_dtype: str | None, *, cont
 
 
 def _quantized(pipe, params, quantize: str, quant_compute: str | None):
-    """The abstract pipeline with its denoiser's kernels quantized (and, with `quant_compute`, its Dense layers
-    multiplying 8-bit x 8-bit), as `from_pretrained(quantize=)` builds it."""
+    """The abstract pipeline with its denoiser's kernels quantized (and, with `quant_compute`, its Dense layers and
+    convs multiplying 8-bit x 8-bit), as `from_pretrained(quantize=)` builds it."""
     from sdjax.quant import QuantPolicy, quantize_pipeline
 
     policy = quantize
@@ -421,7 +421,7 @@ def _check_arguments(*, batch, steps, controlnets, task, attention, quantize, qu
         if quantize != quant_compute:
             raise ValueError(
                 f"quant_compute={quant_compute!r} needs quantize={quant_compute!r} (the kernels stored in the type "
-                f"the Dense layers multiply in); quantize is {quantize!r}"
+                f"the Dense layers and convs multiply in); quantize is {quantize!r}"
             )
     for name, value in (("batch", batch), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -440,7 +440,7 @@ def _compile_with_cost(
     """Compile the whole program (an out-of-memory refusal is kept as `error`, with the bytes its message names)
     and, with `unet_cost`, one model call for the loop-corrected FLOPs and bytes -> the compiled executable
     (`"compiled"`, None when refused) and the `Report` fields of memory, time and cost. With `quant_compute`, the
-    model call's 8-bit x 8-bit FLOPs are counted from its jaxpr too (`quant.compute.quantized_dot_flops`); the
+    model call's 8-bit x 8-bit FLOPs are counted from its jaxpr too (`quant.compute.quantized_flops`); the
     denoiser is the program's only quantized component, so the generation has `calls` times them."""
     import contextlib
 
@@ -583,7 +583,7 @@ def _abstract_controlnets(arch, dtype, count: int):
 def _compile_unet_call(gen, spec, params, mesh, quant_flops: dict | None = None):
     """One model call of the loop's body (the CFG-doubled batch; with the spec's ControlNets, their residuals
     too) compiled on `mesh` with the program's shardings. `quant_flops` (a dict) receives the call's 8-bit x 8-bit
-    FLOPs per device and mode (`quant.compute.quantized_dot_flops` of its jaxpr, which is the whole batch's:
+    FLOPs per device and mode (`quant.compute.quantized_flops` of its jaxpr, which is the whole batch's:
     divided by the device count)."""
     import jax
     import jax.numpy as jnp
@@ -633,10 +633,10 @@ def _compile_unet_call(gen, spec, params, mesh, quant_flops: dict | None = None)
     with ops_attention.lowering_for(mesh.devices.flat[0].platform, mesh):  # the slice's attention choice
         traced = jax.jit(call).trace(placed, x, t, *abstract)
         if quant_flops is not None:
-            from sdjax.quant.compute import quantized_dot_flops
+            from sdjax.quant.compute import quantized_flops
 
             n = mesh.devices.size
-            quant_flops.update({k: v / n for k, v in quantized_dot_flops(traced.jaxpr).items()})
+            quant_flops.update({k: v / n for k, v in quantized_flops(traced.jaxpr).items()})
         return traced.lower().compile()
 
 

@@ -55,7 +55,7 @@ class Report:
     fsdp: bool = False  # large weights also split over the data axis
     cfg: bool = True  # classifier-free guidance: two rows per image in each model call
     quantize: str | None = None  # the denoiser's kernels quantized (`sdjax.quant`: int8, fp8), dequantized in it
-    quant_compute: str | None = None  # its Dense layers multiplied 8-bit x 8-bit (`QuantPolicy.compute`)
+    quant_compute: str | None = None  # its Dense layers and convs multiplied 8-bit x 8-bit (`QuantPolicy.compute`)
     unet_call_quant_flops: float | None = None  # of `unet_call_flops`, those of the 8-bit x 8-bit products
     quant_flops: float | None = None  # of `flops`, those of the 8-bit products: model calls x the call's
     quant_peak_flops: float | None = None  # per device, the 8-bit products' datasheet rate (int8; fp8: bf16's)
@@ -151,7 +151,7 @@ class Report:
             f"{f', {self.controlnets} ControlNet(s)' if self.controlnets else ''}"
             f"{f', {self.weights_dtype} weights' if self.weights_dtype else ''}{', FSDP' if self.fsdp else ''}"
             f"{f', {self.quantize} denoiser weights' if self.quantize else ''}"
-            f"{f', {self.quant_compute} Dense products' if self.quant_compute else ''}"
+            f"{f', {self.quant_compute} products' if self.quant_compute else ''}"
             f"{'' if self.cfg else ', no CFG'}; per device:"
         )
 

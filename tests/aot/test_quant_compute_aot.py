@@ -1,5 +1,6 @@
 """`sdjax compile --quantize int8 --quant-compute int8` (`aot.compile_for(quant_compute=)`): the denoiser's Dense
-layers multiply int8 x int8 in the TPU program, their FLOPs are counted apart and timed at the chip's int8 rate.
+layers and convolutions multiply int8 x int8 in the TPU program, their FLOPs are counted apart and timed at the
+chip's int8 rate.
 
 The expected count is worked out by hand from the tiny architecture (configs in `sdjax.models.presets`): its UNet
 has three 2-D kernels of >= 16,384 weights (the policy's default `min_size`), all outside the 16x16 level:
@@ -9,6 +10,12 @@ has three 2-D kernels of >= 16,384 weights (the policy's default `min_size`), al
 - `time_embedding/linear_2` (128 -> 128), one token per row.
 One image with classifier-free guidance is 2 rows per model call. A Dense layer of `tokens` rows is
 `2 * tokens * in * out` FLOPs.
+
+Its convolutions of >= 16,384 weights (the first and last stay float) are 3x3 "same" convolutions; XLA counts the
+taps that fall inside the input, not the zero padding: on an n x n map a 3x3 kernel has (3n - 2)^2 such taps, 22^2 at
+8x8 and 46^2 at 16x16, each `2 * in * out` FLOPs per row. The selected ones, as in -> out channels: at 8x8
+32 -> 64 once, 64 -> 64 seven times, 128 -> 64 and 96 -> 64 (the up block's resnets on concatenated skips); at 16x16
+the upsampler's 64 -> 64 and the last resnets' 96 -> 32 and 64 -> 32.
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ HAND_COUNT_PER_CALL = (
     + 2 * MID_TOKENS * 256 * 64  # mid_block ... ff/net_2
     + 2 * ROWS * 128 * 128  # time_embedding/linear_2
 )
+CONV_PER_CALL = (
+    2 * ROWS * 22**2 * (32 * 64 + 7 * 64 * 64 + 128 * 64 + 96 * 64)  # 3x3 convs at 8x8
+    + 2 * ROWS * 46**2 * 64 * 64  # the upsampler's conv, 16x16
+    + 2 * ROWS * 46**2 * (96 * 32 + 64 * 32)  # 3x3 convs at 16x16
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +62,9 @@ def test_int8_flops_are_the_hand_count_of_the_quantized_dense_layers(reports):
     weight_only, compute = reports
     assert compute.quantize == "int8" and compute.quant_compute == "int8"
     assert compute.model_calls == 3  # the tiny model's PNDM: 2 steps, 3 model calls
-    assert compute.unet_call_quant_flops == HAND_COUNT_PER_CALL == 12_648_448
-    assert compute.quant_flops == 3 * HAND_COUNT_PER_CALL
+    assert HAND_COUNT_PER_CALL == 12_648_448 and CONV_PER_CALL == 165_232_640
+    assert compute.unet_call_quant_flops == HAND_COUNT_PER_CALL + CONV_PER_CALL
+    assert compute.quant_flops == 3 * (HAND_COUNT_PER_CALL + CONV_PER_CALL)
     assert weight_only.quant_compute is None and weight_only.quant_flops is None
     # XLA counts the int8 dots among the program's FLOPs: they are part of the total, not beside it
     assert compute.unet_call_flops > compute.unet_call_quant_flops
@@ -91,10 +104,10 @@ def test_cli_passes_quant_compute_and_prints_the_int8_rows(reports, monkeypatch)
     assert table.exit_code == 0, table.output
     assert seen["quantize"] == "int8" and seen["quant_compute"] == "int8"
     assert "of which int8 x int8 products" in table.stdout and "compute time at peak rates" in table.stdout
-    assert "int8 Dense products" in table.stdout
+    assert "int8 products" in table.stdout
     as_json = runner.invoke(cli.app, [*args, "--quant-compute", "int8", "--json"])
     out = json.loads(as_json.stdout)
-    assert out["quant_flops"] == 3 * HAND_COUNT_PER_CALL and out["quantize"] == "int8"
+    assert out["quant_flops"] == 3 * (HAND_COUNT_PER_CALL + CONV_PER_CALL) and out["quantize"] == "int8"
 
 
 def test_chip_table_int8_rates():

@@ -1,6 +1,7 @@
-"""What the 8-bit compute tests share (`test_int8_compute.py`, `test_fp8_compute.py`): random Dense operands, a
-three-layer test net with its quantized params and the same net computed by hand, and the embedded model's images
-with 8-bit compute beside weight-only ones. The scheme ("int8" or "fp8") is the argument; the tests keep their
+"""What the 8-bit compute tests share (`test_int8_compute.py`, `test_fp8_compute.py`, `test_conv_compute.py`,
+`test_quant_compile.py`): random Dense operands, a three-layer test net with its quantized params and the same net
+computed by hand, the embedded model's images with 8-bit compute beside weight-only ones, and a hand count of the
+FLOPs of a model's 8-bit layers. The scheme ("int8" or "fp8") is the argument; the tests keep their
 checks."""
 
 from __future__ import annotations
@@ -73,3 +74,35 @@ def images_against_weight_only(scheme: str):
     err = np.abs(out - ref)
     print(f"{scheme} compute vs weight-only {scheme}: mean abs {err.mean():.4f}, max {err.max():.4f}")
     return pipe, out, ref
+
+
+# the taps of a conv window that read input, per spatial axis of `o` output pixels, by (kernel, stride): a 3x3 same
+# conv 3o - 2 (the first and last output miss one each), a 3x3 stride-2 conv over 2o pixels 3o - 1 (only the first
+# misses one), a 1x1 conv o
+_TAPS = {(3, 1): lambda o: 3 * o - 2, (3, 2): lambda o: 3 * o - 1, (1, 1): lambda o: o}
+
+
+def layer_flops_by_hand(module, float_params, args, selected) -> list[float]:
+    """FLOPs of each selected layer (`selected`: `compute_kernels` of the module's params, path -> (q, scale)) in one
+    call `module.apply({"params": float_params}, *args)` (abstract arrays are fine), from the shapes an interceptor
+    sees: a Dense layer 2 * tokens * in * out, a conv 2 * batch * in * out * the taps that read input per axis (`_TAPS`;
+    the upsamplers' conv: of the 2x input)."""
+    out_flops = []
+
+    def count(next_fun, call_args, kwargs, context):
+        m, out = context.module, next_fun(*call_args, **kwargs)
+        kernel, _ = selected.get("/".join(m.path) + "/kernel", (None, None))
+        if context.method_name == "__call__" and kernel is not None:
+            (x,) = call_args
+            if len(kernel.shape) == 2:
+                out_flops.append(2.0 * np.prod(x.shape[:-1]) * x.shape[-1] * m.features)
+            else:
+                n, ho, wo = out.shape[:3]
+                kh, _, cin, cout = kernel.shape
+                per_axis = _TAPS[(kh, m.strides[0])]
+                out_flops.append(2.0 * n * cin * cout * per_axis(ho) * per_axis(wo))
+        return out
+
+    with nn.intercept_methods(count):
+        jax.eval_shape(lambda p, *a: module.apply({"params": p}, *a), float_params, *args)
+    return out_flops

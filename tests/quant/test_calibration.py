@@ -75,12 +75,14 @@ def test_every_compute_layer_is_recorded_and_the_file_round_trips(calibrated):
         node = params["unet"]
         for key in module_path.split("/"):
             node = node[key]
-        assert node["kernel"].dtype == jnp.int8 and node["kernel"].ndim == 2
+        assert node["kernel"].dtype == jnp.int8 and node["kernel"].ndim in (2, 4)  # Dense layers and convs
     loaded = quant.Calibration.load(path)
     assert loaded.layers == calibration.layers and loaded.compute == "int8" and loaded.source == str(path)
     assert loaded.prompts == tuple(PROMPTS) and loaded.steps == 4
     raw = json.loads(path.read_text())
     assert raw["format"] == CAL.FORMAT and all(len(r["sha256"]) == 64 for r in raw["layers"].values())
+    assert raw["version"] == 2 and raw["convs"] is True  # the 2-D convs are compute layers too
+    assert sum(len(rec.shape) == 4 for rec in calibration.layers.values()) == 21
     assert pipe.quantization.calibration is None  # the pass left the pipeline as it was
 
 
@@ -137,6 +139,25 @@ def test_a_calibration_for_another_model_is_refused(calibrated, tmp_path):
     # another compute mode
     with pytest.raises(ValueError, match=rf"{path} was recorded for compute='int8'.*compute='fp8'"):
         P.QuantPolicy("fp8", compute="fp8", calibration=path)
+
+
+def test_a_version_1_file_holds_dense_layers_only(calibrated, tmp_path):
+    """Files written before convolutions computed in 8 bits: read as `convs=False`, refused by a policy whose convs
+    compute in 8 bits (with what to do), accepted by one whose do not."""
+    _, _, _, calibration, path = calibrated
+
+    def to_v1(raw):
+        raw["version"] = 1
+        del raw["convs"]
+        raw["layers"] = {k: v for k, v in raw["layers"].items() if len(v["shape"]) == 2}
+
+    v1 = _edit(path, tmp_path / "v1.json", to_v1)
+    assert quant.Calibration.load(v1).convs is False
+    with pytest.raises(ValueError, match=rf"{v1} was recorded with compute_convs=False \(Dense layers only\).*"
+                                         r"calibrate again"):  # fmt: skip
+        load_pipeline(None, quantize=_policy(calibration=v1))
+    pipe, _ = load_pipeline(None, quantize=_policy(compute_convs=False, calibration=v1))
+    assert pipe.unet.convs is False and set(pipe.unet.amax) < set(calibration.amax_for("unet"))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,9 @@
 """fp8 compute (`QuantPolicy(compute="fp8")`): a Dense layer's product in fp8 x fp8 against a float64 computation
-of the same quantized operands, the program holding fp8 products, the embedded model's images against the
-weight-only fp8 ones, and bad compute policies refused (int8 compute's too)."""
+of the same quantized operands (convolutions: test_conv_compute.py), the program holding fp8 products, the embedded
+model's images against the weight-only fp8 ones, and bad compute policies refused (int8 compute's too).
+
+Measured (1 prompt, 6 steps, seed 0): fp8 compute of the Dense layers and convs moves the image by 0.0069 mean /
+0.55 max abs from weight-only fp8; the test allows 0.02 mean."""
 
 from __future__ import annotations
 

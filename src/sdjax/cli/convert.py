@@ -95,7 +95,9 @@ def convert(
         raise typer.Exit(1) from None
     index = json.loads((out / "model_index.json").read_text())
     console.print(
-        f"{index.get('_class_name', '?')} written to {out} in {time.perf_counter() - start:.1f} s", highlight=False
+        f"{index.get('_class_name', '?')} written to {out} in {time.perf_counter() - start:.1f} s",
+        highlight=False,
+        soft_wrap=True,
     )
     if quantize is not None:
         _write_quantized(out, dtype, quantize.value, overwrite, console)
@@ -130,4 +132,5 @@ def _write_quantized(folder: Path, dtype: DType, scheme: str, overwrite: bool, c
             f"{scheme} params written to {path} ({path.stat().st_size / 2**20:.1f} MiB, "
             f"{time.perf_counter() - start:.1f} s)",
             highlight=False,
+            soft_wrap=True,  # a path is not broken over lines
         )

@@ -1,12 +1,12 @@
 """Weight-only quantization (int8 per channel, float8 e4m3 per channel) for every family, and 8-bit x 8-bit compute
-for Dense layers: docs/quantization.md.
+for Dense layers and 2-D convolutions: docs/quantization.md.
 
 `scheme`: one kernel's quantize / dequantize (qwix's arithmetic); `params`: which kernels (`QuantPolicy`) and the
 params-tree transformation; `loading`: the same quantization applied per tensor while a loader converts (so a
 quantized load never holds the denoiser in full precision); `modules`: the dequantizing module wrapper and
 `quantize_pipeline`, which `Pipeline.from_pretrained(..., quantize=)` calls; `compute`: int8 x int8 / fp8 x fp8
-Dense layers (`QuantPolicy(compute=)`); `calibration`: their static input ranges (`calibrate`, `Calibration`);
-`files`: quantized params saved and read back (`save_quantized`, `load_quantized`).
+Dense layers and convolutions (`QuantPolicy(compute=)`); `calibration`: their static input ranges (`calibrate`,
+`Calibration`); `files`: quantized params saved and read back (`save_quantized`, `load_quantized`).
 """
 
 from sdjax.quant.calibration import CALIBRATION_FILE, Calibration

@@ -1,6 +1,6 @@
 """Static input ranges for quantized compute (`QuantPolicy(compute=..., calibration=...)`): a calibration pass over
-a few prompts records, for every Dense layer that multiplies 8-bit x 8-bit, the largest `max|x|` of its input; the
-program then scales that layer's input by this constant instead of reducing over each call's activation.
+a few prompts records, for every Dense layer and 2-D conv that multiplies 8-bit x 8-bit, the largest `max|x|` of its
+input; the program then scales that layer's input by this constant instead of reducing over each call's activation.
 
 ```python
 policy = QuantPolicy("int8", components=("unet",), compute="int8")
@@ -11,7 +11,7 @@ policy = dataclasses.replace(policy, calibration=f"{folder}/{sdjax.quant.CALIBRA
 pipe, params = sdjax.load_pipeline(folder, quantize=policy)
 ```
 
-The pass (`calibrate`) runs the pipeline's own `generate` with each compute layer's `QuantizedDense` interceptor
+The pass (`calibrate`) runs the pipeline's own `generate` with each compute layer's `QuantizedLayers` interceptor
 reporting its input's `max|x|` to the host (`jax.debug.callback`, every call of every step, both halves of the
 classifier-free-guidance batch) under dynamic scales; the range kept is the maximum over all of them.
 
@@ -20,6 +20,10 @@ its kernel's shape and the SHA-256 of its quantized values and per-channel scale
 `quantize_pipeline`) compares it with the loaded model and refuses a calibration recorded for another model,
 naming the file and the first layer (in path order) that is missing, extra, shaped differently or holds other
 weights. A layer never called during the pass is stored with `amax: null` and keeps per-call scales.
+
+Version 2 files hold the convolutions too (`"convs": true`, unless recorded with `QuantPolicy(compute_convs=False)`);
+version 1 files (written when only Dense layers computed in 8 bits) are read as `convs: false`: a policy that
+computes its convolutions in 8 bits refuses them with that explanation.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from sdjax.quant import compute as compute_lib
 from sdjax.quant import scheme as scheme_lib
 
 FORMAT = "sdjax.quant.calibration"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 1: Dense layers only (no "convs" field)
 CALIBRATION_FILE = "quant_calibration.json"  # the name the docs use next to a model's weights
 
 
@@ -59,12 +64,17 @@ def _layer_hash(q: Any, scale: Any) -> str:
     return h.hexdigest()
 
 
-def fingerprint(params: Mapping[str, Any], policy: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+def fingerprint(
+    params: Mapping[str, Any], policy: Any, convs: bool | None = None
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """`component/.../kernel -> (shape, sha256)` of every kernel `policy.compute` multiplies quantized, in the
-    policy's components of `params` (a pipeline's params, already quantized; abstract params give no hash)."""
+    policy's components of `params` (a pipeline's params, already quantized; abstract params give no hash).
+    `convs`: whether the 2-D convs count (None: `policy.compute_convs`)."""
+    convs = policy.compute_convs if convs is None else convs
     out = {}
     for component in policy.components:
-        kernels = compute_lib.compute_kernels(params.get(component, {}), policy.compute, component)
+        tree = params.get(component, {})
+        kernels = compute_lib.compute_kernels(tree, policy.compute, component, convs)
         for path, (q, scale) in kernels.items():
             abstract = isinstance(q, jax.ShapeDtypeStruct)  # AOT compiles: shapes only, nothing to hash
             out[path] = (tuple(int(d) for d in q.shape), None if abstract else _layer_hash(q, scale))
@@ -74,21 +84,23 @@ def fingerprint(params: Mapping[str, Any], policy: Any) -> dict[str, tuple[tuple
 @dataclasses.dataclass(frozen=True, eq=False)
 class Calibration:
     """Static input ranges of a model's compute layers (`layers`: params path -> `LayerRecord`), recorded with
-    `compute` ("int8" / "fp8") by `calibrate` on `prompts` with `steps` sampling steps. `source`: the file it was
-    read from (errors name it)."""
+    `compute` ("int8" / "fp8") by `calibrate` on `prompts` with `steps` sampling steps; `convs`: whether its
+    layers include the 2-D convs (`QuantPolicy.compute_convs`). `source`: the file it was read from (errors name
+    it)."""
 
     compute: str
     layers: Mapping[str, LayerRecord]
     prompts: tuple[str, ...] = ()
     steps: int = 0
     source: str | None = None
+    convs: bool = True
 
     @property
     def name(self) -> str:
         return f"calibration file {self.source}" if self.source else "the calibration"
 
     def amax_for(self, component: str) -> dict[str, float]:
-        """`module path inside component -> amax` (the form `QuantizedDense` looks layers up by) of the recorded
+        """`module path inside component -> amax` (the form `QuantizedLayers` looks layers up by) of the recorded
         layers of `component`."""
         prefix, suffix = component + "/", "/" + scheme_lib.KERNEL
         return {
@@ -100,10 +112,21 @@ class Calibration:
     def check(self, params: Mapping[str, Any], policy: Any) -> None:
         """Raise a ValueError naming the file and the first differing layer unless this calibration was recorded
         for this model: the same compute layers (paths and kernel shapes) holding the same quantized weights
-        (abstract params, as `sdjax compile` builds them, are checked by paths and shapes only)."""
+        (abstract params, as `sdjax compile` builds them, are checked by paths and shapes only), and the same
+        kinds of layers (a file of Dense layers only, `convs=False`, for a policy whose convs compute in 8 bits:
+        refused after its layers matched, saying so)."""
         if policy.compute != self.compute:
             raise ValueError(f"{self.name} is for compute={self.compute!r}, the policy has {policy.compute!r}")
-        model = fingerprint(params, policy)
+        self._check_layers(fingerprint(params, policy, convs=self.convs))
+        if policy.compute_convs != self.convs:
+            raise ValueError(
+                f"{self.name} was recorded with compute_convs={self.convs} "
+                f"({'Dense layers and convolutions' if self.convs else 'Dense layers only'}), the policy has "
+                f"compute_convs={policy.compute_convs}: calibrate again (sdjax calibrate), or set "
+                f"QuantPolicy(compute_convs={self.convs})"
+            )
+
+    def _check_layers(self, model: Mapping[str, tuple[tuple[int, ...], str | None]]) -> None:
         for path in sorted(set(model) | set(self.layers)):
             if path not in self.layers:
                 raise ValueError(
@@ -133,6 +156,7 @@ class Calibration:
             "format": FORMAT,
             "version": VERSION,
             "compute": self.compute,
+            "convs": self.convs,
             "prompts": list(self.prompts),
             "steps": self.steps,
             "layers": {
@@ -161,8 +185,8 @@ class Calibration:
             raise ValueError(f"calibration file {path} is not JSON: {e}") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"calibration file {path} is not an sdjax calibration (its 'format' is not {FORMAT!r})")
-        if raw.get("version") != VERSION:
-            raise ValueError(f"calibration file {path}: version {raw.get('version')!r}, this sdjax reads {VERSION}")
+        if raw.get("version") not in READS:
+            raise ValueError(f"calibration file {path}: version {raw.get('version')!r}, this sdjax reads {READS}")
         try:
             compute = raw["compute"]
             if compute not in compute_lib.MODES:
@@ -173,7 +197,11 @@ class Calibration:
                 if amax is not None and not (isinstance(amax, (int, float)) and np.isfinite(amax) and amax >= 0):
                     raise ValueError(f"layer {name}: 'amax' is {amax!r}, expected a finite number >= 0 or null")
                 layers[name] = LayerRecord(tuple(int(d) for d in rec["shape"]), str(rec["sha256"]), amax)
-            return cls(compute, layers, tuple(raw.get("prompts", ())), int(raw.get("steps", 0)), source=path)
+            convs = raw.get("convs", False) if raw["version"] == 1 else raw["convs"]
+            if not isinstance(convs, bool):
+                raise ValueError(f"'convs' is {convs!r}, expected true or false")
+            prompts, steps = tuple(raw.get("prompts", ())), int(raw.get("steps", 0))
+            return cls(compute, layers, prompts, steps, source=path, convs=convs)
         except KeyError as e:
             raise ValueError(f"calibration file {path} lacks the field {e.args[0]!r}") from None
         except (TypeError, AttributeError, ValueError) as e:

@@ -39,9 +39,9 @@ class DequantizingModule:
     `variables["params"]` to `dtype` and calls the wrapped module's `apply`. Everything else (`config`, `clone`,
     fields) is the wrapped module's; `clone` returns a wrapped clone.
 
-    `compute` ("int8" / "fp8", `sdjax.quant.compute`): Dense layers whose kernel is stored in that type keep it and
-    multiply 8-bit x 8-bit; `amax` (module path -> static input range, from a calibration) and `observe` (the
-    calibration pass's recorder) go to its `QuantizedDense` interceptor."""
+    `compute` ("int8" / "fp8", `sdjax.quant.compute`): Dense layers and (with `convs`) 2-D convs whose kernel is
+    stored in that type keep it and multiply 8-bit x 8-bit; `amax` (module path -> static input range, from a
+    calibration) and `observe` (the calibration pass's recorder) go to its `QuantizedLayers` interceptor."""
 
     def __init__(
         self,
@@ -51,12 +51,14 @@ class DequantizingModule:
         *,
         amax: Mapping[str, float] | None = None,
         observe: Callable[[str, Any], None] | None = None,
+        convs: bool = True,
     ):
         self.module = module
         self.dtype = dtype
         self.compute = compute
         self.amax = amax
         self.observe = observe
+        self.convs = convs
 
     def apply(self, variables: Mapping[str, Any], *args, **kwargs):
         params = variables["params"]
@@ -65,8 +67,8 @@ class DequantizingModule:
         arrays = [a for a in args if isinstance(a, jax.Array)]
         params, _ = jax.lax.optimization_barrier((params, arrays))
         if self.compute is not None:
-            params = compute_lib.dequantize_except_dense(params, self.dtype, self.compute)
-            interceptor = compute_lib.QuantizedDense(self.compute, amax=self.amax, observe=self.observe)
+            params = compute_lib.dequantize_except_compute(params, self.dtype, self.compute, self.convs)
+            interceptor = compute_lib.QuantizedLayers(self.compute, self.amax, self.observe, self.convs)
             with nn.intercept_methods(interceptor):
                 return self.module.apply({**variables, "params": params}, *args, **kwargs)
         params = params_lib.dequantize_tree(params, self.dtype)
@@ -74,11 +76,16 @@ class DequantizingModule:
 
     def clone(self, **kwargs) -> DequantizingModule:
         return DequantizingModule(
-            self.module.clone(**kwargs), self.dtype, self.compute, amax=self.amax, observe=self.observe
+            self.module.clone(**kwargs),
+            self.dtype,
+            self.compute,
+            amax=self.amax,
+            observe=self.observe,
+            convs=self.convs,
         )
 
     def __getattr__(self, name: str):
-        if name in ("module", "dtype", "compute", "amax", "observe"):
+        if name in ("module", "dtype", "compute", "amax", "observe", "convs"):
             raise AttributeError(name)
         return getattr(self.module, name)
 
@@ -88,7 +95,7 @@ class DequantizingModule:
 
 def wrap(module: Any, dtype: Any, compute: str | None = None, **kwargs) -> Any:
     """`module` wrapped in a `DequantizingModule` (a wrapped one is wrapped anew around its Flax module, with these
-    options); anything that is not a Flax module as it is. `kwargs`: `amax`, `observe`."""
+    options); anything that is not a Flax module as it is. `kwargs`: `amax`, `observe`, `convs`."""
     if isinstance(module, DequantizingModule):
         module = module.module
     if not isinstance(module, nn.Module):
@@ -100,15 +107,16 @@ def install(pipe: Any, policy: params_lib.QuantPolicy, observe: Callable[[str, s
     """Wrap the modules of `policy.components` in `pipe` (its attributes `pipe.unet`, `pipe.text_encoder`, ...,
     the denoiser's module fields, named as the components) for `policy`: its compute mode, and the static input
     ranges of its calibration. `observe(component, path, amax)`: the calibration pass's recorder instead. The
-    generator's models are rebuilt (the conditioning too when a text encoder is wrapped) and its cache cleared."""
+    generator's models are rebuilt (the conditioning too when a text encoder is wrapped, the VAE when "vae" is a
+    component) and its cache cleared."""
     dtype = pipe.dtype
 
     def options(component: str) -> dict:
         if observe is not None:
-            return {"observe": functools.partial(observe, component)}
+            return {"observe": functools.partial(observe, component), "convs": policy.compute_convs}
         if policy.calibration is not None:
-            return {"amax": policy.calibration.amax_for(component)}
-        return {}
+            return {"amax": policy.calibration.amax_for(component), "convs": policy.compute_convs}
+        return {"convs": policy.compute_convs}
 
     for name in policy.components:
         if isinstance(getattr(pipe, name, None), (nn.Module, DequantizingModule)):
@@ -125,7 +133,10 @@ def install(pipe: Any, policy: params_lib.QuantPolicy, observe: Callable[[str, s
     conditioning = gen.models.conditioning
     if any(c in conditioning.components for c in policy.components):
         conditioning = pipe._conditioning()
-    gen.models = dataclasses.replace(gen.models, denoiser=pipe.denoiser, conditioning=conditioning)
+    vae = gen.models.vae
+    if "vae" in policy.components and isinstance(vae, (nn.Module, DequantizingModule)):
+        vae = wrap(vae, dtype, policy.compute, **options("vae"))  # the generator's own VAE (encode and decode)
+    gen.models = dataclasses.replace(gen.models, denoiser=pipe.denoiser, conditioning=conditioning, vae=vae)
     gen.cache.clear()
 
 
@@ -193,7 +204,7 @@ def calibrate(
         path: calibration_lib.LayerRecord(shape, digest, seen.get(path))
         for path, (shape, digest) in calibration_lib.fingerprint(pipe.params, policy).items()
     }
-    return calibration_lib.Calibration(policy.compute, layers, tuple(prompts), steps)
+    return calibration_lib.Calibration(policy.compute, layers, tuple(prompts), steps, convs=policy.compute_convs)
 
 
 def use_calibration(pipe: Any, calibration: calibration_lib.Calibration | str | os.PathLike) -> Any:

@@ -40,9 +40,11 @@ class QuantPolicy:
     components: tuple[str, ...] = ("unet", "transformer")
     min_size: int = DEFAULT_MIN_SIZE
     exclude: tuple[str, ...] = ()
-    # None: weight-only (kernels dequantized to the compute dtype in the program); "int8" / "fp8": Dense layers
-    # multiply 8-bit x 8-bit, their inputs quantized per call (`sdjax.quant.compute`; needs the same scheme)
+    # None: weight-only (kernels dequantized to the compute dtype in the program); "int8" / "fp8": Dense layers and
+    # 2-D convs multiply 8-bit x 8-bit, their inputs quantized per call (`sdjax.quant.compute`; needs the same scheme)
     compute: str | None = None
+    # with `compute`: False keeps the convolutions weight-only (only the Dense layers multiply 8-bit x 8-bit)
+    compute_convs: bool = True
     # static input ranges of the compute layers (`sdjax.quant.calibration.Calibration`, or the path of its file);
     # None: each call's own max|x|. Needs `compute`; checked against the model by `quantize_pipeline`.
     calibration: Any = None
@@ -58,6 +60,8 @@ class QuantPolicy:
                 f"QuantPolicy.compute={self.compute!r} needs scheme={self.compute!r} kernels, got "
                 f"scheme={self.scheme!r}"
             )
+        if not isinstance(self.compute_convs, bool):
+            raise TypeError(f"QuantPolicy.compute_convs={self.compute_convs!r}: expected True or False")
         if self.calibration is not None:
             calibration = as_calibration(self.calibration)
             if self.compute is None:

@@ -9,6 +9,10 @@ each name -> `step`, `sd_checkpoint`, `sd_checkpoint_name`, `shape`, `vectors`),
 the server's own layout is not disclosed). The embeddings of `embeddings/` are loaded into the served pipeline at
 start-up and after a model switch; their file names then trigger them in any prompt, as in A1111.
 
+Model switching (`ServerState.switch_model`) loads the new model with the server's loader, then quantizes it as the
+start-up model was (`quantize_like`: `--quantize`, `--quant-compute`; a `--calibration` only where it was recorded for
+that model).
+
 Settings: `CLIP_stop_at_last_layers` (A1111's Clip skip) is a per-image input of the program, honoured per request
 and as the server's default (POST /sdapi/v1/options) without splitting batches or compiling; `sd_vae` "Automatic"
 and "None" are the served model's own VAE, a name in `VAE/` is applied per batch as params (`server.networks`).
@@ -16,9 +20,11 @@ and "None" are the served model's own VAE, a name in `VAE/` is applied per batch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from sdjax import quant
 from sdjax.models_dir import Entry, ModelsDir
 from sdjax.server.schemas import FieldError
 
@@ -118,6 +124,37 @@ def load_embeddings(pipeline: Any, md: ModelsDir | None, *, allow_pickle: bool =
             continue
         body["loaded"][name] = info
     return body
+
+
+def quantize_like(pipe: Any, policy: Any, served_denoiser: str, name: str) -> Any:
+    """A switched-in model `pipe` (loaded in full precision) quantized with the start-up model's `QuantPolicy`
+    (`policy`; None: returned as it is): the same scheme, compute mode, size rule and exclusions, over the same
+    components, the start-up denoiser's (`served_denoiser`) read as this model's denoiser; components this model
+    lacks are dropped. A calibration holds input ranges of the start-up model's layers: it is applied only where
+    `Calibration.check` accepts it for this model (switching back to the model it was recorded for), and otherwise
+    dropped with a warning naming the file and `name`; the model then scales its 8-bit inputs per call, as without
+    --calibration. Returns the pipeline (quantized in place)."""
+    if policy is None:
+        return pipe
+    denoiser = pipe.denoiser.component
+    wanted = dict.fromkeys(denoiser if c == served_denoiser else c for c in policy.components)
+    components = tuple(c for c in wanted if c in pipe.params)
+    if len(components) < len(wanted):
+        log.warning("%s has no %s: not quantized", name, ", ".join(c for c in wanted if c not in components))
+    calibration = policy.calibration
+    policy = dataclasses.replace(policy, components=components, calibration=None)
+    quant.quantize_pipeline(pipe, pipe.params, policy)
+    if calibration is None:
+        return pipe
+    try:
+        calibration.check(pipe.params, policy)
+    except ValueError as e:
+        log.warning(
+            "%s: not applied to %s (%s); its %s products scale their inputs per call", calibration.name, name, e,
+            policy.compute,
+        )  # fmt: skip
+        return pipe
+    return quant.use_calibration(pipe, calibration)
 
 
 def clip_skip_setting(value: Any, pipeline: Any, field: str) -> int:

@@ -119,6 +119,9 @@ class ServerState:
     def __init__(self, pipeline: Any, config: ServerConfig, *, loader: Callable[[str], Any] | None = None):
         self.config = config
         self.loader = loader  # loader(path) -> pipeline: POST /sdapi/v1/options switches models with it
+        # the start-up model's quantization (--quantize / --quant-compute / --calibration): switched models get it too
+        self.quantization = getattr(pipeline, "quantization", None)
+        self.denoiser_component = getattr(getattr(pipeline, "denoiser", None), "component", None)
         self.metrics = Metrics(config.max_batch)
         if getattr(getattr(pipeline, "generator", None), "cache", None) is not None:
             self.metrics.watch_cache(pipeline.generator.cache)
@@ -280,7 +283,8 @@ class ServerState:
 
     async def switch_model(self, request: Request, value: Any) -> None:
         """Serve the models directory's checkpoint `value`: new requests wait, the running ones finish, the model
-        loads on the batcher's worker and compiles start-up's shapes; a load failure is a 500 and keeps the old."""
+        loads on the batcher's worker (quantized as the start-up model was: `models_api.quantize_like`) and compiles
+        start-up's shapes; a load failure is a 500 and keeps the old."""
         md, config = self.md, self.config
         if md is None or not isinstance(value, str):
             raise FieldError("sd_model_checkpoint", f"{value!r} is not a model name")
@@ -292,6 +296,7 @@ class ServerState:
 
         def load() -> tuple[Any, Any, str]:
             pipe = self.loader(str(entry.path))
+            pipe = models_api.quantize_like(pipe, self.quantization, self.denoiser_component, name)
             title = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
             return pipe, models_api.load_embeddings(pipe, md, allow_pickle=config.allow_pickle_embeddings), title
 
