@@ -31,6 +31,24 @@ def save_sd3(tmp_path_factory, tokenizer_dir):
     return torch_pipe, folder
 
 
+def dev_and_sd3_pipelines(tmp_path_factory, max_sequence_length: int) -> dict:
+    """family -> (torch pipeline, folder, sdjax pipeline, params) for a tiny Flux dev and SD 3 saved as folders."""
+    import t5_reference
+
+    from sdjax.pipelines import load_pipeline
+
+    tok = t5_reference.write_t5_tokenizer(tmp_path_factory.mktemp("t5-tokenizer"))
+    out = {}
+    for family, (torch_pipe, folder) in (
+        ("flux", save_flux(tmp_path_factory, "dev", tok)),
+        ("sd3", save_sd3(tmp_path_factory, tok)),
+    ):
+        pipe, params = load_pipeline(str(folder))
+        pipe.max_sequence_length = max_sequence_length
+        out[family] = (torch_pipe, folder, pipe, params)
+    return out
+
+
 def tiny_lora_run(data, out, folder, *, size: int, **options):
     """`finetune.train_lora` of the saved tiny pipeline `folder` on the images in `data`: batches of two at `size`
     pixels without bucketing, the LoRA written to `out` (`options`: steps, rank, alpha, lr, ... as `train_lora`

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flow_helpers import save_flux, save_sd3
+from flow_helpers import dev_and_sd3_pipelines
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -34,20 +34,7 @@ SIZE, MAX_SEQ = 32, 16
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """family -> (torch pipeline, folder, sdjax pipeline, params) for Flux dev and SD 3."""
-    import t5_reference
-
-    from sdjax.pipelines import load_pipeline
-
-    tok = t5_reference.write_t5_tokenizer(tmp_path_factory.mktemp("t5-tokenizer"))
-    out = {}
-    for family, (torch_pipe, folder) in (
-        ("flux", save_flux(tmp_path_factory, "dev", tok)),
-        ("sd3", save_sd3(tmp_path_factory, tok)),
-    ):
-        pipe, params = load_pipeline(str(folder))
-        pipe.max_sequence_length = MAX_SEQ
-        out[family] = (torch_pipe, folder, pipe, params)
-    return out
+    return dev_and_sd3_pipelines(tmp_path_factory, MAX_SEQ)
 
 
 def _images(folder, n: int, colour=(230, 40, 30)):
