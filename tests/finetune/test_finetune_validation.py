@@ -9,7 +9,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from sdjax.cli import app
-from sdjax.finetune import train_lora, train_textual_inversion
+from sdjax.finetune import train_lora, train_textual_inversion, validation
 
 PROMPTS = ("sks", "a red square")
 GEN = dict(seed=7, steps=3, height=64, width=64)
@@ -50,6 +50,16 @@ def test_lora_validation_images(sd1_dir, images, tmp_path):
     folder = tmp_path / "val-run" / "validation"
     names = sorted(p.name for p in folder.iterdir())
     assert names == [f"step-{s:06d}-{i}.png" for s in (0, 2, 3) for i in range(2)]
+
+    # the grid: a row per drawn update (0, 2, 3), a column per prompt, the images as they are; no partial file left
+    grid, margin = _png(tmp_path / "val-run" / validation.GRID), validation.LABEL_WIDTH
+    assert grid.shape == (3 * 64, margin + 2 * 64, 3)
+    for r, step in enumerate((0, 2, 3)):
+        for i in range(2):
+            cell = grid[r * 64 : (r + 1) * 64, margin + i * 64 : margin + (i + 1) * 64]
+            np.testing.assert_array_equal(cell, _png(folder / f"step-{step:06d}-{i}.png"))
+        assert (grid[r * 64 : (r + 1) * 64, :margin] < 128).any()  # the row's label
+    assert sorted(p.name for p in (tmp_path / "val-run").glob("*validation-grid*")) == [validation.GRID]
 
     pipe, _ = load_pipeline(str(sd1_dir))
     for i, prompt in enumerate(PROMPTS):

@@ -11,6 +11,9 @@ images show the EMA values, which are what the run writes at the end.
 LoRA values are merged as training merges them (`lora.merge`: `W + alpha/r * (up @ down)^T` in float32, cast to
 the kernel's dtype); the merge runs outside `jit`, and the generation program is compiled once and reused, since
 the merged params keep the base params' shapes and dtypes.
+
+After each round the run directory's `validation-grid.png` is written anew: a row per update drawn so far (oldest
+on top, its update count in a left margin), a column per prompt, so a run's progress reads at a glance.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 FOLDER = "validation"
+GRID = "validation-grid.png"
+LABEL_WIDTH = 72  # the grid's left margin, where each row's update count is written
 
 
 def image_path(run_dir: Path, step: int, index: int) -> Path:
@@ -70,10 +75,36 @@ def make_validator(
             path.parent.mkdir(parents=True, exist_ok=True)
             image.save(path)
             paths.append(path)
+        write_grid(run_dir, len(prompts))
         log(f"validation images of update {step}: {paths[0].parent}")
         return paths
 
     return validate
+
+
+def write_grid(run_dir: Path, prompts: int) -> Path:
+    """`run_dir/validation-grid.png` from the validation images there (a resumed run's earlier ones included): a row
+    per update with all `prompts` images, oldest first, labelled "update N"; a column per prompt. Written to a
+    temporary name and renamed, so a reader never sees half a file."""
+    import os
+
+    from PIL import Image, ImageDraw
+
+    run_dir = Path(run_dir)
+    drawn = sorted({int(p.name.split("-")[1]) for p in (run_dir / FOLDER).glob("step-*-*.png")})
+    rows = [s for s in drawn if all(image_path(run_dir, s, i).is_file() for i in range(prompts))]
+    cells = [[Image.open(image_path(run_dir, s, i)).convert("RGB") for i in range(prompts)] for s in rows]
+    width, height = cells[0][0].size
+    grid = Image.new("RGB", (LABEL_WIDTH + prompts * width, len(rows) * height), "white")
+    draw = ImageDraw.Draw(grid)
+    for r, (step, images) in enumerate(zip(rows, cells, strict=True)):
+        draw.text((4, r * height + 4), f"update {step}", fill="black")
+        for i, image in enumerate(images):
+            grid.paste(image, (LABEL_WIDTH + i * width, r * height))
+    path, partial = run_dir / GRID, run_dir / f".{GRID}.partial"
+    grid.save(partial, format="PNG")
+    os.replace(partial, path)
+    return path
 
 
 def due(step: int, every: int, end: int) -> bool:
