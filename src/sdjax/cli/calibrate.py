@@ -1,5 +1,6 @@
-"""`sdjax calibrate`: record the static input ranges of a model's int8 x int8 (or fp8 x fp8) Dense layers over a few
-prompts and write them next to its weights (`sdjax.quant.calibrate`, docs/quantization.md)."""
+"""`sdjax calibrate`: record the static input ranges of a model's int8 x int8 (or fp8 x fp8) Dense layers and 2-D
+convolutions over a few prompts and write them next to its weights (`sdjax.quant.calibrate`, a version 2 calibration
+file; docs/quantization.md)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def calibrate(
         Quantize,
         typer.Option(
             "--quant-compute",
-            help="The Dense layers' 8-bit products (weights quantized the same way): int8 (TPU) or fp8 (GPU).",
+            help="The 8-bit products of the Dense layers and convolutions (weights quantized the same way): int8 "
+            "(TPU) or fp8 (GPU).",
         ),
     ] = Quantize.int8,
     steps: Annotated[int, typer.Option(min=1, help="Sampling steps of the calibration run.")] = 8,
@@ -66,20 +68,22 @@ def calibrate(
         ),
     ] = None,
 ) -> None:
-    """Record the input ranges of the denoiser's quantized Dense layers over a few prompts (a calibration for
-    quantized compute); load it with QuantPolicy(..., compute=..., calibration=FILE)."""
+    """Record the input ranges of the denoiser's quantized Dense layers and convolutions over a few prompts (a
+    calibration for quantized compute); load it with --calibration FILE or QuantPolicy(..., compute=...,
+    calibration=FILE)."""
     prompts = _prompts(prompt, prompts_file)
     output = _output(model, output)
     from sdjax import quant
 
     pipe = load_pipeline(model, dtype, **_quantize_kw(compute))
     policy = dataclasses.replace(pipe.quantization, compute=compute.value)
-    quant.quantize_pipeline(pipe, pipe.params, policy)  # the loaded kernels kept, the Dense layers multiply 8-bit
+    quant.quantize_pipeline(pipe, pipe.params, policy)  # the loaded kernels kept, Dense layers and convs multiply 8-bit
     calibration = quant.calibrate(pipe, prompts, steps=steps, seed=seed)
     calibration.save(output)
     unseen = [p for p, rec in calibration.layers.items() if rec.amax is None]
+    convs = sum(len(rec.shape) == 4 for rec in calibration.layers.values())  # conv kernels (h, w, in, out)
     typer.echo(
-        f"{output}: {len(calibration.layers)} {compute.value} Dense layers of {', '.join(policy.components)}, "
-        f"{len(prompts)} prompt(s), {steps} steps"
+        f"{output}: {len(calibration.layers)} {compute.value} layers of {', '.join(policy.components)} "
+        f"({len(calibration.layers) - convs} Dense, {convs} conv), {len(prompts)} prompt(s), {steps} steps"
         + (f"; {len(unseen)} never called (per-call scales): {', '.join(unseen[:3])}" if unseen else "")
     )

@@ -60,8 +60,8 @@ QUANTIZE_OPTION = typer.Option(
 
 
 QUANT_COMPUTE_OPTION = typer.Option(
-    help="Multiply the quantized denoiser's Dense layers 8-bit x 8-bit (int8: TPU v5e/v5p/v6e, fp8: H100/H200); "
-    "needs --quantize of the same type.",
+    help="Multiply the quantized denoiser's Dense layers and convolutions 8-bit x 8-bit (int8: TPU v5e/v5p/v6e, "
+    "fp8: H100/H200); needs --quantize of the same type.",
     rich_help_panel="Weights",
 )
 CALIBRATION_OPTION = typer.Option(
@@ -170,10 +170,11 @@ def _quant_options(quantize: Quantize | None, quant_compute: Quantize | None, ca
 
 
 def _apply_quant_compute(pipe: Any, quant_compute: Quantize | None, calibration: Any = None) -> Any:
-    """A pipeline loaded with --quantize, its Dense layers switched to 8-bit x 8-bit products (--quant-compute)
-    with the calibration's static input scales, if any: its policy with `compute` and `calibration` set, through
-    `quantize_pipeline` (the loaded kernels are kept; a calibration of another model is refused there, naming
-    the file). The same params and program as `load_pipeline(quantize=QuantPolicy(..., compute=...))`."""
+    """A pipeline loaded with --quantize, its quantized Dense layers and 2-D convs switched to 8-bit x 8-bit
+    products (--quant-compute) with the calibration's static input scales, if any: its policy with `compute` and
+    `calibration` set (`compute_convs` left at its default, True), through `quantize_pipeline` (the loaded kernels
+    are kept; a calibration of another model, or one of Dense layers only, is refused there, naming the file). The
+    same params and program as `load_pipeline(quantize=QuantPolicy(..., compute=...))`."""
     if quant_compute is None:
         return pipe
     import dataclasses
