@@ -20,17 +20,8 @@ import json
 import time
 
 import numpy as np
+from quant_compute_quality import CALIBRATION_PROMPTS  # the same 8 calibration prompts as the Dense-only table
 
-CALIBRATION_PROMPTS = [
-    "a yellow triangle on a black background",
-    "a small white circle in the top left corner",
-    "a large blue square on a red background",
-    "a purple circle at the bottom",
-    "a green triangle on a white background",
-    "an orange square in the center",
-    "a big red triangle on a green background",
-    "a tiny black circle on a yellow background",
-]
 ATTRIBUTES = ("colour", "background", "shape", "position", "size")
 
 
