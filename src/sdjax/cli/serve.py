@@ -343,23 +343,22 @@ def _serve(o: ServeOptions) -> None:
         f"Loaded in {time.perf_counter() - t0:.1f} s. Serving at http://{o.host}:{o.port}/{warming}", highlight=False
     )
     config = _server_config(o, server, models, pipe, sizes, batch, users)
-    vae_target = models.vae_target
-    server.serve(
-        pipe,
-        config,
-        host=o.host,
-        port=o.port,
-        log_level=o.log_level,
-        loader=(
-            (
-                lambda path: (
-                    load_pipeline(path, o.dtype) if vae_target is None else _load_with_vae(path, o.dtype, vae_target)
-                )
-            )
-            if o.models_dir
-            else None
-        ),
-    )
+    loader = _switch_loader(o, models.vae_target) if o.models_dir else None
+    server.serve(pipe, config, host=o.host, port=o.port, log_level=o.log_level, loader=loader)
+
+
+def _switch_loader(o: ServeOptions, vae_target: str | None):
+    """The loader of a model switched in from --models-dir: at --dtype, with --vae, and with the `quantize=` policy
+    the server derives from the start-up model's (`server.models_api.load_like`), so that it is quantized while
+    it loads, as the start-up model was by `_load`."""
+
+    def loader(path: str, quantize=None):
+        q = {} if quantize is None else {"quantize": quantize}
+        return (
+            load_pipeline(path, o.dtype, **q) if vae_target is None else _load_with_vae(path, o.dtype, vae_target, **q)
+        )
+
+    return loader
 
 
 def _parse_options(o: ServeOptions, server):

@@ -6,7 +6,9 @@ the sdjax loader (class names of the old Flax pipelines, `FlaxUNet2DConditionMod
 `files.select_weight_files` and converted tensor by tensor, each cast to `dtype` as it is converted, so peak host
 memory stays near one copy of the checkpoint plus the params. With a `quantize` policy (`sdjax.quant.QuantPolicy`)
 the kernels it selects in its components are quantized as they are converted (`sdjax.quant.loading`), so those
-components never exist in full precision. The scheduler state is always float32.
+components never exist in full precision; a component folder's saved quantized params (`quantized_file`) are read
+instead of its float weights, and a Hub download then fetches that file and not the float weights. The scheduler
+state is always float32.
 
 Optional components (`safety_checker`, `feature_extractor`, `image_encoder`) whose class sdjax does not implement
 are skipped with a logged warning; any other unknown `[library, class]` is an error. The `feature_extractor` is loaded
@@ -185,6 +187,13 @@ def quantized_file(folder: str | os.PathLike, component: str, scheme: str) -> Pa
     return Path(folder) / component / QUANTIZED_FILE.format(scheme=scheme)
 
 
+def saved_quantized_names(policy: Any) -> dict[str, str]:
+    """Component -> the name of the saved quantized file a load with `policy` reads in its folder, for each
+    component the policy names: what a Hub download fetches instead of those components' float weights, where
+    the repo has it (`files.resolve_model_dir(saved_quantized=)`)."""
+    return {component: QUANTIZED_FILE.format(scheme=policy.scheme) for component in policy.components}
+
+
 def _made_with(policy: Any, dtype: Any, variant: str | None) -> dict[str, str]:
     """What a saved quantized file must have been made with to equal quantizing on load: the policy's selection
     (`min_size`, `exclude`; the scheme is in the file's name, `compute` changes no stored value), the params dtype
@@ -199,7 +208,9 @@ def _made_with(policy: Any, dtype: Any, variant: str | None) -> dict[str, str]:
 
 def load_saved_quantized(req: LoadRequest, shapes: Any) -> dict | None:
     """`req.name`'s params from its folder's saved quantized file, or None when `req.quantize` does not name the
-    component or the folder has no file for its scheme (the float weights are then read and quantized).
+    component or the folder has no file for its scheme (the float weights are then read and quantized). A Hub
+    download made for such a load fetches the file instead of the float weights where the repo has it
+    (`saved_quantized_names`), so a repo's file is read here as a local folder's is.
 
     A file made otherwise than this load would quantize (another `min_size` / `exclude`, another dtype or
     variant) is refused with a ValueError naming the file and the difference, rather than read or passed over:
@@ -221,7 +232,8 @@ def load_saved_quantized(req: LoadRequest, shapes: Any) -> dict | None:
         diff = ", ".join(f"{k} {made[k]!r} there, {want[k]!r} here" for k in want if made[k] != want[k])
         raise ValueError(
             f"quantized params file {path} was made for another load of {req.name} ({diff}); load with the "
-            "settings it was made with, or remove it (or write it again: sdjax convert FOLDER --quantize ...)"
+            "settings it was made with, or remove it (or write it again: sdjax convert FOLDER --quantize ...), "
+            "or load without quantize= and quantize after (sdjax.quant.quantize_pipeline)"
         )
     loaded, _ = quant_files.load_quantized(path, like={req.name: shapes}, scheme=policy.scheme)
     if set(loaded) != {req.name}:
@@ -607,6 +619,7 @@ def load_pipeline_components(
         components=lambda index: list(check(index, str(path_or_repo_id))),
         cache_dir=cache_dir,
         token=token,
+        saved_quantized=None if quantize is None else saved_quantized_names(quantize),
     )
     model_index = files.read_model_index(folder)
     todo = check(model_index, str(folder))

@@ -264,10 +264,18 @@ def hub_allow_patterns(
     *,
     variant: str | None = None,
     where: str = "",
+    saved_quantized: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The exact files of a repo listing that loading `components` needs: `model_index.json`, each component's
-    configs and tokenizer files, and the weights `choose_weight_name` picks (plus their shards)."""
+    configs and tokenizer files, and the weights `choose_weight_name` picks (plus their shards).
+
+    `saved_quantized` maps a component to the name of its saved quantized params file
+    (`components.quantized_file`, for the scheme a `quantize=` load asks for): where the repo's component folder
+    has that file, it is fetched instead of the float weights, which that load would not open
+    (`components.load_saved_quantized`; whether the file was made as the load quantizes is checked when it is read,
+    as in a local folder). Elsewhere the weights are chosen as without it."""
     repo_files = list(repo_files)
+    saved_quantized = dict(saved_quantized or {})
     entries = component_entries(model_index)
     patterns = [MODEL_INDEX]
     for name in components:
@@ -280,6 +288,9 @@ def hub_allow_patterns(
         patterns += sorted(prefix + n for n in names if n.endswith(_SMALL_SUFFIXES) and not _INDEX_RE.match(n))
         if not any(n.endswith(_WEIGHT_SUFFIXES) for n in names):
             continue  # tokenizer, scheduler, feature extractor: configs only
+        if saved_quantized.get(name) in names:
+            patterns.append(prefix + saved_quantized[name])
+            continue
         fmt, chosen, is_index, used = choose_weight_name(names, variant=variant, where=f"{where}/{name}")
         patterns.append(prefix + chosen)
         if is_index:
@@ -307,14 +318,17 @@ def resolve_model_dir(
     components: Iterable[str] | Callable[[dict[str, Any]], Iterable[str]] | None = None,
     cache_dir: str | os.PathLike | None = None,
     token: str | bool | None = None,
+    saved_quantized: Mapping[str, str] | None = None,
 ) -> Path:
     """A local diffusers folder, or the local snapshot of a Hub repo id holding just the files needed.
 
     A local folder is returned as is. A repo id is listed once, then `huggingface_hub.snapshot_download` fetches
     only `model_index.json`, the configs/tokenizer files of `components` (names, or a function of the model index
     returning names; default: every non-null component) and the weight files `choose_weight_name` picks for
-    `variant` — never both `.bin` and `.safetensors`, never other variants. With `local_files_only=True` or
-    `HF_HUB_OFFLINE=1` the snapshot comes from the HF cache without any network access.
+    `variant` — never both `.bin` and `.safetensors`, never other variants — or, for a component of
+    `saved_quantized` (component -> file name) whose folder in the repo has that file, the file instead of its
+    float weights (`hub_allow_patterns`). With `local_files_only=True` or `HF_HUB_OFFLINE=1` the snapshot comes
+    from the HF cache without any network access (a saved quantized file there is read when the cache has it).
     """
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.utils import (
@@ -362,7 +376,9 @@ def resolve_model_dir(
             names = [n for n, (lib, cls) in component_entries(model_index).items() if lib is not None]
         else:
             names = list(components(model_index) if callable(components) else components)
-        patterns = hub_allow_patterns(repo_files, model_index, names, variant=variant, where=where)
+        patterns = hub_allow_patterns(
+            repo_files, model_index, names, variant=variant, where=where, saved_quantized=saved_quantized
+        )
         logger.info("%s: downloading %d files", where, len(patterns))
         return Path(snapshot_download(text, allow_patterns=patterns, **common))
     except LocalEntryNotFoundError as e:

@@ -9,9 +9,11 @@ each name -> `step`, `sd_checkpoint`, `sd_checkpoint_name`, `shape`, `vectors`),
 the server's own layout is not disclosed). The embeddings of `embeddings/` are loaded into the served pipeline at
 start-up and after a model switch; their file names then trigger them in any prompt, as in A1111.
 
-Model switching (`ServerState.switch_model`) loads the new model with the server's loader, then quantizes it as the
-start-up model was (`quantize_like`: `--quantize`, `--quant-compute`; a `--calibration` only where it was recorded for
-that model).
+Model switching (`ServerState.switch_model`, `load_like`) loads the new model quantized as the start-up model was
+(`--quantize`, `--quant-compute`; a `--calibration` only where it was recorded for that model): a loader that takes
+`quantize=` (`sdjax serve`'s) gets the start-up policy read for the new model (`load_policy`), so its kernels are
+quantized as they are converted (or read from its saved quantized files) and it never exists in full precision;
+`quantize_like` then completes what the load could not know (components found only once loaded, the calibration).
 
 Settings: `CLIP_stop_at_last_layers` (A1111's Clip skip) is a per-image input of the program, honoured per request
 and as the server's default (POST /sdapi/v1/options) without splitting batches or compiling; `sd_vae` "Automatic"
@@ -21,7 +23,10 @@ and "None" are the served model's own VAE, a name in `VAE/` is applied per batch
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sdjax import quant
@@ -126,23 +131,80 @@ def load_embeddings(pipeline: Any, md: ModelsDir | None, *, allow_pickle: bool =
     return body
 
 
+def takes_quantize(loader: Callable[..., Any]) -> bool:
+    """Whether the server's `loader` takes a `quantize=` keyword (`sdjax serve`'s does; the plain
+    `loader(path) -> pipeline` of `create_app` need not: its model is quantized after it loads)."""
+    try:
+        params = inspect.signature(loader).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return any(p.name == "quantize" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _components_of(path: str) -> tuple[str, set[str]]:
+    """The denoiser's params key of the model at `path` and the components known before loading it: a diffusers
+    folder's `model_index.json` names them and its class the family; of a single file only the denoiser is
+    certain (its family's, else the UNet of an original-layout SD checkpoint)."""
+    from sdjax.families import family_of_file, family_of_pipeline_class
+    from sdjax.loading import files
+    from sdjax.loading.ldm_checkpoint import DENOISER
+
+    if Path(path).is_dir():
+        index = files.read_model_index(path)
+        denoiser = family_of_pipeline_class(index["_class_name"]).denoiser_component
+        return denoiser, {n for n, (library, _) in files.component_entries(index).items() if library is not None}
+    family = family_of_file(path)
+    denoiser = family.denoiser_component if family is not None else DENOISER
+    return denoiser, {denoiser}
+
+
+def _policy_for(policy: Any, served_denoiser: str, denoiser: str) -> tuple[Any, tuple[str, ...]]:
+    """The start-up `policy` without its calibration, and the components it names as another model calls them
+    (the start-up denoiser, `served_denoiser`, read as that model's `denoiser`)."""
+    wanted = tuple(dict.fromkeys(denoiser if c == served_denoiser else c for c in policy.components))
+    return dataclasses.replace(policy, calibration=None), wanted
+
+
+def load_policy(path: str, policy: Any, served_denoiser: str) -> Any:
+    """The `quantize=` to load the model at `path` with, so that it is quantized as the start-up model's `policy`
+    quantizes (None: None): its scheme, compute mode, size rule and exclusions over the components of its that
+    are known before loading (`_components_of`), without a calibration (recorded for the start-up model;
+    `quantize_like` decides on it after the load). None when no such component is known. What the load quantizes
+    is what `quantize_like` would, so it keeps those kernels and quantizes only the rest."""
+    if policy is None:
+        return None
+    denoiser, have = _components_of(path)
+    policy, wanted = _policy_for(policy, served_denoiser, denoiser)
+    components = tuple(c for c in wanted if c in have)
+    return dataclasses.replace(policy, components=components) if components else None
+
+
+def load_like(loader: Callable[..., Any], path: str, policy: Any, served_denoiser: str, name: str) -> Any:
+    """The model at `path`, loaded with the server's `loader` and quantized as the start-up model's `policy`
+    quantizes: by the load itself where the loader takes `quantize=` (`load_policy`: the switched-in model never
+    exists in full precision, and a saved quantized file in its folder is read instead of its float weights),
+    then `quantize_like`."""
+    quantize = load_policy(path, policy, served_denoiser) if policy is not None and takes_quantize(loader) else None
+    pipe = loader(path) if quantize is None else loader(path, quantize=quantize)
+    return quantize_like(pipe, policy, served_denoiser, name)
+
+
 def quantize_like(pipe: Any, policy: Any, served_denoiser: str, name: str) -> Any:
-    """A switched-in model `pipe` (loaded in full precision) quantized with the start-up model's `QuantPolicy`
-    (`policy`; None: returned as it is): the same scheme, compute mode, size rule and exclusions, over the same
-    components, the start-up denoiser's (`served_denoiser`) read as this model's denoiser; components this model
-    lacks are dropped. A calibration holds input ranges of the start-up model's layers: it is applied only where
-    `Calibration.check` accepts it for this model (switching back to the model it was recorded for), and otherwise
-    dropped with a warning naming the file and `name`; the model then scales its 8-bit inputs per call, as without
-    --calibration. Returns the pipeline (quantized in place)."""
+    """A switched-in model `pipe` quantized with the start-up model's `QuantPolicy` (`policy`; None: returned as
+    it is): the same scheme, compute mode, size rule and exclusions, over the same components, the start-up
+    denoiser's (`served_denoiser`) read as this model's denoiser; components this model lacks are dropped. Kernels
+    its load already quantized (`load_like`) are kept. A calibration holds input ranges of the start-up model's
+    layers: it is applied only where `Calibration.check` accepts it for this model (switching back to the model it
+    was recorded for), and otherwise dropped with a warning naming the file and `name`; the model then scales its
+    8-bit inputs per call, as without --calibration. Returns the pipeline (quantized in place)."""
     if policy is None:
         return pipe
-    denoiser = pipe.denoiser.component
-    wanted = dict.fromkeys(denoiser if c == served_denoiser else c for c in policy.components)
+    calibration = policy.calibration
+    policy, wanted = _policy_for(policy, served_denoiser, pipe.denoiser.component)
     components = tuple(c for c in wanted if c in pipe.params)
     if len(components) < len(wanted):
         log.warning("%s has no %s: not quantized", name, ", ".join(c for c in wanted if c not in components))
-    calibration = policy.calibration
-    policy = dataclasses.replace(policy, components=components, calibration=None)
+    policy = dataclasses.replace(policy, components=components)
     quant.quantize_pipeline(pipe, pipe.params, policy)
     if calibration is None:
         return pipe

@@ -118,7 +118,9 @@ class ServerState:
 
     def __init__(self, pipeline: Any, config: ServerConfig, *, loader: Callable[[str], Any] | None = None):
         self.config = config
-        self.loader = loader  # loader(path) -> pipeline: POST /sdapi/v1/options switches models with it
+        # loader(path) -> pipeline: POST /sdapi/v1/options switches models with it; one that also takes quantize=
+        # loads a switched-in model quantized (`models_api.load_like`)
+        self.loader = loader
         # the start-up model's quantization (--quantize / --quant-compute / --calibration): switched models get it too
         self.quantization = getattr(pipeline, "quantization", None)
         self.denoiser_component = getattr(getattr(pipeline, "denoiser", None), "component", None)
@@ -283,7 +285,7 @@ class ServerState:
 
     async def switch_model(self, request: Request, value: Any) -> None:
         """Serve the models directory's checkpoint `value`: new requests wait, the running ones finish, the model
-        loads on the batcher's worker (quantized as the start-up model was: `models_api.quantize_like`) and compiles
+        loads on the batcher's worker (quantized as the start-up model was: `models_api.load_like`) and compiles
         start-up's shapes; a load failure is a 500 and keeps the old."""
         md, config = self.md, self.config
         if md is None or not isinstance(value, str):
@@ -295,8 +297,7 @@ class ServerState:
         name = entry.name if entry.is_folder else entry.short_name
 
         def load() -> tuple[Any, Any, str]:
-            pipe = self.loader(str(entry.path))
-            pipe = models_api.quantize_like(pipe, self.quantization, self.denoiser_component, name)
+            pipe = models_api.load_like(self.loader, str(entry.path), self.quantization, self.denoiser_component, name)
             title = entry.name if entry.is_folder else f"{entry.name} [{md.hashes.sha256(entry.path)[:10]}]"
             return pipe, models_api.load_embeddings(pipe, md, allow_pickle=config.allow_pickle_embeddings), title
 
