@@ -16,7 +16,11 @@ Then, per source and `--dtype`, three variants, each in a fresh Python process (
 - `plain`: `StableDiffusionPipeline.from_pretrained(source, dtype=dtype)`;
 - `old`: the same, then `sdjax.quant.quantize_pipeline(pipe, params, scheme)` (what `quantize=` did before);
 - `new`: `from_pretrained(source, dtype=dtype, quantize=scheme)` (each selected UNet kernel quantized as it is
-  converted: `sdjax.quant.loading`).
+  converted: `sdjax.quant.loading`);
+- `switch-old`, `switch-new` (not run by default: `--variants switch-old,switch-new`): a model switched in by
+  `sdjax serve --models-dir` under an int8/fp8 start-up model (`server.models_api.load_like`, as
+  `ServerState.switch_model` calls it), with a loader that does not take `quantize=` (loaded in full precision,
+  then quantized: the server before 2026-11-28) and with `sdjax serve`'s own switch loader (quantized as it loads).
 Reported per run: the process's peak resident memory (`VmHWM` from /proc/self/status, and `ru_maxrss` of
 `getrusage(RUSAGE_SELF)`: the same peak, except that Linux carries the launching process's peak across `exec`
 into `ru_maxrss`, which is why the parent stays small), the same after the imports (before loading), the bytes of
@@ -35,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("plain", "old", "new")
+VARIANTS = ("plain", "old", "new")  # and "switch-old", "switch-new" (module docstring)
 
 
 def _peaks_mib() -> dict[str, float]:
@@ -112,6 +116,20 @@ def child(variant: str, folder: str, dtype: str, scheme: str) -> dict:
         pipe, params = quant.quantize_pipeline(*StableDiffusionPipeline.from_pretrained(folder, dtype=dt), scheme)
     elif variant == "new":
         pipe, params = StableDiffusionPipeline.from_pretrained(folder, dtype=dt, quantize=scheme)
+    elif variant in ("switch-old", "switch-new"):  # a --models-dir switch of `sdjax serve` (int8 start-up model)
+        from types import SimpleNamespace
+
+        from sdjax.cli import load_pipeline
+        from sdjax.cli.serve import _switch_loader
+        from sdjax.server import models_api
+
+        if variant == "switch-old":  # a loader without quantize=: full precision, then quantized
+            loader = lambda path: load_pipeline(path, dtype)  # noqa: E731
+        else:
+            loader = _switch_loader(SimpleNamespace(dtype=dtype), None)
+        policy = quant.QuantPolicy(scheme, components=("unet",))
+        pipe = models_api.load_like(loader, str(folder), policy, "unet", Path(folder).name)
+        params = pipe.params
     else:
         raise SystemExit(f"unknown variant {variant!r}")
     jax.block_until_ready(params)
