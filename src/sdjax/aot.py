@@ -268,6 +268,7 @@ def compile_for(
     8-bit x 8-bit (`QuantPolicy(quantize, components=(denoiser,), compute=quant_compute)`, per-call input scales);
     their FLOPs are counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline."""
 
+    from sdjax import samplers
     from sdjax.core.tasks import TASKS
     from sdjax.parallel import sharding as sharding_lib
 
@@ -350,7 +351,7 @@ def compile_for(
         width=width,
         batch=batch,
         steps=steps,
-        sampler=sampler or type(pipe.scheduler).__name__,
+        sampler=sampler or samplers.name_of(pipe.scheduler),
         model_calls=calls,
         weights_bytes=weights,
         hbm_bytes=chip.hbm_bytes // per_chip,

@@ -172,7 +172,7 @@ def test_tiny_flux_compiles_for_one_v5e(tiny_report):
     assert r.argument_bytes >= r.weights_bytes  # one chip holds every weight (+ the inputs)
     assert r.output_bytes >= 32 * 32 * 3 * 4
     # flow-matching Euler: one transformer call per step, of the batch alone (no CFG)
-    assert (r.model_calls, r.sampler) == (2, "FlowMatchEuler")
+    assert (r.model_calls, r.sampler) == (2, "flow_euler")  # the registry name of FlowMatch Euler
     assert r.flops == pytest.approx(r.program_flops + r.unet_call_flops)
     assert r.roofline_s == pytest.approx(max(r.flops / 197e12, r.bytes_accessed / 819e9))
     assert "no CFG" in r.summary()

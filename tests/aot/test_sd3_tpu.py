@@ -102,7 +102,7 @@ def test_tiny_sd3_compiles_for_a_v5e_4_with_fsdp(monkeypatch):
     r = aot.compile_for("v5e-4", model="sd3-tiny", size=32, batch=4, steps=2, fsdp=True)
     assert (r.pipeline, r.cfg, r.fsdp, r.mesh) == ("StableDiffusion3Pipeline", True, True, {"data": 4, "model": 1})
     assert r.fits and r.error is None
-    assert (r.model_calls, r.sampler) == (2, "FlowMatchEuler")
+    assert (r.model_calls, r.sampler) == (2, "flow_euler")  # the registry name of FlowMatch Euler
     assert r.flops == pytest.approx(r.program_flops + r.unet_call_flops)
     assert r.argument_bytes < 0.5 * r.weights_bytes
     assert "FSDP" in r.summary() and "no CFG" not in r.summary()

@@ -32,7 +32,7 @@ def test_every_piece_is_timed_and_counted(tiny_result):
     # End-to-end FLOPs count every model call of the sampler (PNDM: one more than the steps).
     pipe = bench.build_pipeline("tiny", "float32", abstract=True)[0]
     calls = pipe.scheduler.num_model_calls(2)
-    assert type(pipe.scheduler).__name__ == r["sampler"] == "PNDM" and calls == 3
+    assert type(pipe.scheduler).__name__ == "PNDM" and r["sampler"] == "pndm" and calls == 3
     flops = {k: r["pieces"][k]["flops"] for k in ("text", "unet", "decode", "e2e")}
     assert flops["e2e"] == flops["text"] + calls * flops["unet"] + flops["decode"]
     assert r["matmul_peak_tflops_per_s"] > 0

@@ -75,7 +75,7 @@ def test_python_api_euler_a_on_flux_is_the_k_diffusion_sampler(flux_dev):
     assert sampler == by_hand
     np.testing.assert_allclose(
         sampler.sigmas_for(STEPS, (1, 16, 16, 16))[:-1],
-        np.asarray(flux_dev._sampler("Euler")._tables(STEPS, (1, 16, 16, 16))["sigmas"])[:-1],
+        np.asarray(flux_dev._sampler("Euler").tables(STEPS, (1, 16, 16, 16))["sigmas"])[:-1],
         rtol=1e-6,
     )
     named = np.asarray(flux_dev.generate(PROMPT, sampler="Euler a", **SAME)[0], np.int16)

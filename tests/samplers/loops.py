@@ -11,12 +11,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 SHAPE = (2, 4, 8, 8)
+
+
+def tables(sampler, n: int, shape=SHAPE) -> dict[str, np.ndarray]:
+    """The per-model-call tables ("timesteps", "sigmas" ending in the final sigma) of a diffusers-parity sampler or
+    of a k-diffusion-form one (what the diffusers-config front now hands out for most configs)."""
+    if hasattr(sampler, "prediction"):  # a KDiffusionSampler
+        return sampler.tables(n, shape)
+    shaped = "shape" in inspect.signature(sampler._tables).parameters
+    return sampler._tables(n, shape) if shaped else sampler._tables(n)
+
+
+def front(sampler):
+    """The diffusers-parity config object a sampler was built from (itself for one that is that object)."""
+    return getattr(sampler, "origin", None) or sampler
 
 
 def fake_model_torch(x, t):

@@ -72,12 +72,12 @@ def test_every_row_builds_and_matches_diffusers(sampler_name, schedule):
         return
     _, keys = a1111.config_keys(sampler_name, schedule)
     ref = _diffusers_swap(registry, keys)
-    for key in ours.config_keys():
+    for key in loops.front(ours).config_keys():
         if key in ref.config:
             assert _norm(getattr(ours, key)) == _norm(ref.config[key]), key
     for n in (4, 10, 25):
         ref.set_timesteps(n)
-        tables = ours._tables(n)
+        tables = loops.tables(ours, n)
         atol = 2e-2 if registry.startswith("dpm2_a") else 1e-4  # see test_samplers: DPM2 midpoints
         np.testing.assert_allclose(tables["timesteps"], ref.timesteps.numpy().astype(np.float32), rtol=1e-6, atol=atol)
         if hasattr(ref, "sigmas"):
@@ -93,7 +93,7 @@ def test_automatic_rows_sample_like_diffusers(sampler_name):
     n = 4 if registry in ("lcm", "tcd") else 8
     x0, noises = loops.inputs(ours.num_model_calls(n))
     _, sigma, traj = jax.device_get(loops.run_jax(ours, n, x0, noises))
-    options = {"eta": ours.eta} if "eta" in ours.options else {}
+    options = {"eta": ours.eta} if "eta" in getattr(ours, "options", ()) else {}
     _, _, traj_ref = loops.run_torch(ref, n, x0, noises, float(sigma), **options)
     assert_trajectory_close(traj, traj_ref, x0 * sigma, sampler_name, nan_last=diffusers_nan_last(ours))
 
@@ -137,9 +137,9 @@ def test_schedules_follow_a1111s_formulas():
     train = np.sqrt((1 - euler.alphas_cumprod.astype(np.float64)) / euler.alphas_cumprod)
     ramp = np.linspace(0, 1, n)
     karras = (train[-1] ** (1 / 7) + ramp * (train[0] ** (1 / 7) - train[-1] ** (1 / 7))) ** 7
-    np.testing.assert_allclose(euler._tables(n)["sigmas"][:-1], karras, rtol=1e-5)
+    np.testing.assert_allclose(loops.tables(euler, n)["sigmas"][:-1], karras, rtol=1e-5)
     # Exponential: log-uniform over the same range.
-    expo = samplers.from_a1111("Euler", "Exponential", base)._tables(n)["sigmas"][:-1]
+    expo = loops.tables(samplers.from_a1111("Euler", "Exponential", base), n)["sigmas"][:-1]
     np.testing.assert_allclose(expo, np.exp(np.linspace(np.log(train[-1]), np.log(train[0]), n)), rtol=1e-5)
     # DDIM schedule: A1111's sigmas at t = 1, 1 + T // n, ... (diffusers' leading spacing with steps_offset 1).
     t = samplers.from_a1111("Euler", "DDIM", base).timesteps_for(n)
@@ -148,7 +148,7 @@ def test_schedules_follow_a1111s_formulas():
     t = samplers.from_a1111("Euler", "SGM Uniform", base).timesteps_for(n)
     np.testing.assert_array_equal(t, np.arange(1000, 0, -1000 / n).round() - 1)
     # Beta (alpha = beta = 0.6): dense at both ends of the sigma range.
-    beta = samplers.from_a1111("Euler", "Beta", base)._tables(n)["sigmas"][:-1].astype(np.float64)
+    beta = loops.tables(samplers.from_a1111("Euler", "Beta", base), n)["sigmas"][:-1].astype(np.float64)
     steps = -np.diff(beta)
     assert beta[0] == pytest.approx(train[-1], rel=1e-5) and beta[-1] == pytest.approx(train[0], rel=1e-5)
     assert steps[0] < steps[n // 2] and steps[-1] < steps[n // 2]

@@ -85,7 +85,7 @@ def reference_scheduler(sampler, shape, n: int):
     kwargs = {}
     if getattr(ref.config, "use_dynamic_shifting", False):
         kwargs["mu"] = pipeline_mu(sampler.config, shape)
-    if getattr(sampler, "sigma_grid", "scheduler") == "flux":
+    if getattr(loops.front(sampler), "sigma_grid", "scheduler") == "flux":
         ref.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), **kwargs)
     else:
         ref.set_timesteps(n, **kwargs)
@@ -96,7 +96,7 @@ def reference_heun_on(sampler, shape, n: int):
     """diffusers' FlowMatchHeun has no `mu` or `sigmas` (FluxPipeline cannot run it): its step on the schedule of a
     FlowMatchEuler with the same keys, interleaved as its own `set_timesteps` does."""
     euler = samplers.get_sampler(dict(sampler.config, _class_name="FlowMatchEulerDiscreteScheduler"))
-    euler = samplers.get_sampler(euler, sigma_grid=sampler.sigma_grid)
+    euler = samplers.get_sampler(euler, sigma_grid=loops.front(sampler).sigma_grid)
     src = reference_scheduler(euler, shape, n)
     ref = diffusers.FlowMatchHeunDiscreteScheduler.from_config({"shift": sampler.shift})
     ref.set_timesteps(n)
@@ -167,7 +167,7 @@ def test_loop_matches_diffusers(name, raw, n, shape, extra):
     heun_on_flux = name == "flow_heun" and sampler.use_dynamic_shifting
     ref = reference_heun_on(sampler, shape, n) if heun_on_flux else reference_scheduler(sampler, shape, n)
     np.testing.assert_array_equal(timesteps, ref.timesteps.numpy().astype(np.float32))
-    np.testing.assert_array_equal(sampler._tables(n, shape)["sigmas"], ref.sigmas.numpy())
+    np.testing.assert_array_equal(loops.tables(sampler, n, shape)["sigmas"], ref.sigmas.numpy())
     assert float(init_sigma) == 1.0 and len(timesteps) == calls
     assert_trajectory_close(traj, run_torch(ref, x0, noises), f"{name} {extra}")
 
@@ -201,7 +201,7 @@ def test_flow_match_euler_schedule_is_diffusers_bit_for_bit(raw, grid):
             for shape in (SMALL, FLUX_512, FLUX_1024x768):
                 ref = reference_scheduler(sampler, shape, n)
                 what = f"{extra} n={n} {shape}"
-                np.testing.assert_array_equal(sampler._tables(n, shape)["sigmas"], ref.sigmas.numpy(), what)
+                np.testing.assert_array_equal(loops.tables(sampler, n, shape)["sigmas"], ref.sigmas.numpy(), what)
                 np.testing.assert_array_equal(sampler.timesteps_for(n, shape), ref.timesteps.numpy(), what)
                 assert sampler.num_model_calls(n) == len(ref.timesteps)
                 if not sampler.use_dynamic_shifting:  # the schedule does not depend on the shape
@@ -225,7 +225,7 @@ def test_other_flow_schedules_are_diffusers_bit_for_bit(name, raw):
                 heun_on_flux = name == "flow_heun" and sampler.use_dynamic_shifting
                 ref = reference_heun_on(sampler, shape, n) if heun_on_flux else reference_scheduler(sampler, shape, n)
                 what = f"{extra} n={n} {shape}"
-                np.testing.assert_array_equal(sampler._tables(n, shape)["sigmas"], ref.sigmas.numpy(), what)
+                np.testing.assert_array_equal(loops.tables(sampler, n, shape)["sigmas"], ref.sigmas.numpy(), what)
                 np.testing.assert_array_equal(sampler.timesteps_for(n, shape), ref.timesteps.numpy(), what)
                 assert sampler.num_model_calls(n) == len(ref.timesteps) and sampler.order == ref.order
 
@@ -331,14 +331,16 @@ def test_window_start_matches_flux_img2img(name, raw):
 # ---------------------------------------------------------------------------------------- configs and names
 def test_released_configs_build():
     dev, schnell, sd35 = (samplers.get_sampler(raw) for raw in (FLUX_DEV, FLUX_SCHNELL, SD35))
-    assert isinstance(dev, samplers.FlowMatchEuler) and dev.use_dynamic_shifting and dev.shift == 3.0
+    assert isinstance(dev.origin, samplers.FlowMatchEuler) and dev.use_dynamic_shifting and dev.shift == 3.0
     assert (dev.base_shift, dev.max_shift, dev.base_image_seq_len, dev.max_image_seq_len) == (0.5, 1.15, 256, 4096)
     assert not schnell.use_dynamic_shifting and schnell.shift == 1.0
-    assert sd35.shift == 3.0 and sd35.sigma_grid == "scheduler" and sd35.prediction_type == "flow_prediction"
+    assert (
+        sd35.shift == 3.0 and sd35.origin.sigma_grid == "scheduler" and sd35.origin.prediction_type == "flow_prediction"
+    )
     for sampler, raw in ((dev, FLUX_DEV), (schnell, FLUX_SCHNELL), (sd35, SD35)):
         public = {k: v for k, v in raw.items() if not k.startswith("_")}
         assert {k: sampler.config[k] for k in public} == public
-        assert type(sampler).from_config(sampler.config) == sampler
+        assert samplers.front(type(sampler.origin).from_config(sampler.config)) == sampler
         assert samplers.name_of(sampler) == "flow_euler"
         assert hash(samplers.get_sampler(sampler, sigma_grid="flux")) != hash(sampler)
     assert samplers.get_sampler("FlowMatchHeunDiscreteScheduler", SD35).shift == 3.0
@@ -402,7 +404,8 @@ def test_a1111_names_on_a_flow_model():
         ("UniPC", "Simple", "flow_unipc"),
     ]:
         sampler = a1111.from_a1111_flow(name, schedule, dev)
-        assert isinstance(sampler, samplers.FLOW_SAMPLERS[registry][0]) and sampler.prediction_type == "flow_prediction"
+        parsed = loops.front(sampler)
+        assert isinstance(parsed, samplers.FLOW_SAMPLERS[registry][0]) and parsed.prediction_type == "flow_prediction"
         assert sampler.use_dynamic_shifting, (name, schedule)
     unipc = a1111.from_a1111_flow("UniPC", "Automatic", dev)
     assert (unipc.solver_type, unipc.solver_order, unipc.use_flow_sigmas) == ("bh1", 3, True)  # A1111's UniPC
@@ -419,7 +422,7 @@ def test_a1111_names_on_a_flow_model():
     with pytest.raises(schedules.UnsupportedScheduleError):
         a1111.from_a1111_flow("Euler", "DDIM", dev)
     # The A1111 names themselves still mean the SD samplers.
-    assert isinstance(a1111.from_a1111("Euler", "Automatic", samplers.get_sampler(SD1)), samplers.Euler)
+    assert isinstance(loops.front(a1111.from_a1111("Euler", "Automatic", samplers.get_sampler(SD1))), samplers.Euler)
 
 
 def test_a1111_unipc_on_flux_matches_diffusers_before_its_nan():
@@ -434,6 +437,6 @@ def test_a1111_unipc_on_flux_matches_diffusers_before_its_nan():
     ref = run_torch(reference_scheduler(sampler, shape, n), x0, noises)
     assert np.isnan(ref[-1]).any() and np.isfinite(traj).all()
     assert_trajectory_close(traj[:-1], ref[:-1], "UniPC bh1")
-    x, sigma = traj[-2], float(sampler._tables(n, shape)["sigmas"][-2])
+    x, sigma = traj[-2], float(loops.tables(sampler, n, shape)["sigmas"][-2])
     v = np.asarray(loops.fake_model_jax(jnp.asarray(x), timesteps[-1]))
     np.testing.assert_allclose(traj[-1], x - sigma * v, rtol=0, atol=1e-6)

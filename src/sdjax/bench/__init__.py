@@ -247,6 +247,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
     dtype = jnp.dtype(cfg.dtype)
     t0 = time.perf_counter()
     log("building the pipeline" if cfg.arch else f"loading {cfg.model or 'the embedded model'}")
+    from sdjax import samplers
+
     pipe, params = _load(cfg, dtype)
     load_s = time.perf_counter() - t0
     dh, dw = pipe.default_size
@@ -263,7 +265,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> dict[s
         "width": width,
         "steps": cfg.steps,
         "batch": cfg.batch,
-        "sampler": cfg.sampler or type(pipe.scheduler).__name__,
+        "sampler": cfg.sampler or samplers.name_of(pipe.scheduler),
         "attention": cfg.attention,
         "reps": cfg.reps,
         "load_s": load_s,

@@ -20,9 +20,29 @@ model's config (`get_sampler("flow_dpmpp_2m", flux_config)`) takes the model's `
 users pass it by hand); flow samplers refuse a variance-preserving model's config (its beta schedule or prediction
 type would be dropped, and the model sampled as a flow model).
 
-Beside them, the k-diffusion form (`sdjax.samplers.kdiffusion`): a `KDiffusionSampler` is used wherever a Sampler is
-(`is_sampler`), `name_of` names it "kdiffusion:RULE:SCHEDULE" and `get_sampler` builds that name back on a model's
-config ("kdiffusion:euler_ancestral:karras").
+The k-diffusion form (`sdjax.samplers.kdiffusion`: one denoiser wrapper, sigma schedules, sigma-only step rules) runs
+under this front: `get_sampler` (and so `from_a1111`, `from_a1111_flow`, a `scheduler_config.json`, `pipe.scheduler =
+"name"`) parses and validates the diffusers config with the class of that name, then hands out `front(parsed)`: the
+`KDiffusionSampler` of `kdiffusion.from_diffusers(parsed)` where the form expresses the config exactly (its `origin` is
+the parsed config object: `name_of`, `config` and the config keys as attributes are the origin's, so names, infotext,
+swaps and compile-cache keys are what they were), else the parsed object itself. The form takes:
+- EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, HeunDiscreteScheduler: epsilon / v (/ sample), any
+  `timestep_spacing`, Karras / exponential / beta sigmas;
+- DPMSolverMultistepScheduler: `solver_order=2`, `solver_type="midpoint"`, "dpmsolver++" or "sde-dpmsolver++", with
+  Karras / exponential / beta sigmas or flow sigmas (flow prediction), `final_sigmas_type="zero"` (where
+  `lower_order_final` and `euler_at_final` change nothing), on the VP sample as diffusers holds it;
+- FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler: static or dynamic shift, `shift_terminal`, both
+  FlowMatch grids.
+These configs keep their diffusers-parity class, because the form has no exact equivalent: Euler's
+`interpolation_type="log_linear"`, `final_sigmas_type="sigma_min"` (a schedule that does not end in 0),
+`timestep_type="continuous"`, explicit `sigma_min`/`sigma_max`; `rescale_betas_zero_snr` (Euler, Euler a: diffusers'
+2^-24 stand-in for an infinite top sigma); Heun's `clip_sample`; DPM-Solver on its integer timestep grid (no sigma
+schedule: the registry's plain "dpmpp_2m"/"dpmpp_2m_sde"), `solver_order` 1 or 3, `solver_type="heun"`,
+`final_sigmas_type="sigma_min"`; FlowMatch Euler's `stochastic_sampling`, `invert_sigmas` and `use_*_sigmas` (diffusers
+converts between the ends of its shifted grid, not the model's table). A `KDiffusionSampler` built by hand (or from
+a "kdiffusion:RULE:SCHEDULE" name, which `name_of` gives it) has no origin; `get_sampler` builds that name back on a
+model's config ("kdiffusion:euler_ancestral:karras"). Every sampler object is accepted where a Sampler is
+(`is_sampler`).
 """
 
 from __future__ import annotations
@@ -335,6 +355,10 @@ def get_sampler(
     Warns when LCM or TCD is swapped onto a model whose own scheduler is neither (a model not distilled for them).
     """
     registry = None
+    if isinstance(name_or_config, KDiffusionSampler) and name_or_config.origin is not None:
+        if not overrides and schedule is None:
+            return name_or_config
+        name_or_config = name_or_config.origin  # rebuilt from the diffusers config it stands for
     if isinstance(name_or_config, KDiffusionSampler) or _is_kdiffusion_name(name_or_config):
         if overrides or schedule is not None:
             raise ConfigError(
@@ -370,7 +394,23 @@ def get_sampler(
     scheduled = _schedule_keys(cls, registry, schedule) if schedule is not None else {}
     options = {k: raw.pop(k) for k in list(raw) if k in cls.options}  # a Sampler's runtime options...
     options.update({k: overrides.pop(k) for k in list(overrides) if k in cls.options})  # ...unless overridden
-    return cls.from_config({**raw, **fixed, **scheduled, **overrides}, **options)
+    return front(cls.from_config({**raw, **fixed, **scheduled, **overrides}, **options))
+
+
+# The classes whose configs may have a k-diffusion form (`kdiffusion.from_diffusers` decides per config).
+K_FORM_CLASSES = ("Euler", "EulerAncestral", "Heun", "FlowMatchEuler", "FlowMatchHeun", "DPMSolverMultistep")
+
+
+def front(sampler: Sampler) -> Sampler | KDiffusionSampler:
+    """What the diffusers-config front hands out for a parsed config: its k-diffusion form (a `KDiffusionSampler`
+    whose `origin` is `sampler`) where `kdiffusion.from_diffusers` expresses the config exactly, else `sampler`
+    itself (the configs each class keeps: module docstring)."""
+    if type(sampler).__name__ not in K_FORM_CLASSES:
+        return sampler
+    try:
+        return kdiffusion.from_diffusers(sampler)
+    except ConfigError:
+        return sampler
 
 
 def _flow_swap(cls: type[Sampler], raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -416,6 +456,8 @@ def _options(sampler: Sampler) -> dict[str, Any]:
 
 
 def _is_flow(sampler: Sampler) -> bool:
+    if isinstance(sampler, KDiffusionSampler):
+        return sampler.prediction.flow
     return isinstance(sampler, (FlowMatchEuler, FlowMatchHeun)) or bool(getattr(sampler, "use_flow_sigmas", False))
 
 
@@ -429,9 +471,12 @@ def _name_of_any(sampler_or_name: Any) -> str:
 
 def name_of(sampler: Sampler | KDiffusionSampler) -> str:
     """The registry name that describes `sampler` (the first whose fixed keys it has: in `FLOW_SAMPLERS` for a flow
-    sampler), else its diffusers class name; for a `KDiffusionSampler` its `name` ("kdiffusion:dpmpp_2m:karras")."""
+    sampler), else its diffusers class name; a `KDiffusionSampler` built from a diffusers config is named as that
+    config (its `origin`), any other by its `name` ("kdiffusion:dpmpp_2m:karras")."""
     if isinstance(sampler, KDiffusionSampler):
-        return sampler.name
+        if sampler.origin is None:
+            return sampler.name
+        sampler = sampler.origin  # the diffusers config it was built from names it
     for name, (cls, fixed) in (FLOW_SAMPLERS if _is_flow(sampler) else SAMPLERS).items():
         if type(sampler) is cls and all(getattr(sampler, k) == v for k, v in fixed.items()):
             return name

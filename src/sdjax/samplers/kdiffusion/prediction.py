@@ -62,14 +62,19 @@ class Prediction:
         return self.kind == "flow"
 
     # ------------------------------------------------------------------------------------------ host (numpy)
+    def alphas_cumprod(self) -> np.ndarray:
+        """alpha_bar of every training timestep of a variance-preserving model (float32, diffusers' arithmetic)."""
+        betas = make_betas(self.num_train_timesteps, self.beta_start, self.beta_end, self.beta_schedule,
+                           self.trained_betas)  # fmt: skip
+        return cumprod(F32(1) - betas)
+
     @functools.cached_property
     def _train_sigmas(self) -> np.ndarray:
         T = self.num_train_timesteps
         if self.flow:  # unshifted: the shift is the schedule's (`schedules.py`)
             out = np.arange(1, T + 1, dtype=np.float64) / T
         else:
-            betas = make_betas(T, self.beta_start, self.beta_end, self.beta_schedule, self.trained_betas)
-            out = train_sigmas(cumprod(F32(1) - betas))
+            out = train_sigmas(self.alphas_cumprod())
         out.setflags(write=False)
         return out
 

@@ -14,7 +14,8 @@ re-noising), it takes alpha from `path`, so the same rule is exact on both paths
   (1 - sigma_down) and noise added to bring its noise level to sigma_next.
 - `heun`: two model calls per step (Euler, then the average of the two slopes), the last step to 0 plain Euler; the
   sampler interleaves the two stages in its tables, one model call per loop iteration, and `stage` says which.
-- `dpmpp_2m`, `dpmpp_2m_sde`: DPM-Solver++(2M) (Lu et al. 2022) and its SDE form (midpoint, `eta`) in the half
+- `dpmpp_2m`, `dpmpp_2m_sde`, `dpmpp_2m_sde_heun`: DPM-Solver++(2M) (Lu et al. 2022) and its SDE form (`eta`;
+  the second-order correction midpoint, or heun: k-diffusion's `sample_dpmpp_2m_sde(solver_type=...)`) in the half
   log-SNR lambda = log(alpha / sigma) of the path, first order on the first step and on the step to 0. On the VE
   path lambda = -log sigma (k-diffusion's `sample_dpmpp_2m`); on a flow path lambda = log((1 - sigma) / sigma), which
   is diffusers' flow DPM-Solver++ and ComfyUI's flow form of `dpmpp_2m_sde` (ComfyUI's `dpmpp_2m` keeps -log sigma
@@ -75,7 +76,7 @@ def heun(path, x, denoised, sigma, sigma_next, memory, *, noise, stage, eta):
     return jnp.where(first, euler_x, heun_x), memory
 
 
-def _multistep(path, x, denoised, sigma, sigma_next, memory, *, noise, eta, sde: bool):
+def _multistep(path, x, denoised, sigma, sigma_next, memory, *, noise, eta, sde: bool, heun: bool = False):
     sn = _safe(sigma_next)
     lam, lam_next = half_log_snr(path, sigma), half_log_snr(path, sn)
     h = lam_next - lam
@@ -85,7 +86,9 @@ def _multistep(path, x, denoised, sigma, sigma_next, memory, *, noise, eta, sde:
     if sde:
         decay = -jnp.expm1(-h - eta * h)  # 1 - e^{-(1 + eta) h}
         out = sn / sigma * jnp.exp(-eta * h) * x + alpha_next * decay * denoised
-        out = out + jnp.where(second, 0.5 * alpha_next * decay / r, 0.0) * (denoised - memory["denoised"])
+        # the second-order correction: midpoint, or heun (k-diffusion's solver_type="heun", diffusers' solver_type)
+        weight = decay / (-(1.0 + eta) * h) + 1.0 if heun else 0.5 * decay
+        out = out + jnp.where(second, alpha_next * weight / r, 0.0) * (denoised - memory["denoised"])
         out = out + sn * jnp.sqrt(-jnp.expm1(-2.0 * eta * h)) * noise
     else:
         k = jnp.where(second, 1.0 / (2.0 * r), 0.0)
@@ -101,6 +104,10 @@ def dpmpp_2m(path, x, denoised, sigma, sigma_next, memory, *, noise, stage, eta)
 
 def dpmpp_2m_sde(path, x, denoised, sigma, sigma_next, memory, *, noise, stage, eta):
     return _multistep(path, x, denoised, sigma, sigma_next, memory, noise=noise, eta=eta, sde=True)
+
+
+def dpmpp_2m_sde_heun(path, x, denoised, sigma, sigma_next, memory, *, noise, stage, eta):
+    return _multistep(path, x, denoised, sigma, sigma_next, memory, noise=noise, eta=eta, sde=True, heun=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +131,7 @@ RULES: dict[str, Rule] = {
         Rule("heun", heun, stages=2, memory=("x", "d")),
         Rule("dpmpp_2m", dpmpp_2m, memory=_HISTORY),
         Rule("dpmpp_2m_sde", dpmpp_2m_sde, stochastic=True, memory=_HISTORY),
+        Rule("dpmpp_2m_sde_heun", dpmpp_2m_sde_heun, stochastic=True, memory=_HISTORY),
     )
 }
 

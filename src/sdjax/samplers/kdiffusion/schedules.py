@@ -6,7 +6,9 @@ The functions take what they need explicitly (a sigma range, the model's table o
 from the model wrapper (`prediction.Prediction`):
 
 - "karras", "exponential", "beta": between the model's smallest and largest sigma (Karras et al. 2022 eq. 5;
-  log-uniform; Beta(0.6, 0.6) quantiles as diffusers' `use_beta_sigmas`), reusing `samplers.common`;
+  log-uniform; Beta(0.6, 0.6) quantiles as diffusers' `use_beta_sigmas`), reusing `samplers.common`; with
+  `sigma_range="spaced"` between the ends of the "spaced" grid instead (diffusers' Euler and Heun convert the sigmas
+  of their `timestep_spacing` grid, whose ends depend on the spacing and the step count);
 - "normal" (A1111's Uniform/Normal, ComfyUI's normal), "sgm_uniform", "simple": on the model's own table;
 - "spaced": diffusers' `timestep_spacing` grids (linspace/leading/trailing) with sigmas interpolated linearly at
   the (fractional) timesteps, as diffusers' Euler builds them;
@@ -39,6 +41,7 @@ from sdjax.samplers.flow_match import (
 from sdjax.samplers.kdiffusion.prediction import Prediction
 
 FLOW_GRIDS = ("scheduler", "flux", "solver")
+SIGMA_RANGES = ("table", "spaced")
 
 
 def _with_zero(sigmas) -> np.ndarray:
@@ -143,8 +146,9 @@ SCHEDULES = ("normal", "karras", "exponential", "beta", "sgm_uniform", "simple",
 class Schedule:
     """A named schedule and its options (hashable: part of a sampler, a static argument under `jit`).
 
-    `rho` (Karras), `spacing`/`steps_offset` ("spaced"), `grid`/`shift_terminal` ("flow"); the flow shift:
-    `shift`, or with `use_dynamic_shifting` mu from the latent shape through the four pipeline keys."""
+    `rho` (Karras), `spacing`/`steps_offset` ("spaced", and the range of Karras/exponential/beta with
+    `sigma_range="spaced"`), `grid`/`shift_terminal` ("flow"); the flow shift: `shift`, or with
+    `use_dynamic_shifting` mu from the latent shape through the four pipeline keys."""
 
     name: str = "normal"
     rho: float = 7.0
@@ -159,6 +163,7 @@ class Schedule:
     time_shift_type: str = "exponential"
     grid: str = "scheduler"
     shift_terminal: float | None = None
+    sigma_range: str = "table"
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
@@ -167,6 +172,8 @@ class Schedule:
             raise ConfigError(f"time_shift_type={self.time_shift_type!r} is not one of {list(TIME_SHIFT_TYPES)}")
         if self.grid not in FLOW_GRIDS:
             raise ConfigError(f"flow grid {self.grid!r} is not one of {list(FLOW_GRIDS)}")
+        if self.sigma_range not in SIGMA_RANGES:
+            raise ConfigError(f"sigma_range={self.sigma_range!r} is not one of {list(SIGMA_RANGES)}")
 
     @property
     def needs_shape(self) -> bool:
@@ -193,6 +200,20 @@ class Schedule:
         if prediction.flow and self.name == "spaced":
             raise ConfigError("the 'spaced' schedule is diffusers' variance-preserving timestep grid; use 'flow'")
 
+    def steps(self, n: int, prediction: Prediction) -> int:
+        """How many steps `n` requested steps make: `n`, except on a "spaced" trailing grid, where diffusers' rounding
+        may give one more."""
+        if self.name != "spaced":
+            return n
+        return len(spaced_timesteps(self.spacing, n, prediction.num_train_timesteps, self.steps_offset, kind="float"))
+
+    def grid_timesteps(self, n: int, prediction: Prediction) -> np.ndarray | None:
+        """The timesteps a "spaced" grid is made of (float32, diffusers' own: fed to the network as they are, the
+        -1 an odd trailing grid ends in included); None for the other schedules (their timesteps come from sigma)."""
+        if self.name != "spaced":
+            return None
+        return spaced_timesteps(self.spacing, n, prediction.num_train_timesteps, self.steps_offset, kind="float")
+
     def table(self, prediction: Prediction, shape=None) -> np.ndarray:
         """The model's training sigmas, ascending; shifted for a flow model."""
         table = np.asarray(prediction.train_sigmas(), dtype=np.float64)
@@ -215,6 +236,9 @@ class Schedule:
             )
         table = self.table(prediction, shape)
         lo, hi = float(table[0]), float(table[-1])
+        if self.sigma_range == "spaced" and not prediction.flow:
+            grid = spaced(n, table, self.spacing, self.steps_offset)[:-1]
+            lo, hi = float(grid[-1]), float(grid[0])
         if self.name == "karras":
             return karras(n, lo, hi, self.rho)
         if self.name == "exponential":
