@@ -124,7 +124,7 @@ def child(variant: str, folder: str, dtype: str, scheme: str) -> dict:
         from sdjax.server import models_api
 
         if variant == "switch-old":  # a loader without quantize=: full precision, then quantized
-            loader = lambda path: load_pipeline(path, dtype)  # noqa: E731
+            loader = lambda path: load_pipeline(path, dtype)
         else:
             loader = _switch_loader(SimpleNamespace(dtype=dtype), None)
         policy = quant.QuantPolicy(scheme, components=("unet",))
