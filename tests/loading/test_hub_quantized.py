@@ -11,9 +11,8 @@ import fnmatch
 import shutil
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
+from bit_identical import assert_bit_identical
 
 from sdjax.loading import files
 from sdjax.loading.components import quantized_file, save_quantized_components
@@ -72,19 +71,6 @@ def hub(repo, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     return delivered
-
-
-def _leaves(params) -> dict[str, np.ndarray]:
-    flat = jax.tree_util.tree_leaves_with_path({k: v for k, v in params.items() if k != "scheduler"})
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
-
-
-def assert_bit_identical(a, b) -> None:
-    a, b = _leaves(a), _leaves(b)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-        assert a[key].tobytes() == b[key].tobytes(), key
 
 
 def test_hub_allow_patterns_take_the_saved_file_instead_of_the_float_weights():

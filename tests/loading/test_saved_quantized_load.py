@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import shutil
 
-import jax
 import numpy as np
 import pytest
+from bit_identical import assert_bit_identical
 from typer.testing import CliRunner
 
 from sdjax import cli
@@ -26,11 +26,6 @@ def folder(tmp_path):
     return out
 
 
-def _leaves(params):
-    flat = jax.tree_util.tree_leaves_with_path({k: v for k, v in params.items() if k != "scheduler"})
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
-
-
 def _kernel_dtypes(params):
     """The dtypes of the UNet's quantized kernels."""
     from sdjax.quant.params import quantized_kernels
@@ -38,14 +33,6 @@ def _kernel_dtypes(params):
     kernels = quantized_kernels(params["unet"])
     assert kernels
     return {str(q.dtype) for q, _ in kernels.values()}
-
-
-def assert_bit_identical(a, b):
-    a, b = _leaves(a), _leaves(b)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-        assert a[key].tobytes() == b[key].tobytes(), key
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])

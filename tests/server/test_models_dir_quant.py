@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from bit_identical import assert_bit_identical
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 from server_helpers import client, live_server
@@ -71,20 +72,6 @@ class Recorder:
 def _serve(pipe, models: Path, loader=None):
     config = dict(models_dir=str(models), model_name="first", checkpoint="first", warm=False, max_batch=1)
     return live_server(pipe, loader=loader or Recorder(), **config)
-
-
-def _leaves(params) -> dict[str, np.ndarray]:
-    import jax
-
-    flat = jax.tree_util.tree_leaves_with_path({k: v for k, v in params.items() if k != "scheduler"})
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
-
-
-def assert_bit_identical(a, b) -> None:
-    a, b = _leaves(a), _leaves(b)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].tobytes() == b[key].tobytes(), key
 
 
 def _pixels(b64: str) -> np.ndarray:
