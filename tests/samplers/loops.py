@@ -82,31 +82,42 @@ def prescribed_noise(scheduler):
             module.BrownianTreeNoiseSampler = tree
 
 
-def run_torch(scheduler, num_inference_steps: int, x0: np.ndarray, noises: np.ndarray, init_sigma=None, **step_kwargs):
+def run_torch(
+    scheduler,
+    num_inference_steps,
+    x0: np.ndarray,
+    noises: np.ndarray,
+    init_sigma=None,
+    timestep_kwargs=None,
+    **step_kwargs,
+):
     """diffusers' loop -> (timesteps, init_noise_sigma, trajectory (calls, *shape)), float32 numpy.
 
-    `init_sigma` (if given) replaces the scheduler's `init_noise_sigma` as the factor on `x0`, so that both loops
-    start from the same sample (compare the two init sigmas separately)."""
+    `num_inference_steps=None` keeps the timesteps the scheduler has (set by the caller), else `set_timesteps(n,
+    **timestep_kwargs)` (e.g. FlowMatch's `mu`). `init_sigma` (if given) replaces the scheduler's
+    `init_noise_sigma` (1 where it has none: the flow pipelines start from unit noise) as the factor on `x0`, so
+    that both loops start from the same sample (compare the two init sigmas separately)."""
     import torch
 
-    scheduler.set_timesteps(num_inference_steps)
+    if num_inference_steps is not None:
+        scheduler.set_timesteps(num_inference_steps, **(timestep_kwargs or {}))
     if hasattr(scheduler, "set_begin_index"):
         # Step by position, as sdjax does. Without it diffusers finds the first step by value and takes the
         # second match when the first timestep repeats (Karras schedules on a cosine beta schedule), then
         # runs past the end of its sigmas.
         scheduler.set_begin_index(0)
-    factor = scheduler.init_noise_sigma if init_sigma is None else torch.tensor(init_sigma, dtype=torch.float32)
+    own = getattr(scheduler, "init_noise_sigma", 1.0)
+    factor = own if init_sigma is None else torch.tensor(init_sigma, dtype=torch.float32)
     x = torch.from_numpy(x0.copy()) * factor
     out = []
     with prescribed_noise(scheduler) as current:
         for i, t in enumerate(scheduler.timesteps):
             current[0] = noises[i]
-            x_in = scheduler.scale_model_input(x, t)
+            x_in = scheduler.scale_model_input(x, t) if hasattr(scheduler, "scale_model_input") else x
             eps = fake_model_torch(x_in, t)
             x = scheduler.step(eps, t, x, **step_kwargs).prev_sample
             out.append(x.numpy().copy())
-    init_sigma = float(scheduler.init_noise_sigma)
-    return scheduler.timesteps.numpy().copy(), init_sigma, np.stack(out)
+    return scheduler.timesteps.numpy().copy(), float(own), np.stack(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

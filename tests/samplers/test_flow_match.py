@@ -108,16 +108,7 @@ def reference_heun_on(sampler, shape, n: int):
 
 def run_torch(ref, x0: np.ndarray, noises: np.ndarray) -> np.ndarray:
     """The pipelines' loop from a scheduler whose timesteps are set -> the trajectory (calls, *shape)."""
-    ref.set_begin_index(0)
-    x = torch.from_numpy(x0.copy())
-    out = []
-    with loops.prescribed_noise(ref) as current:
-        for i, t in enumerate(ref.timesteps):
-            current[0] = noises[i]
-            x_in = ref.scale_model_input(x, t) if hasattr(ref, "scale_model_input") else x
-            x = ref.step(loops.fake_model_torch(x_in, t), t, x).prev_sample
-            out.append(x.numpy().copy())
-    return np.stack(out)
+    return loops.run_torch(ref, None, x0, noises, init_sigma=1.0)[2]
 
 
 def inputs(shape, calls: int, seed: int = 0):

@@ -14,7 +14,6 @@ import jax
 import loops
 import numpy as np
 import pytest
-import torch
 
 from sdjax import samplers
 from sdjax.samplers import KDiffusionSampler, a1111
@@ -91,19 +90,8 @@ def diffusers_run(sampler, raw: dict, n: int, x0: np.ndarray, noises: np.ndarray
     config = dict(sampler.config)
     ref = getattr(diffusers, config.pop("_class_name")).from_config(config)
     kwargs = {"mu": _mu(raw)} if raw.get("use_dynamic_shifting") else {}
-    ref.set_timesteps(n, **kwargs)
-    if hasattr(ref, "set_begin_index"):
-        ref.set_begin_index(0)
-    init = float(getattr(ref, "init_noise_sigma", 1.0))  # FlowMatch: the pipelines start from unit noise
-    x = torch.from_numpy(x0.copy()) * init
-    out = []
-    with loops.prescribed_noise(ref) as current:
-        for i, t in enumerate(ref.timesteps):
-            current[0] = noises[i]
-            x_in = ref.scale_model_input(x, t) if hasattr(ref, "scale_model_input") else x
-            x = ref.step(loops.fake_model_torch(x_in, t), t, x).prev_sample
-            out.append(x.numpy().copy())
-    return ref.timesteps.numpy().astype(np.float32), init, np.stack(out)
+    timesteps, init, traj = loops.run_torch(ref, n, x0, noises, timestep_kwargs=kwargs)
+    return timesteps.astype(np.float32), init, traj
 
 
 @pytest.mark.parametrize("name, base, extra, n", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
