@@ -2,7 +2,8 @@
 
     python benchmarks/tpu_aot_table.py [--models sd15,sd21,sdxl] [--per-chip 1,4,8] \
         [--targets v5e-1,v5e-4,v5e-8,v6e-4,v4-8] [--steps 30] [--dtype bfloat16] [--no-unet-cost] \
-        [--vae-slicing] [--attention NAME] [--controlnets N] [--fsdp] [--out tpu_aot.jsonl] [--markdown]
+        [--vae-slicing] [--attention NAME] [--controlnets N] [--fsdp] [--quantize int8|fp8] \
+        [--quant-compute int8|fp8] [--out tpu_aot.jsonl] [--markdown]
 
 Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-aot]'`) of the whole generation at
 the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
@@ -11,8 +12,11 @@ as they finish, and a row already in `--out` is not compiled again, so the table
 sessions. A compile that kills its process (libtpu's compiler has crashed on some shapes) is recorded as such, not
 tried again. `--vae-slicing` compiles the rows with the VAE run one image per chip at a time (`sdjax compile
 --vae-slicing`); such rows are rows of their own, as are `--fsdp` rows (the large weights split over the data axis
-too) and `--dtype fp8` rows (Flux / SD 3: float8 matmul kernels, bfloat16 compute). `--models` also takes
-`flux-dev`, `flux-schnell`, `sd35-large`, `sd35-medium` (1024x1024; give their `--steps`: 28, 4, 28, 28).
+too), `--dtype fp8` rows (Flux / SD 3: float8 matmul kernels, bfloat16 compute) and `--quantize` /
+`--quant-compute` rows (`sdjax compile --quantize ... --quant-compute ...`: the denoiser's kernels 8-bit, and its
+Dense layers and convs multiplied 8-bit x 8-bit; the roofline counts those products at the chip's int8 rate).
+`--models` also takes `flux-dev`, `flux-schnell`, `sd35-large`, `sd35-medium` (1024x1024; give their `--steps`: 28,
+4, 28, 28).
 `--markdown` prints the table of everything in `--out`.
 """
 
@@ -47,6 +51,8 @@ def key(row: dict) -> tuple:
         row.get("controlnets", 0),
         weights,
         bool(row.get("fsdp")),
+        row.get("quantize"),
+        row.get("quant_compute"),
     )
 
 
@@ -65,13 +71,15 @@ def child(spec: dict) -> dict:
         attention=spec.get("attention", "auto"),
         controlnets=spec.get("controlnets", 0),
         fsdp=spec.get("fsdp", False),
+        quantize=spec.get("quantize"),
+        quant_compute=spec.get("quant_compute"),
     )
     return report.to_dict()
 
 
 def variant(row: dict) -> str:
     """The "VAE, attention" column: whole or sliced, the attention when it is not the TPU's own, ControlNets,
-    float8 weights, FSDP."""
+    float8 weights, FSDP, quantized denoiser weights and products."""
     attention = row.get("attention", "auto")
     nets = row.get("controlnets", 0)
     fp8 = row.get("weights_dtype") or str(row.get("dtype")).lower() in FP8
@@ -81,6 +89,8 @@ def variant(row: dict) -> str:
         + (f", + {nets} ControlNet" if nets else "")
         + (", fp8 weights" if fp8 else "")
         + (", FSDP" if row.get("fsdp") else "")
+        + (f", {row['quantize']} weights" if row.get("quantize") else "")
+        + (f", {row['quant_compute']} products" if row.get("quant_compute") else "")
     )
 
 
@@ -155,6 +165,8 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", help="the UNet's and VAE's attention (auto: the TPU's own)")
     ap.add_argument("--controlnets", type=int, default=0, help="ControlNets in every model call")
     ap.add_argument("--fsdp", action="store_true", help="also split the large weights over the data axis")
+    ap.add_argument("--quantize", choices=("int8", "fp8"), help="the denoiser's kernels quantized (sdjax compile)")
+    ap.add_argument("--quant-compute", choices=("int8", "fp8"), help="its products 8-bit x 8-bit (with --quantize)")
     ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -187,6 +199,8 @@ def main() -> None:
                     "attention": args.attention,
                     "controlnets": args.controlnets,
                     "fsdp": args.fsdp,
+                    "quantize": args.quantize,
+                    "quant_compute": args.quant_compute,
                 }
                 if key(spec) in done:
                     continue

@@ -80,3 +80,16 @@ def test_fp8_and_fsdp_rows_are_rows_of_their_own(table):
     assert table.variant(row) == "whole, fp8 weights"
     assert table.variant({"fsdp": True}) == "whole, FSDP"
     assert table.SIZES["flux-dev"] == table.SIZES["sd35-large"] == 1024
+
+
+def test_quantized_rows_are_rows_of_their_own(table):
+    """`--quantize` / `--quant-compute` rows: keys of their own (a weight-only int8 row is not the int8-compute one,
+    nor the unquantized one), named in the variant column; rows written before the options keep their keys, and a
+    `sdjax compile --json` report (which carries both fields) matches the spec that asks for it."""
+    old = {"model": "flux-schnell", "target": "v5e-4", "batch": 4, "steps": 4, "dtype": "bfloat16", "fsdp": True}
+    weights = {**old, "quantize": "int8", "quant_compute": None}
+    compute = {**weights, "quant_compute": "int8"}
+    assert table.key(old) == table.key({**old, "quantize": None, "quant_compute": None})
+    assert len({table.key(old), table.key(weights), table.key(compute)}) == 3
+    assert table.variant(weights) == "whole, FSDP, int8 weights"
+    assert table.variant(compute) == "whole, FSDP, int8 weights, int8 products"
