@@ -4,14 +4,9 @@ same losses and the same trained values; each process opens only the images of i
 (DreamBooth's [instance; class] batch: process 0's devices hold the instance rows, process 1's the class rows);
 only process 0 writes the outputs. Plus what several processes refuse."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from multihost_launch import one_and_two, read_loads, read_losses, worst_tensor
 from PIL import Image
 from safetensors.numpy import load_file
 
@@ -45,69 +40,6 @@ def images(tmp_path_factory):
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# `sdjax train lora` with every decode of a training example (`data.crop_example`: the sampler's, a latent cache's)
-# written to the file $SDJAX_TEST_LOADS, one image name a line, in call order
-_COUNTED_CLI = """
-import os, sys
-from sdjax.finetune import data
-crop = data.crop_example
-def counted(item, *args):
-    with open(os.environ["SDJAX_TEST_LOADS"], "a") as f:
-        f.write(item.path.name + "\\n")
-    return crop(item, *args)
-data.crop_example = counted
-from sdjax.cli import main
-sys.exit(main())
-"""
-
-
-def _train(devices: int, argv: list[str], loads, command: str = "lora") -> subprocess.Popen:
-    flags = f"--xla_force_host_platform_device_count={devices} {os.environ.get('SDJAX_TEST_COMPILE_FLAGS', '')}"
-    env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "SDJAX_TEST_LOADS": str(loads)}
-    cmd = [sys.executable, "-c", _COUNTED_CLI, "train", command, *argv]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait(procs: list[subprocess.Popen]) -> list[str]:
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=600)
-            assert p.returncode == 0, out[-3000:]
-            outs.append(out)
-    finally:  # a failed or hung process leaves no other waiting for it at the coordinator
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return outs
-
-
-def _one_and_two(command: str, common: list[str], tmp_path, suffix: str = ".safetensors") -> None:
-    """`sdjax train COMMAND` on one process of 4 devices (out `one`, its decodes in loads-one.txt), then on two
-    processes of 2 devices each on 127.0.0.1 (out `two`, decodes in loads-0.txt and loads-1.txt)."""
-    one = _train(4, [*common, "--out", str(tmp_path / f"one{suffix}")], tmp_path / "loads-one.txt", command)
-    _wait([one])
-    port = str(_free_port())
-    hosts = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    two = [
-        _train(
-            2,
-            [*common, "--out", str(tmp_path / f"two{suffix}"), *hosts, "--process-id", str(i)],
-            tmp_path / f"loads-{i}.txt",
-            command,
-        )
-        for i in range(2)
-    ]
-    _wait(two)
-
-
 def _halves(loaded: list[str], steps: int, size: int) -> list[list[str]]:
     """Per process, the decodes of its rows [p * size / 2, (p + 1) * size / 2) of each of the one-process run's
     batches (`loaded`: `size` decodes a batch, in row order)."""
@@ -115,30 +47,14 @@ def _halves(loaded: list[str], steps: int, size: int) -> list[list[str]]:
     return [[loaded[s * size + r] for s in range(steps) for r in range(p * half, p * half + half)] for p in (0, 1)]
 
 
-def _worst_tensor(a: dict, b: dict) -> float:
-    """The worst relative L2 difference of two files' tensors (Adam divides each gradient by its own running size,
-    so an element whose gradient is only summation noise can move by up to lr either way: whole tensors, not
-    elements)."""
-    assert a.keys() == b.keys()
-    return max(float(np.linalg.norm(a[k] - b[k]) / max(np.linalg.norm(a[k]), 1e-12)) for k in a)
-
-
-def _losses(run) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "loss.jsonl").read_text().splitlines()]
-
-
-def _loads(path) -> list[str]:
-    return path.read_text().splitlines() if path.exists() else []
-
-
 @pytest.mark.parametrize("cached", [False, True], ids=["images", "cache-latents"])
 def test_two_processes_train_as_one_process_with_their_devices(sd1_dir, images, tmp_path, cached):
     common = ["--model", str(sd1_dir), "--data", str(images), *ARGS, *(["--cache-latents"] if cached else [])]
-    _one_and_two("lora", common, tmp_path)
+    one_and_two("lora", common, tmp_path)
 
     # what each process decoded: with images, rows [2p, 2p + 2) of each of the one-process run's batches (process
     # p's two devices hold the batch's p-th half); with a latent cache, every image once, while the cache is built
-    loaded = _loads(tmp_path / "loads-one.txt")
+    loaded = read_loads(tmp_path / "loads-one.txt")
     names = sorted(p.name for p in images.glob("*.png"))
     if cached:
         assert loaded == names
@@ -147,15 +63,15 @@ def test_two_processes_train_as_one_process_with_their_devices(sd1_dir, images, 
         assert len(loaded) == STEPS * BATCH and sorted(loaded[:BATCH]) == names
         expected = _halves(loaded, STEPS, BATCH)
     for p in (0, 1):
-        print(f"process {p} decoded {_loads(tmp_path / f'loads-{p}.txt')}")
-        assert _loads(tmp_path / f"loads-{p}.txt") == expected[p], p
+        print(f"process {p} decoded {read_loads(tmp_path / f'loads-{p}.txt')}")
+        assert read_loads(tmp_path / f"loads-{p}.txt") == expected[p], p
 
-    ref, got = _losses(tmp_path / "one-run"), _losses(tmp_path / "two-run")
+    ref, got = read_losses(tmp_path / "one-run"), read_losses(tmp_path / "two-run")
     print(f"losses: one process {ref}, two processes {got}")
     assert len(got) == 2 and np.allclose(got, ref, rtol=1e-5, atol=0)
     a, b = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
     assert any(np.abs(v).max() > 0 for k, v in b.items() if "lora_up" in k)
-    worst = _worst_tensor(a, b)
+    worst = worst_tensor(a, b)
     print(f"LoRA tensors: worst relative L2 difference {worst:.2e}")
     assert worst < 1e-3, worst
     # one writer: the loss log has each update once, and the checkpoints are one set (orbax, written together)
@@ -202,27 +118,27 @@ def test_dreambooth_and_textual_inversion_over_two_processes(sd1_dir, images, cl
     devices hold the instance rows, process 1's the class rows; a textual-inversion row keeps the template of its
     row in the whole batch), and the run's losses and trained values are the one-process run's."""
     args, size = _trainer_args(command, images, classes, bare)
-    _one_and_two(command, ["--model", str(sd1_dir), *args], tmp_path)
+    one_and_two(command, ["--model", str(sd1_dir), *args], tmp_path)
 
-    loaded = _loads(tmp_path / "loads-one.txt")
+    loaded = read_loads(tmp_path / "loads-one.txt")
     assert len(loaded) == STEPS * size
     expected = _halves(loaded, STEPS, size)
-    decoded = [_loads(tmp_path / f"loads-{p}.txt") for p in (0, 1)]
+    decoded = [read_loads(tmp_path / f"loads-{p}.txt") for p in (0, 1)]
     print(f"{command}: one process decoded {loaded}; the two processes {decoded}")
     assert decoded == expected and [len(d) for d in decoded] == [STEPS * size // 2] * 2
     if command == "dreambooth":  # the instance rows on process 0, the class rows on process 1
         assert all(n.startswith("s") for n in decoded[0]) and all(n.startswith("c") for n in decoded[1])
 
-    ref, got = _losses(tmp_path / "one-run"), _losses(tmp_path / "two-run")
+    ref, got = read_losses(tmp_path / "one-run"), read_losses(tmp_path / "two-run")
     worst_loss = max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True))
     a, b = load_file(str(tmp_path / "one.safetensors")), load_file(str(tmp_path / "two.safetensors"))
     start = load_file(str(tmp_path / "one-run" / "init.safetensors")) if command != "dreambooth" else None
-    worst = _worst_tensor(a, b)
+    worst = worst_tensor(a, b)
     print(f"{command}: losses {ref} vs {got} (worst relative {worst_loss:.1e}); trained tensors {worst:.1e}")
     assert len(got) == STEPS and worst_loss <= 1e-6
     assert worst < 1e-3, worst
     if start is not None:  # the rows moved (the comparison is not of two untrained copies)
-        assert _worst_tensor(start, b) > 1e-3
+        assert worst_tensor(start, b) > 1e-3
     assert sorted(p.name for p in (tmp_path / "two-run" / "checkpoints").iterdir()) == [str(STEPS)]
 
 
