@@ -40,18 +40,31 @@ _RESUME_KEYS = ("instance_prompt", "with_prior_preservation", "class_prompt", "p
 
 
 @dataclasses.dataclass(frozen=True)
-class DreamBoothConfig(run_lib.LoraTrainConfig):
-    """`LoraTrainConfig` (`data`: the instance images) plus the DreamBooth settings."""
+class DreamBoothFields:
+    """The DreamBooth settings (diffusers' scripts' names), declared once for `DreamBoothConfig` (SD 1.x / 2.x / XL)
+    and `flow_run.FlowLoraTrainConfig` (Flux, SD 3), which each check them in their own words. The defaults are
+    the flow runs' (no instance prompt: the images' captions; prior preservation on with a class_prompt);
+    `DreamBoothConfig` narrows the first two. Listed before `LoraTrainConfig` among a config's bases, so that these
+    fields follow its fields."""
 
-    instance_prompt: str = ""
-    with_prior_preservation: bool = False
-    class_data: str | None = None
+    instance_prompt: str | None = None  # every instance image's prompt; None: the images' .txt captions
+    with_prior_preservation: bool | None = None  # None: on with a class_prompt
+    class_data: str | None = None  # class images; the missing ones of num_class_images are drawn there
     class_prompt: str | None = None
     num_class_images: int = 100
     prior_loss_weight: float = 1.0
-    class_steps: int | None = None  # denoising steps of the class images (default: the pipeline's)
+    class_steps: int | None = None  # denoising steps of drawn class images (default: the pipeline's)
     class_guidance_scale: float | None = None  # default: the pipeline's
     class_seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DreamBoothConfig(DreamBoothFields, run_lib.LoraTrainConfig):
+    """`LoraTrainConfig` (`data`: the instance images) plus the DreamBooth settings (`DreamBoothFields`), which
+    here need an instance prompt and turn prior preservation on only when asked."""
+
+    instance_prompt: str = ""
+    with_prior_preservation: bool = False
     bucketing: bool = False  # square crops (diffusers'); buckets are refused with prior preservation
 
     def check(self) -> None:

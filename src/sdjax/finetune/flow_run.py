@@ -33,6 +33,7 @@ import numpy as np
 
 from sdjax.finetune import data as data_lib
 from sdjax.finetune import run as run_lib
+from sdjax.finetune.dreambooth import DreamBoothFields
 from sdjax.finetune.run import LoraTrainConfig, OnStep, TrainResult
 
 FLOW_FAMILIES = ("flux", "sd3")
@@ -48,17 +49,7 @@ _SCRIPT_OPTIONS = (
     "precondition_outputs",
 )
 # DreamBooth's (the scripts' names; for SD models they are `sdjax train dreambooth`'s).
-DREAMBOOTH_OPTIONS = (
-    "instance_prompt",
-    "with_prior_preservation",
-    "class_data",
-    "class_prompt",
-    "num_class_images",
-    "prior_loss_weight",
-    "class_steps",
-    "class_guidance_scale",
-    "class_seed",
-)
+DREAMBOOTH_OPTIONS = tuple(f.name for f in dataclasses.fields(DreamBoothFields))
 # The options only flow LoRA runs have (a CLI or API call naming one is a flow run, and refused for other models).
 FLOW_OPTIONS = (*_SCRIPT_OPTIONS, *DREAMBOOTH_OPTIONS)
 _RESUME_KEYS = (
@@ -113,8 +104,9 @@ def is_flow_run(options: dict) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class FlowLoraTrainConfig(LoraTrainConfig):
-    """`LoraTrainConfig` with the flow scripts' options (defaults: the family's script's, where None)."""
+class FlowLoraTrainConfig(DreamBoothFields, LoraTrainConfig):
+    """`LoraTrainConfig` with the flow scripts' options (defaults: the family's script's, where None) and
+    DreamBooth's (`dreambooth.DreamBoothFields`)."""
 
     weighting_scheme: str | None = None  # Flux: "none" (uniform); SD 3: "logit_normal"
     logit_mean: float = 0.0
@@ -124,16 +116,6 @@ class FlowLoraTrainConfig(LoraTrainConfig):
     lora_layers: tuple[str, ...] | None = None  # PEFT target_modules; None: the script's default
     max_sequence_length: int | None = None  # T5 tokens; None: the pipeline's (Flux dev 512, schnell 256, SD 3 256)
     precondition_outputs: bool | None = None  # None: SD 3 yes (its script's default), Flux no
-    # DreamBooth (the scripts' options)
-    instance_prompt: str | None = None  # every instance image's prompt; None: the images' .txt captions
-    with_prior_preservation: bool | None = None  # None: on with a class_prompt
-    class_data: str | None = None  # class images; the missing ones of num_class_images are drawn there
-    class_prompt: str | None = None
-    num_class_images: int = 100
-    prior_loss_weight: float = 1.0
-    class_steps: int | None = None  # denoising steps of drawn class images (default: the pipeline's)
-    class_guidance_scale: float | None = None  # default: the pipeline's
-    class_seed: int = 0
 
     written: ClassVar[str] = "the LoRA (diffusers' transformer.<module>.lora_A/lora_B layout)"
     latent_cache: ClassVar[bool] = True  # `cache_latents` (`finetune.cache`) serves flow runs too
