@@ -6,7 +6,7 @@ calibrated input scales, the UNet's first/last and small 1x1 convs too (`min_siz
 
 The shape evaluation's 28 held-out prompts, seed 0, against the float32 images of the same step count: max / mean
 abs, PSNR and the shape/colour accuracy (`sdjax.evaluation.shapes.score`); the calibration runs on 8 prompts that
-are not among them (a seed of 1, 8 steps). Run:
+are not among them (a seed of 1, 8 steps; the loop: benchmarks/quant_measure.py). Run:
 
     python benchmarks/quant_conv_quality.py --steps 4 8 20 --json quant_conv_quality.json
 
@@ -19,10 +19,7 @@ import argparse
 import json
 import time
 
-import numpy as np
-from quant_compute_quality import CALIBRATION_PROMPTS  # the same 8 calibration prompts as the Dense-only table
-
-ATTRIBUTES = ("colour", "background", "shape", "position", "size")
+from quant_measure import ATTRIBUTES, measure  # measured as the Dense-only table (quant_compute_quality.py)
 
 
 def variants(quant) -> list[tuple[str, object, bool]]:
@@ -63,43 +60,22 @@ def main():
     args = parser.parse_args()
 
     from sdjax import quant
-    from sdjax.evaluation.shapes import held_out_prompts, score
-    from sdjax.pipelines.auto import load_pipeline
 
-    prompts, scenes = held_out_prompts(2)
-    rows, base = [], {}
-    for label, policy, calibrated in variants(quant):
-        if args.only and policy is not None and not any(word in label for word in args.only):
-            continue
-        t0 = time.perf_counter()
-        pipe, _ = load_pipeline(None, **({"quantize": policy} if policy else {}))
-        if calibrated:
-            quant.use_calibration(pipe, quant.calibrate(pipe, CALIBRATION_PROMPTS, steps=8, seed=1))
-        for steps in args.steps:
-            images = np.asarray(pipe.generate(prompts, steps=steps, seed=0, output_type="np"), np.float32)
-            if policy is None:
-                base[steps] = images
-            d = np.abs(images - base[steps])
-            psnr = 10 * np.log10(1.0 / max(float(np.mean(d**2)), 1e-20)) if d.max() > 0 else None
-            acc = score([(255 * np.clip(x, 0, 1)).round().astype(np.uint8) for x in images], scenes)
-            rows.append(
-                dict(
-                    variant=label,
-                    steps=steps,
-                    max_abs=float(d.max()),
-                    mean_abs=float(d.mean()),
-                    psnr_db=psnr,
-                    accuracy={k: float(v) for k, v in acc.items()},
-                )
-            )
-            shown = "-" if psnr is None else f"{psnr:.1f}"
-            print(
-                f"| {label} | {steps} | {d.max():.3f} | {d.mean():.4f} | {shown} | "
-                + " | ".join(f"{acc[k]:.2f}" for k in (*ATTRIBUTES, "all"))
-                + " |",
-                flush=True,
-            )
-        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    chosen = [v for v in variants(quant) if not args.only or v[1] is None or any(w in v[0] for w in args.only)]
+    rows, t0 = [], time.perf_counter()
+    for i, row in enumerate(measure(chosen, args.steps), 1):
+        rows.append(row)
+        psnr, acc = row["psnr_db"], row["accuracy"]
+        shown = "-" if psnr is None else f"{psnr:.1f}"
+        print(
+            f"| {row['variant']} | {row['steps']} | {row['max_abs']:.3f} | {row['mean_abs']:.4f} | {shown} | "
+            + " | ".join(f"{acc[k]:.2f}" for k in (*ATTRIBUTES, "all"))
+            + " |",
+            flush=True,
+        )
+        if i % len(args.steps) == 0:  # a variant's last step count: its time (loading, calibration, generation)
+            print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            t0 = time.perf_counter()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
