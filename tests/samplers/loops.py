@@ -18,6 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 
 SHAPE = (2, 4, 8, 8)
+# SD 1.5's scheduler_config.json (PNDM, as the released model ships it), the base most sampler tests swap from
+SD15 = {
+    "_class_name": "PNDMScheduler",
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "steps_offset": 1,
+    "skip_prk_steps": True,
+    "set_alpha_to_one": False,
+    "clip_sample": False,
+}
 
 
 def tables(sampler, n: int, shape=SHAPE) -> dict[str, np.ndarray]:

@@ -18,17 +18,7 @@ import pytest
 from sdjax import samplers
 from sdjax.samplers import KDiffusionSampler, a1111
 
-SD15 = {
-    "_class_name": "PNDMScheduler",
-    "num_train_timesteps": 1000,
-    "beta_start": 0.00085,
-    "beta_end": 0.012,
-    "beta_schedule": "scaled_linear",
-    "steps_offset": 1,
-    "skip_prk_steps": True,
-    "set_alpha_to_one": False,
-    "clip_sample": False,
-}
+SD15 = loops.SD15
 SDXL = {
     "_class_name": "EulerDiscreteScheduler",
     "num_train_timesteps": 1000,

@@ -33,15 +33,7 @@ FLUX_DEV = {
     "max_image_seq_len": 4096,
 }
 SD35 = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
-SD15 = {
-    "_class_name": "PNDMScheduler",
-    "num_train_timesteps": 1000,
-    "beta_start": 0.00085,
-    "beta_end": 0.012,
-    "beta_schedule": "scaled_linear",
-    "skip_prk_steps": True,
-    "steps_offset": 1,
-}
+SD15 = loops.SD15
 SHAPE = (1, 16, 16, 16)  # an unpacked Flux latent: 64 tokens
 
 # What every A1111 (sampler, schedule) pair gives on a flow model. Class names: the diffusers-parity sampler that
