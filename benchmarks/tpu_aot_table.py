@@ -3,7 +3,7 @@
     python benchmarks/tpu_aot_table.py [--models sd15,sd21,sdxl] [--per-chip 1,4,8] \
         [--targets v5e-1,v5e-4,v5e-8,v6e-4,v4-8] [--steps 30] [--dtype bfloat16] [--no-unet-cost] \
         [--vae-slicing] [--attention NAME] [--controlnets N] [--fsdp] [--quantize int8|fp8] \
-        [--quant-compute int8|fp8] [--out tpu_aot.jsonl] [--markdown]
+        [--quant-compute int8|fp8] [--static-scales] [--out tpu_aot.jsonl] [--markdown]
 
 Each row is `sdjax.aot.compile_for` (libtpu's compiler; `pip install 'sdjax[tpu-aot]'`) of the whole generation at
 the model's native size (SD 1.5 512, SD 2.1 768, SDXL 1024) with a global batch of `per-chip x chips`, in a fresh
@@ -15,6 +15,9 @@ tried again. `--vae-slicing` compiles the rows with the VAE run one image per ch
 too), `--dtype fp8` rows (Flux / SD 3: float8 matmul kernels, bfloat16 compute) and `--quantize` /
 `--quant-compute` rows (`sdjax compile --quantize ... --quant-compute ...`: the denoiser's kernels 8-bit, and its
 Dense layers and convs multiplied 8-bit x 8-bit; the roofline counts those products at the chip's int8 rate).
+`--static-scales` (with `--quant-compute`) gives those products static input scales, as a calibration file does
+(`sdjax compile --calibration FILE`), from `Calibration.placeholder_for`: one range for every layer, since no
+full-size weights exist here to calibrate; the program's memory, FLOPs and bytes do not depend on the constants.
 `--models` also takes `flux-dev`, `flux-schnell`, `sd35-large`, `sd35-medium` (1024x1024; give their `--steps`: 28,
 4, 28, 28).
 `--markdown` prints the table of everything in `--out`.
@@ -53,12 +56,21 @@ def key(row: dict) -> tuple:
         bool(row.get("fsdp")),
         row.get("quantize"),
         row.get("quant_compute"),
+        bool(row.get("static_scales") or row.get("calibration")),
     )
 
 
 def child(spec: dict) -> dict:
     from sdjax import aot
 
+    calibration = None
+    if spec.get("static_scales"):
+        from sdjax.quant import Calibration
+
+        pipe, params = aot.abstract_pipeline(
+            spec["model"], spec["dtype"], quantize=spec.get("quantize"), quant_compute=spec.get("quant_compute")
+        )
+        calibration = Calibration.placeholder_for(params, pipe.quantization)
     report = aot.compile_for(
         spec["target"],
         model=spec["model"],
@@ -73,6 +85,7 @@ def child(spec: dict) -> dict:
         fsdp=spec.get("fsdp", False),
         quantize=spec.get("quantize"),
         quant_compute=spec.get("quant_compute"),
+        calibration=calibration,
     )
     return report.to_dict()
 
@@ -91,6 +104,7 @@ def variant(row: dict) -> str:
         + (", FSDP" if row.get("fsdp") else "")
         + (f", {row['quantize']} weights" if row.get("quantize") else "")
         + (f", {row['quant_compute']} products" if row.get("quant_compute") else "")
+        + (", static scales" if row.get("calibration") else "")
     )
 
 
@@ -167,10 +181,15 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="also split the large weights over the data axis")
     ap.add_argument("--quantize", choices=("int8", "fp8"), help="the denoiser's kernels quantized (sdjax compile)")
     ap.add_argument("--quant-compute", choices=("int8", "fp8"), help="its products 8-bit x 8-bit (with --quantize)")
+    ap.add_argument(
+        "--static-scales", action="store_true", help="those products with static input scales (placeholder calibration)"
+    )
     ap.add_argument("--out", type=Path, default=Path("tpu_aot.jsonl"))
     ap.add_argument("--markdown", action="store_true", help="print the table of --out and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.static_scales and not args.quant_compute:
+        ap.error("--static-scales needs --quant-compute (the scales are those of the 8-bit products' inputs)")
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
@@ -201,6 +220,7 @@ def main() -> None:
                     "fsdp": args.fsdp,
                     "quantize": args.quantize,
                     "quant_compute": args.quant_compute,
+                    "static_scales": args.static_scales,
                 }
                 if key(spec) in done:
                     continue

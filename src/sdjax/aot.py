@@ -244,6 +244,7 @@ def compile_for(
     fsdp: bool = False,
     quantize: str | None = None,
     quant_compute: str | None = None,
+    calibration: Any = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Compile generation for `target` (a TPU slice such as `"v5e-4"` or `"v5e:2x2"`) and report memory, FLOPs
@@ -266,7 +267,11 @@ def compile_for(
     stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program.
     `quant_compute` ("int8", "fp8"; needs `quantize` of the same scheme) multiplies its Dense layers and 2-D convs
     8-bit x 8-bit (`QuantPolicy(quantize, components=(denoiser,), compute=quant_compute)`, per-call input scales);
-    their FLOPs are counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline."""
+    their FLOPs are counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline.
+    `calibration` (with `quant_compute`: a `sdjax.quant.Calibration` or the path of its file, `sdjax calibrate`)
+    gives those products static input scales, constants of the program instead of a reduction over each input;
+    it is read and checked against the model's layers (paths and kernel shapes: the params are abstract) before
+    anything compiles. `Calibration.placeholder_for` stands in for one in cost studies."""
 
     from sdjax import samplers
     from sdjax.core.tasks import TASKS
@@ -280,7 +285,12 @@ def compile_for(
         attention=attention,
         quantize=quantize,
         quant_compute=quant_compute,
+        calibration=calibration,
     )
+    if calibration is not None:
+        from sdjax.quant.calibration import as_calibration
+
+        calibration = as_calibration(calibration)
     arch, jdtype, wdtype = _model_and_dtypes(model, dtype, weights_dtype, controlnets=controlnets, quantize=quantize)
     kind, _ = parse_target(target)
     topology, devices = topology_devices(target)
@@ -292,7 +302,7 @@ def compile_for(
     log(f"building {model} with abstract params")
     pipe, params = _abstract_pipeline(arch, jdtype, wdtype)
     if quantize:
-        pipe, params = _quantized(pipe, params, quantize, quant_compute)
+        pipe, params = _quantized(pipe, params, quantize, quant_compute, calibration)
     weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     if model_parallel is None:
         model_parallel = _default_model_parallel(n, batch, weights, chip.hbm_bytes // per_chip, fsdp=fsdp)
@@ -370,7 +380,25 @@ def compile_for(
         quant_peak_flops=(chip.int8_ops if quant_compute == "int8" else chip.bf16_flops) / per_chip
         if quant_compute
         else None,
+        calibration=None if calibration is None else _calibration_name(calibration),
     )
+
+
+def _calibration_name(calibration) -> str:
+    """How a report names its calibration: "placeholder", the file it was read from, or "in memory"."""
+    return "placeholder" if calibration.placeholder else (calibration.source or "in memory")
+
+
+def abstract_pipeline(
+    model: str, dtype: str = "bfloat16", *, quantize: str | None = None, quant_compute: str | None = None
+):
+    """`(pipeline, abstract params)` as `compile_for` builds them for `model` (a preset or a diffusers folder) in
+    `dtype`, with its denoiser quantized as `quantize` / `quant_compute` say (`pipe.quantization`: the policy)."""
+    fixed = dict(batch=1, steps=1, controlnets=0, task="txt2img", attention="auto")
+    _check_arguments(**fixed, quantize=quantize, quant_compute=quant_compute)
+    arch, jdtype, wdtype = _model_and_dtypes(model, dtype, None, controlnets=0, quantize=quantize)
+    pipe, params = _abstract_pipeline(arch, jdtype, wdtype)
+    return _quantized(pipe, params, quantize, quant_compute) if quantize else (pipe, params)
 
 
 def _model_and_dtypes(model: str, dtype: str, weights_dtype: str | None, *, controlnets: int, quantize):
@@ -398,18 +426,22 @@ def _model_and_dtypes(model: str, dtype: str, weights_dtype: str | None, *, cont
     return arch, jdtype, wdtype
 
 
-def _quantized(pipe, params, quantize: str, quant_compute: str | None):
+def _quantized(pipe, params, quantize: str, quant_compute: str | None, calibration=None):
     """The abstract pipeline with its denoiser's kernels quantized (and, with `quant_compute`, its Dense layers and
-    convs multiplying 8-bit x 8-bit), as `from_pretrained(quantize=)` builds it."""
+    convs multiplying 8-bit x 8-bit, with `calibration`'s static input scales), as `from_pretrained(quantize=)`
+    builds it; a calibration of another model is refused there (`Calibration.check`)."""
     from sdjax.quant import QuantPolicy, quantize_pipeline
 
     policy = quantize
     if quant_compute:
-        policy = QuantPolicy(quantize, components=(pipe.denoiser.component,), compute=quant_compute)
+        component = pipe.denoiser.component
+        policy = QuantPolicy(quantize, components=(component,), compute=quant_compute, calibration=calibration)
     return quantize_pipeline(pipe, params, policy)
 
 
-def _check_arguments(*, batch, steps, controlnets, task, attention, quantize, quant_compute=None) -> None:
+def _check_arguments(
+    *, batch, steps, controlnets, task, attention, quantize, quant_compute=None, calibration=None
+) -> None:
     """`compile_for`'s arguments that need no model: a ValueError naming the first bad one."""
     from sdjax.core.tasks import TASKS
     from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
@@ -424,6 +456,10 @@ def _check_arguments(*, batch, steps, controlnets, task, attention, quantize, qu
                 f"quant_compute={quant_compute!r} needs quantize={quant_compute!r} (the kernels stored in the type "
                 f"the Dense layers and convs multiply in); quantize is {quantize!r}"
             )
+    if calibration is not None and quant_compute is None:
+        raise ValueError(
+            "calibration= holds the input scales of 8-bit products: give quant_compute= (and quantize=) with it"
+        )
     for name, value in (("batch", batch), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an integer >= 1")

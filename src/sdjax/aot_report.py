@@ -59,6 +59,7 @@ class Report:
     unet_call_quant_flops: float | None = None  # of `unet_call_flops`, those of the 8-bit x 8-bit products
     quant_flops: float | None = None  # of `flops`, those of the 8-bit products: model calls x the call's
     quant_peak_flops: float | None = None  # per device, the 8-bit products' datasheet rate (int8; fp8: bf16's)
+    calibration: str | None = None  # static input scales of those products: the file, "placeholder" or "in memory"
 
     @property
     def total_bytes(self) -> int | None:
@@ -152,6 +153,7 @@ class Report:
             f"{f', {self.weights_dtype} weights' if self.weights_dtype else ''}{', FSDP' if self.fsdp else ''}"
             f"{f', {self.quantize} denoiser weights' if self.quantize else ''}"
             f"{f', {self.quant_compute} products' if self.quant_compute else ''}"
+            f"{f' (static scales: {self.calibration})' if self.calibration else ''}"
             f"{'' if self.cfg else ', no CFG'}; per device:"
         )
 

@@ -93,3 +93,9 @@ def test_quantized_rows_are_rows_of_their_own(table):
     assert len({table.key(old), table.key(weights), table.key(compute)}) == 3
     assert table.variant(weights) == "whole, FSDP, int8 weights"
     assert table.variant(compute) == "whole, FSDP, int8 weights, int8 products"
+    # `--static-scales`: the spec asks with `static_scales`, the report answers with its `calibration`
+    static_spec = {**compute, "static_scales": True}
+    static_row = {**compute, "calibration": "placeholder"}
+    assert table.key(static_spec) == table.key(static_row) != table.key(compute)
+    assert table.key({**compute, "static_scales": False, "calibration": None}) == table.key(compute)
+    assert table.variant(static_row) == "whole, FSDP, int8 weights, int8 products, static scales"

@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sdjax.cli.common import QuantComputeOpt, QuantizeOpt, _check_quant_compute, _parse_size, _require_extra
+from sdjax.cli.common import (
+    CalibrationOpt,
+    QuantComputeOpt,
+    QuantizeOpt,
+    _parse_size,
+    _quant_options,
+    _require_extra,
+)
 
 
 def compile_(
@@ -76,6 +83,7 @@ def compile_(
     ] = False,
     quantize: QuantizeOpt = None,
     quant_compute: QuantComputeOpt = None,
+    calibration: CalibrationOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table.")] = False,
     isolate: Annotated[
         bool,
@@ -97,7 +105,7 @@ def compile_(
     except ValueError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
-    _check_quant_compute(quantize, quant_compute)
+    _quant_options(quantize, quant_compute, calibration)  # the file read and checked before the compile
     _require_extra("tpu-aot", "libtpu")
     hw = _image_size(size)
     try:
@@ -121,6 +129,7 @@ def compile_(
                 fsdp=fsdp,
                 quantize=None if quantize is None else quantize.value,
                 quant_compute=None if quant_compute is None else quant_compute.value,
+                calibration=None if calibration is None else str(calibration),
                 log=lambda s: status.update(s),
             )
     except (ValueError, FileNotFoundError) as e:

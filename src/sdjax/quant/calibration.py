@@ -94,10 +94,22 @@ class Calibration:
     steps: int = 0
     source: str | None = None
     convs: bool = True
+    placeholder: bool = False
 
     @property
     def name(self) -> str:
+        if self.placeholder:
+            return "the placeholder calibration"
         return f"calibration file {self.source}" if self.source else "the calibration"
+
+    @classmethod
+    def placeholder_for(cls, params: Mapping[str, Any], policy: Any, amax: float = 1.0) -> Calibration:
+        """One range `amax` for every compute layer of `params` (quantized by `policy`, abstract or not): a program
+        of the same shape as a calibrated one, for off-device cost studies (memory, FLOPs and bytes do not depend
+        on the constants; `benchmarks/tpu_aot_table.py --static-scales`). Not for images: its ranges were not
+        measured. Refused by `check` against real weights (it records no weight hashes) and by `save`."""
+        layers = {path: LayerRecord(shape, "", float(amax)) for path, (shape, _) in fingerprint(params, policy).items()}
+        return cls(policy.compute, layers, convs=policy.compute_convs, placeholder=True)
 
     def amax_for(self, component: str) -> dict[str, float]:
         """`module path inside component -> amax` (the form `QuantizedLayers` looks layers up by) of the recorded
@@ -145,6 +157,11 @@ class Calibration:
                     f"{self.name} was recorded for another model: layer {path} has kernel shape {rec.shape} "
                     f"there and {shape} here"
                 )
+            if digest is not None and self.placeholder:
+                raise ValueError(
+                    f"{self.name} (one range for every layer, for off-device cost studies) is refused for real "
+                    f"weights: record one with sdjax calibrate (layer {path} holds weights)"
+                )
             if digest is not None and digest != rec.sha256:
                 raise ValueError(
                     f"{self.name} was recorded for other weights: layer {path} (kernel {shape}) holds different "
@@ -167,6 +184,8 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the calibration as JSON (`CALIBRATION_FILE` next to the model's weights is the convention)."""
+        if self.placeholder:
+            raise ValueError(f"{self.name} holds no measured ranges: it is not written to {os.fspath(path)}")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_json(), f, indent=1)
             f.write("\n")
