@@ -83,12 +83,13 @@ for phase in "$@"; do
       done ;;
     fluxdevtc)  # Flux.1 dev 28 steps with torch.compile (transformer + VAE decode)
       timeout 150 python3 benchmarks/flux_gpu.py torch --kind dev --steps 28 --reps 2 --compile --json "$OUT/flux-dev-torch-compile.json" ;;
-    quant)  # SDXL's UNet step at 1024x1024: bf16 against fp8 compute (both spellings of the fp8 product) at MLPerf's
-      # batch (8 images, CFG) and at one image (about 6 minutes; issue 37). Weight-only rows: add int8,fp8
-      timeout 250 python3 benchmarks/quant_gpu.py --arch sdxl --batch 8 --steps 10 --reps 3 \
-        --variants bf16,fp8-compute,fp8-compute-qdq --json "$OUT/quant-sdxl-b8.json"
-      timeout 130 python3 benchmarks/quant_gpu.py --arch sdxl --batch 1 --steps 10 --reps 3 \
-        --variants bf16,fp8-compute --json "$OUT/quant-sdxl-b1.json" ;;
+    quant)  # SDXL's UNet step at 1024x1024: bf16 against fp8 compute (per-call and calibrated static input scales,
+      # and XLA's GEMM-rewriter spelling), and int8 compute, at MLPerf's batch (8 images, CFG) and at one image
+      # (about 9 minutes; issue 37; each row is printed as it finishes). Weight-only rows: add int8,fp8
+      timeout 400 python3 benchmarks/quant_gpu.py --arch sdxl --batch 8 --steps 10 --reps 3 \
+        --variants bf16,fp8-compute,fp8-compute-static,int8-compute,fp8-compute-qdq --json "$OUT/quant-sdxl-b8.json"
+      timeout 150 python3 benchmarks/quant_gpu.py --arch sdxl --batch 1 --steps 10 --reps 3 \
+        --variants bf16,fp8-compute,fp8-compute-static --json "$OUT/quant-sdxl-b1.json" ;;
     train)  # one LoRA training step of SD 1.5 at 512x512, batch 4, bf16: sdjax against diffusers + peft (issue 36)
       timeout 150 python3 benchmarks/finetune_step.py --arch sd15 --size 512 --batch 4 --dtype bfloat16 --steps 10 \
         --json "$OUT/train-lora-sd15-b4.json" ;;

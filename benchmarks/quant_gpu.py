@@ -1,5 +1,8 @@
-"""The denoiser step with quantized weights on an accelerator: bf16 against weight-only int8 / fp8 and fp8 compute
-(`QuantPolicy(compute="fp8")`: Dense layers multiply fp8 x fp8), SDXL's UNet at 1024x1024 by default.
+"""The denoiser step with quantized weights on an accelerator: bf16 against weight-only int8 / fp8 and 8-bit compute
+(`QuantPolicy(compute="fp8" | "int8")`: Dense layers and convs multiply 8-bit x 8-bit), SDXL's UNet at 1024x1024 by
+default. `-static` variants give those products static input scales (`QuantPolicy(calibration=)`), recorded by one
+UNet call on the benchmark's own inputs, as `sdjax calibrate` records them on prompts: no per-call `max|x|`
+reduction in the program (TensorRT's fp8 UNet uses calibrated static scales too).
 
     python benchmarks/quant_gpu.py [--arch sdxl] [--batch 8,1] [--steps 10] [--reps 3] [--json out.json]
     python benchmarks/quant_gpu.py --arch tiny --batch 1 --steps 2 --reps 1      # a seconds-long check on CPU
@@ -26,7 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-VARIANTS = ("bf16", "int8", "fp8", "fp8-compute", "fp8-compute-qdq")
+VARIANTS = (
+    "bf16",
+    "int8",
+    "fp8",
+    "fp8-compute",
+    "fp8-compute-qdq",
+    "fp8-compute-static",
+    "int8-compute",
+    "int8-compute-static",
+)
 
 
 def _unet(arch: str):
@@ -77,7 +89,8 @@ def _qdq_dense(x, q, scale, bias, dtype, amax=None):
     return y if bias is None else y + bias.astype(dtype)
 
 
-def _variant(unet, params, name: str):
+def _variant(unet, params, name: str, inputs):
+    """`(module, params)` of variant `name`; `inputs` `(x, t, ctx, kw)`: what a `-static` variant calibrates on."""
     import jax.numpy as jnp
 
     from sdjax.quant import modules
@@ -86,9 +99,31 @@ def _variant(unet, params, name: str):
     if name == "bf16":
         return unet, params
     scheme = name.split("-")[0]
-    compute = "fp8" if "compute" in name else None
+    compute = scheme if "compute" in name else None
     policy = qparams.QuantPolicy(scheme, components=("unet",), compute=compute)
-    return modules.DequantizingModule(unet, jnp.bfloat16, compute), qparams.quantize_tree(params, policy, "unet")
+    p = qparams.quantize_tree(params, policy, "unet")
+    amax = _calibrated(unet, p, compute, inputs) if name.endswith("static") else None
+    return modules.DequantizingModule(unet, jnp.bfloat16, compute, amax=amax), p
+
+
+def _calibrated(unet, p, compute: str, inputs) -> dict[str, float]:
+    """Each compute layer's input `max|x|` over one call on `inputs` (module path -> amax), recorded by the
+    interceptor's `observe` hook as `sdjax.quant.calibrate` records it."""
+    import jax
+    import jax.numpy as jnp
+
+    from sdjax.quant import modules
+
+    seen: dict[str, float] = {}
+
+    def observe(path, amax):
+        seen[path] = max(seen.get(path, 0.0), float(amax))
+
+    module = modules.DequantizingModule(unet, jnp.bfloat16, compute, observe=observe)
+    x, t, ctx, kw = inputs
+    jax.block_until_ready(jax.jit(lambda p, x, ctx, kw: module.apply({"params": p}, x, t, ctx, **kw))(p, x, ctx, kw))
+    jax.effects_barrier()
+    return seen
 
 
 def run(arch: str, batches: list[int], steps: int, reps: int, variants: list[str]) -> list[dict]:
@@ -100,13 +135,14 @@ def run(arch: str, batches: list[int], steps: int, reps: int, variants: list[str
     from sdjax.quant import params as qparams
 
     a, unet, params = _unet(arch)
+    direct = compute.dense_quantized  # the library's product (the qdq variant swaps in another for its row)
     t = jnp.float32(500.0)
     rows, reference = [], {}
     for images in batches:
         x, ctx, kw = _inputs(a, images)
         for name in variants:
-            module, p = _variant(unet, params, name)
-            compute.dense_quantized = _qdq_dense if name.endswith("qdq") else _DIRECT
+            module, p = _variant(unet, params, name, (x, t, ctx, kw))
+            compute.dense_quantized = _qdq_dense if name.endswith("qdq") else direct
 
             # the conditioning is an argument, as in a pipeline's program: closed over, it would be a constant
             # that XLA folds through (the fp8 input scales of the cross-attention projections included)
@@ -140,11 +176,12 @@ def run(arch: str, batches: list[int], steps: int, reps: int, variants: list[str
                 "compile_s": compile_s,
                 "rel_err_vs_bf16": rel,
                 "f8_mentions": hlo.lower().count("f8e4m3fn"),
+                "s8_mentions": hlo.count("s8["),
                 "cublas_f8_calls": hlo.count("__cublas$lt$matmul$f8"),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-            compute.dense_quantized = _DIRECT
+            compute.dense_quantized = direct
     return rows
 
 
@@ -166,12 +203,12 @@ def main() -> None:
     rows = run(args.arch, [int(b) for b in args.batch.split(",")], args.steps, args.reps, variants)
     base = {r["images"]: r["ms_per_step"] for r in rows if r["variant"] == "bf16"}
     print(f"\n{jax.devices()[0].device_kind}, {args.arch}, {args.steps} steps a program, medians of {args.reps}")
-    print(f"{'variant':<18}{'images':>7}{'ms/step':>10}{'vs bf16':>9}{'params GiB':>12}{'rel err':>10}{'f8 gemms':>10}")
+    print(f"{'variant':<21}{'images':>7}{'ms/step':>10}{'vs bf16':>9}{'params GiB':>12}{'rel err':>10}{'f8 gemms':>10}")
     for r in rows:
         ratio = r["ms_per_step"] / base[r["images"]] if r["images"] in base else float("nan")
         err = "" if r["rel_err_vs_bf16"] is None else f"{r['rel_err_vs_bf16']:.4f}"
         print(
-            f"{r['variant']:<18}{r['images']:>7}{r['ms_per_step']:>10.2f}{ratio:>9.3f}"
+            f"{r['variant']:<21}{r['images']:>7}{r['ms_per_step']:>10.2f}{ratio:>9.3f}"
             f"{r['params_bytes'] / 2**30:>12.2f}{err:>10}{r['cublas_f8_calls']:>10}"
         )
     if args.json:
@@ -179,7 +216,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from sdjax.quant import compute as _compute
-
-    _DIRECT = _compute.dense_quantized
     main()
