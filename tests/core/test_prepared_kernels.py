@@ -139,3 +139,44 @@ def test_kept_kernels_are_laid_out_like_their_kernels_on_the_mesh():
     assert set(up) == {"kernel", "subpixel"}
     assert tuple(up["subpixel"].sharding.spec) == (None, None, None, "model")
     np.testing.assert_array_equal(up["subpixel"], ops_conv.subpixel_kernel(split))
+
+
+def test_kernels_beyond_the_budget_are_left_to_the_program(sd, monkeypatch):
+    """`gen.kernels.budget` bounds the kept leaves' bytes (`leaf_nbytes`, 16 Cin Cout values a kernel, which is what
+    the kept leaves hold); beyond it each program computes its own and nothing is held. The automatic budget (None)
+    is half the host's available memory, decided once per size."""
+    pipe, params = sd
+    gen = pipe.generator
+    kept = pipe.generate("a blue car", **KW)
+    need = ops_conv.leaf_nbytes(params["unet"]) + ops_conv.leaf_nbytes(params["vae"])
+    assert need > 0 and gen.kernels.nbytes == need
+    try:
+        gen.kernels.budget = need - 1
+        over = pipe.generate("a blue car", **KW)
+        assert len(gen.kernels) == 0 and gen.kernels.nbytes == 0  # nothing held
+        np.testing.assert_allclose(over, kept, atol=1e-5)
+        gen.kernels.budget = need
+        np.testing.assert_array_equal(pipe.generate("a blue car", **KW), kept)
+        assert gen.kernels.nbytes == need
+        gen.kernels.budget = None
+        free = {"bytes": 2 * need - 2}  # half of it: one byte short
+        monkeypatch.setattr(ops_conv, "available_host_bytes", lambda: free["bytes"])
+        gen.kernels._decided.clear()
+        pipe.generate("a blue car", **KW)
+        assert len(gen.kernels) == 0
+        free["bytes"] = 4 * need  # decided already: the program's layout does not flip with free memory
+        pipe.generate("a blue car", **KW)
+        assert len(gen.kernels) == 0
+        gen.kernels._decided.clear()
+        pipe.generate("a blue car", **KW)
+        assert gen.kernels.nbytes == need
+    finally:
+        gen.kernels.budget = None
+        gen.kernels._decided.clear()
+
+
+def test_available_host_bytes_is_memavailable():
+    with open("/proc/meminfo") as f:
+        line = next(line for line in f if line.startswith("MemAvailable:"))
+    want = int(line.split()[1]) * 1024
+    assert abs(ops_conv.available_host_bytes() - want) < 0.2 * want + 2**28  # memory moves a little in between

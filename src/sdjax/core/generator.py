@@ -235,8 +235,9 @@ class Generator:
         self.split_decode = True  # `run` decodes with a second executable (module docstring); False: one program
         # On CPU, keep the Winograd-transformed kernels of the denoiser and VAE between runs
         # (`ops.conv.PreparedKernels`: about 2 s less per 512 px float32 generation of an 860M-parameter denoiser,
-        # 3.8 GB held); False: each program computes them (less memory held between runs, a lower peak during the
-        # decode).
+        # 3.8 GB held) while they fit `self.kernels.budget` (bytes; None: half the host memory available when
+        # first decided); False, or beyond the budget: each program computes them (less memory held between runs,
+        # a lower peak during the decode).
         self.keep_winograd_kernels = True
         self.kernels = ops_conv.PreparedKernels()
         self.mesh = mesh
@@ -293,22 +294,26 @@ class Generator:
             self._placed = {mesh_key: new}
         return self._with_kernels(placed, mesh)
 
-    def _keeps_kernels(self, mesh: Mesh) -> bool:
-        return bool(self.keep_winograd_kernels) and _platform(mesh) == "cpu"
+    def _keeps_kernels(self, mesh: Mesh, params: Any) -> bool:
+        """Whether `params` run with kept prepared kernels: on CPU meshes, when kept at all and within the budget."""
+        cpu = bool(self.keep_winograd_kernels) and _platform(mesh) == "cpu"
+        return cpu and self.kernels.fits(params)
 
-    def _layout_key(self, mesh: Mesh):
-        """What fixes the params' layout in a compiled program: the mesh, and whether kept kernels are inputs."""
-        return _mesh_key(mesh), self._keeps_kernels(mesh)
-
-    def _params_key(self, params: Any, spec: ProgramSpec):
-        """What a compiled program fixes of the params it reads: their tree, shapes and dtypes (params passed with
-        `params=` in another dtype, or quantized, get their own program instead of failing the cached one's)."""
+    def _program_key(self, spec: ProgramSpec, mesh: Mesh, params: Any) -> tuple:
+        """What fixes a compiled program besides `spec`: the mesh, whether kept kernels are inputs, and the params'
+        tree, shapes and dtypes (params passed with `params=` in another dtype, or quantized, get their own program
+        instead of failing the cached one's)."""
         checked = self.check_params(self.params if params is None else params, features=spec.features)
-        return _tree_key(checked)
+        return spec, _mesh_key(mesh), self._keeps_kernels(mesh, checked), _tree_key(checked)
 
     def _with_kernels(self, placed: dict, mesh: Mesh) -> dict:
-        """Placed (or abstract) params with the prepared Winograd kernels, where they are kept (CPU meshes)."""
-        return self.kernels.add(placed) if self._keeps_kernels(mesh) else placed
+        """Placed (or abstract) params with the prepared Winograd kernels, where they are kept (CPU meshes); the
+        kept ones of other params are dropped when these are not kept."""
+        if self._keeps_kernels(mesh, placed):
+            return self.kernels.add(placed)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(placed)):
+            self.kernels.clear()
+        return placed
 
     def check_params(self, params: Any, *, features: Sequence[Feature] = ()) -> dict:
         """The entries the program reads from `params`: the model's components and each feature's
@@ -415,7 +420,7 @@ class Generator:
 
         `inputs` are example host arrays (default: zeros of the right shapes), used only for their shapes."""
         mesh = self.get_mesh()
-        key = (spec, self._layout_key(mesh), self._params_key(params, spec))
+        key = self._program_key(spec, mesh, params)
         return self.cache.get(key, lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs).compile())
 
     def executables(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
@@ -435,12 +440,12 @@ class Generator:
             decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling, spec.vae_slicing)
             return main, self._decoder(decode, vae, main.output_shardings[0], mesh)
 
-        return self.cache.get(("split", spec, self._layout_key(mesh), self._params_key(params, spec)), build)
+        return self.cache.get(("split", *self._program_key(spec, mesh, params)), build)
 
     def _decoder(self, spec: DecodeSpec, vae_params: dict, latents_sharding: NamedSharding, mesh: Mesh):
         """The VAE decode executable for `spec` (latents laid out as `latents_sharding`, the main program's output),
         shared while any cached program pair holds it."""
-        key = (spec, self._layout_key(mesh), latents_sharding, _tree_key(vae_params))
+        key = (spec, _mesh_key(mesh), latents_sharding, _tree_key(vae_params))  # kept kernels: leaves in the tree
         with self._place_lock:
             decoder = self._decoders.get(key)
         if decoder is None:

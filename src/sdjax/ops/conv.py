@@ -42,6 +42,8 @@ in `docs/benchmarks.md`.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -52,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
+
+logger = logging.getLogger(__name__)
 
 # Winograd F(2x2, 3x3): output transform A^T (2x4); the input transform B^T (4x4: rows (1, 0, -1, 0), (0, 1, 1, 0),
 # (0, -1, 1, 0), (0, 1, 0, -1)) and the kernel transform G (4x3) are written out as additions in `_bt_rows` and
@@ -238,6 +242,33 @@ def _add_leaves(params: Any, make: Callable[[str, Any], Any], upsampler: bool = 
     return out
 
 
+def leaf_nbytes(params: Any) -> int:
+    """Bytes of the leaves `prepare` would add to `params` (arrays or abstract): 16 Cin Cout values per kernel in its
+    dtype, for a Winograd leaf `(16, Cin, Cout)` as for a sub-pixel one `(2, 2, Cin, 4 Cout)`."""
+    total = 0
+
+    def count(kind, kernel):
+        nonlocal total
+        _, _, cin, cout = kernel.shape
+        total += 16 * int(cin) * int(cout) * jnp.dtype(kernel.dtype).itemsize
+
+    _add_leaves(params, count)
+    return total
+
+
+def available_host_bytes() -> int:
+    """The host memory a process may still take: Linux's MemAvailable (free memory plus what the kernel can
+    reclaim), else the free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class PreparedKernels:
     """The `winograd` and `subpixel` leaves computed outside the generation's program and kept between programs
     (CPU only).
@@ -251,13 +282,37 @@ class PreparedKernels:
     kernels (3.8 GB for SD 1.5 float32). A program that computes them holds them for its whole loop anyway, so the
     loop's peak is unchanged; what rises is the peak of the VAE decode, which now runs with the UNet's leaves still
     allocated (by up to the size of the leaves; docs/benchmarks.md has the measured process peaks). Abstract params
-    (`jax.ShapeDtypeStruct`, for lowering without weights) get abstract leaves.
+    (`jax.ShapeDtypeStruct`, for lowering without weights) get abstract leaves. `budget` (bytes; `fits`) bounds
+    what is kept: leaves beyond it are left to each program (the generator asks before adding).
     Each leaf is laid out like its kernel: split over the mesh the way the kernel's input and output channels are.
     """
 
-    def __init__(self):
+    def __init__(self, budget: int | None = None):
         self._entries: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._lock = threading.Lock()
+        # The most bytes the kept leaves may take; None: half the host memory available when a size is decided.
+        self.budget = budget
+        self._decided: dict[tuple[int, int | None], bool] = {}
+
+    def fits(self, params: Any) -> bool:
+        """Whether the leaves of `params` may be kept: their bytes (`leaf_nbytes`) within `budget`. Decided once per
+        size and budget (the automatic one reads the host's available memory then), so that a compiled program's
+        layout does not change from one run to the next as memory comes and goes."""
+        need = leaf_nbytes(params)
+        key = (need, self.budget)
+        with self._lock:
+            decided = self._decided.get(key)
+            if decided is None:
+                budget = self.budget if self.budget is not None else available_host_bytes() // 2
+                decided = self._decided[key] = need <= budget
+                if not decided:
+                    logger.info(
+                        "not keeping %.2f GiB of prepared convolution kernels between runs (budget %.2f GiB): each "
+                        "program computes them",
+                        need / 2**30,
+                        budget / 2**30,
+                    )
+        return decided
 
     def __len__(self) -> int:
         return len(self._entries)
