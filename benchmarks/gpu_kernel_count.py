@@ -250,7 +250,7 @@ def count(hlo_text: str) -> dict:
                 "in_loop": in_loop,
                 "kernel": ins["name"],
                 "op_name": names[0] if names else "",
-                "shape": ins["shape"].split("{")[0],
+                "shape": re.sub(r"\{[^{}]*\}", "", ins["shape"]),  # layouts dropped; tuples (custom calls) whole
             }
         )
     looped = any(r["in_loop"] for r in rows)

@@ -90,6 +90,17 @@ for phase in "$@"; do
         --variants bf16,fp8-compute,fp8-compute-static,int8-compute,fp8-compute-qdq --json "$OUT/quant-sdxl-b8.json"
       timeout 150 python3 benchmarks/quant_gpu.py --arch sdxl --batch 1 --steps 10 --reps 3 \
         --variants bf16,fp8-compute,fp8-compute-static --json "$OUT/quant-sdxl-b1.json" ;;
+    groupnorm)  # sdjax's UNet step in a loop (SD 1.5 bf16, 50 steps): GroupNorm statistics in two passes against one
+      # (the default since 069520b; 850 -> 721 kernels compile-only), one pass with --split-head-dim, and one pass
+      # with XLA's dot merger off (docs/benchmarks.md, "SD 1.5 UNet step kernels on a compile-only H100"). Each its
+      # own process, about 40 s each: about 3 device minutes for the four, not counting the machine start.
+      for v in "two-pass|--groupnorm two-pass|" "one-pass|--groupnorm one-pass|" \
+               "one-pass-split-head-dim|--groupnorm one-pass --split-head-dim|" \
+               "one-pass-no-dot-merger|--groupnorm one-pass|--xla_gpu_dot_merger_threshold_mb=0"; do
+        IFS='|' read -r name opts flags <<< "$v"
+        XLA_FLAGS="$flags" timeout 150 python3 benchmarks/gpu_unet_loop.py --arch sd15 --steps 50 --reps 5 --skip-torch \
+          $opts --json "$OUT/unet-gn-$name.json" | sed "s|^|[$name] |"
+      done ;;
     train)  # one LoRA training step of SD 1.5 at 512x512, batch 4, bf16: sdjax against diffusers + peft (issue 36)
       timeout 150 python3 benchmarks/finetune_step.py --arch sd15 --size 512 --batch 4 --dtype bfloat16 --steps 10 \
         --json "$OUT/train-lora-sd15-b4.json" ;;

@@ -2,6 +2,7 @@
 torch.compile'd): separates what a call costs around the step (dispatch, launches) from the step itself.
 
     python benchmarks/gpu_unet_loop.py --arch sd15 --steps 50 [--compile-mode reduce-overhead] [--json out.json]
+        [--groupnorm two-pass] [--split-head-dim]     # sdjax's UNet variants (the torch rows do not change)
 
 `sdjax bench` times a UNet step as one call of a compiled step; a generation runs the steps inside one program
 (sdjax) or one Python loop (diffusers), where the per-call costs differ. Rows:
@@ -11,6 +12,9 @@ torch.compile'd): separates what a call costs around the step (dispatch, launche
   hands over the params tree, with nothing to compute);
 - torch eager / compiled, call and loop: the same step in diffusers (`steps` calls back to back, one sync).
 Random weights (the released config), batch 2 (classifier-free guidance), bf16; medians of --reps.
+`--groupnorm two-pass` sets `sdjax.models.layers.GROUPNORM_ONE_PASS = False` before anything is traced (GroupNorm's
+variance as the mean of (x - mean)^2, the form before the one-pass statistics); `--split-head-dim` builds sdjax's
+UNet with `split_head_dim=True` (attention heads on their own axis).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def _inputs(a, latent: int):
     return x, context
 
 
-def sdjax_rows(arch: str, steps: int, reps: int) -> dict[str, float]:
+def sdjax_rows(arch: str, steps: int, reps: int, split_head_dim: bool = False) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
@@ -59,7 +63,7 @@ def sdjax_rows(arch: str, steps: int, reps: int) -> dict[str, float]:
     if a.text_encoder_2 is not None:
         raise SystemExit("only the SD 1.x/2.x UNets here (no added conditioning)")
     config = UNet2DConditionConfig(**a.unet)
-    unet = UNet2DConditionModel(config=config, dtype=jnp.bfloat16)
+    unet = UNet2DConditionModel(config=config, dtype=jnp.bfloat16, split_head_dim=split_head_dim)
     shapes = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16), UNet2DConditionModel.init_params_shape(config)
     )
@@ -129,10 +133,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument(
+        "--groupnorm", default="one-pass", choices=["one-pass", "two-pass"], help="sdjax GroupNorm statistics"
+    )
+    ap.add_argument("--split-head-dim", action="store_true", help="sdjax UNet: attention heads on their own axis")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    result = {"arch": args.arch, "steps": args.steps, "reps": args.reps}
-    rows = sdjax_rows(args.arch, args.steps, args.reps)
+    from sdjax.models import layers
+
+    layers.GROUPNORM_ONE_PASS = args.groupnorm == "one-pass"  # read when the UNet is traced, below
+    result = {
+        "arch": args.arch,
+        "steps": args.steps,
+        "reps": args.reps,
+        "groupnorm": args.groupnorm,
+        "split_head_dim": args.split_head_dim,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    rows = sdjax_rows(args.arch, args.steps, args.reps, args.split_head_dim)
     if not args.skip_torch:
         rows.update(torch_rows(args.arch, args.steps, args.reps, args.compile_mode))
     result["rows"] = rows

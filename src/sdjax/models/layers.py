@@ -67,6 +67,10 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 
 
 # ----------------------------------------------------------------------------------------------- norms
+# GroupNorm's statistics in one pass (True) or two; benchmarks set False to time the two-pass form.
+GROUPNORM_ONE_PASS = True
+
+
 class GroupNorm(nn.Module):
     """`torch.nn.GroupNorm` over the last (channel) axis; statistics in float32, in one pass over the input.
 
@@ -77,7 +81,8 @@ class GroupNorm(nn.Module):
     with a float32 `x - mean` tensor written between them: the SD 1.5 UNet step's GroupNorms took 354 H100 kernels
     instead of 225 (850 -> 721 in all; `benchmarks/gpu_kernel_count.py`). The cost is cancellation where a group's
     |mean| >> std: the variance's relative error grows as (mean / std)^2, measured 3e-5 at |mean| = 10 std and 3e-3
-    at 100 std (float32, 40960-element groups), against ~1e-7 for two passes.
+    at 100 std (float32, 40960-element groups), against ~1e-7 for two passes. `GROUPNORM_ONE_PASS` (read when
+    traced) selects the two-pass form instead.
     """
 
     num_groups: int
@@ -93,8 +98,11 @@ class GroupNorm(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
         x_bsgc = x.astype(jnp.float32).reshape(x.shape[0], -1, self.num_groups, c // self.num_groups)
         mean = jnp.mean(x_bsgc, axis=(1, 3), keepdims=True)
-        mean_sq = jnp.mean(jnp.square(x_bsgc), axis=(1, 3), keepdims=True)
-        var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
+        if GROUPNORM_ONE_PASS:
+            mean_sq = jnp.mean(jnp.square(x_bsgc), axis=(1, 3), keepdims=True)
+            var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
+        else:
+            var = jnp.mean(jnp.square(x_bsgc - mean), axis=(1, 3), keepdims=True)
         y = ((x_bsgc - mean) * jax.lax.rsqrt(var + self.epsilon)).reshape(x.shape)
         y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype)
