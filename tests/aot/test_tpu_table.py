@@ -4,13 +4,13 @@ compiled is not compiled again either. The child process is replaced (no compile
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import bench_scripts
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tpu_aot_table.py"
@@ -18,10 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tpu_aot_table.py"
 
 @pytest.fixture
 def table():
-    spec = importlib.util.spec_from_file_location("tpu_aot_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("tpu_aot_table")
 
 
 def test_a_crashed_compile_is_a_row_and_is_not_retried(table, tmp_path, monkeypatch):

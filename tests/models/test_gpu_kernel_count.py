@@ -10,12 +10,9 @@ skip-connection concatenate fusion, a layout copy and the step counter's add; th
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import bench_scripts
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernel_count.py"
 BODY = "jit(loop)/while/body/closed_call/UNet2DConditionModel/down_blocks_0"
 
 HLO = f"""\
@@ -141,10 +138,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def gkc():
-    spec = importlib.util.spec_from_file_location("gpu_kernel_count", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("gpu_kernel_count")
 
 
 def test_parse_finds_every_computation_and_the_entry(gkc):

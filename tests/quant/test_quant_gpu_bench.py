@@ -5,23 +5,16 @@ constant), so the output's error against bf16 is the same to float rounding. Run
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import bench_scripts
 import jax.numpy as jnp
 import pytest
 
 from sdjax.quant import compute as C
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quant_gpu.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("quant_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("quant_gpu")
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
