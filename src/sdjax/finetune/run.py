@@ -343,13 +343,16 @@ def _checkpoints(run_dir: Path, keep: int = 2):
 
 
 def _restore(manager, state: dict) -> tuple[dict, int]:
+    """`(the latest checkpoint's tree as host arrays, its micro-step)`, or `(state, 0)` without one. Host arrays:
+    the run places them in its layout without compiling a resharding program per array shape."""
     import jax
-    import orbax.checkpoint as ocp
 
     step = manager.latest_step()
     if step is None:
         return state, 0
-    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
     return manager.restore(step, args=ocp.args.StandardRestore(abstract)), int(step)
 
 
@@ -630,6 +633,7 @@ def run_loop(
     else:  # data parallel: every weight on every device
         replicated = NamedSharding(mesh, PartitionSpec())
         state, frozen, ema = distributed.place((state, frozen, ema), replicated)
+    train_step = _compiled_once(train_step)
     key = jax.random.PRNGKey(cfg.seed)
     losses: list[float] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -704,6 +708,42 @@ def _fsdp_layout(cfg: Any, mesh: Any, state: dict, frozen: dict, ema: Any, train
     )
     state, frozen = layout.place(state, frozen, put=distributed.place)
     return state, frozen, layout.place_values(ema, put=distributed.place), layout.step(train_step)
+
+
+# This process's last few compiled train steps by (program text, argument layout, JAX settings): a trainer call that
+# builds the very step of an earlier call (a resumed run after the run it resumes) runs that executable again.
+_COMPILED: dict[tuple, Any] = {}
+_COMPILED_KEEP = 4
+
+
+def _compiled_once(train_step: Callable) -> Callable:
+    """`train_step` (a `jit`) compiled once per process and program: each new argument signature (a new bucket's
+    shapes) is lowered, and a program whose text, signature and JAX settings are an earlier call's (`_COMPILED`)
+    reuses that executable. The same program runs, so no number changes; only the compile (most of a small run's
+    time) is saved."""
+    import hashlib
+
+    import jax
+
+    if not hasattr(train_step, "lower"):
+        return train_step
+    by_signature: dict[tuple, Any] = {}
+
+    def step(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        signature = (tree, *((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves))
+        compiled = by_signature.get(signature)
+        if compiled is None:
+            lowered = train_step.lower(*args)
+            program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+            key = (program, signature, repr(sorted(jax.config.values.items())))
+            compiled = _COMPILED.pop(key, None) or lowered.compile()
+            _COMPILED[key] = by_signature[signature] = compiled
+            while len(_COMPILED) > _COMPILED_KEEP:
+                del _COMPILED[next(iter(_COMPILED))]
+        return compiled(*args)
+
+    return step
 
 
 def _nbytes(tree: Any) -> int:
