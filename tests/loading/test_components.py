@@ -487,3 +487,51 @@ def test_peak_memory_of_a_load_stays_near_one_copy(tmp_path, dtype, limit):
     )
     peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_kib"]
     assert peak < limit * size_kib, f"peak RSS grew by {peak / size_kib:.2f}x the checkpoint size"
+
+
+def test_reads_stay_in_the_calling_thread_while_threads_cast():
+    """`convert_state_dict` reads every key in the caller's thread (a state dict need not be thread safe) and casts
+    in worker threads, with at most `2 * CAST_WORKERS` tensors read and not yet cast; the params are those of
+    casting one tensor at a time, and a failing cast fails the load with its own error."""
+    import threading
+    import time
+
+    from sdjax.models import convert
+
+    caller = threading.get_ident()
+    events = {"read": 0, "cast": 0, "most_waiting": 0, "cast_threads": set()}
+    lock = threading.Lock()
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            assert threading.get_ident() == caller
+            with lock:
+                events["read"] += 1
+                events["most_waiting"] = max(events["most_waiting"], events["read"] - events["cast"])
+            return super().__getitem__(key)
+
+    def cast(x):
+        time.sleep(0.002)  # slower than a read: the waiting casts pile up to the bound
+        with lock:
+            events["cast"] += 1
+            events["cast_threads"].add(threading.get_ident())
+        return jnp.asarray(x * 2)
+
+    rng = np.random.default_rng(0)
+    sd = {f"blocks.{i}.proj.weight": rng.standard_normal((3, 2 + i % 3)).astype(np.float32) for i in range(40)}
+    expected = {
+        f"blocks_{i}": {"proj": {"kernel": jax.ShapeDtypeStruct((2 + i % 3, 3), jnp.float32)}} for i in range(40)
+    }
+    got = convert.convert_state_dict(Recording(sd), expected, component="c", cast=cast)
+    one_by_one = convert.convert_state_dict(sd, expected, component="c")
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(one_by_one)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(one_by_one)):
+        np.testing.assert_array_equal(np.asarray(a), 2 * b)
+    assert events["read"] == events["cast"] == 40 and caller not in events["cast_threads"]
+    assert events["most_waiting"] <= 2 * convert.CAST_WORKERS + 1  # the bound, and the one being read
+
+    def broken(x):
+        raise RuntimeError("the device is full")
+
+    with pytest.raises(RuntimeError, match="the device is full"):
+        convert.convert_state_dict(sd, expected, component="c", cast=broken)

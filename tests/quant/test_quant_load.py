@@ -6,7 +6,8 @@
   components, threshold and exclusions.
 - The float copy of a quantized kernel is not kept: `scheme.quantize_kernel` is instrumented to hold a weak
   reference to every float kernel it is given; at each call, the kernels of earlier calls still alive are counted.
-  Loading with `quantize=` never has more than the one being quantized alive; the old way has every one of them
+  Loading with `quantize=` never has more alive than the threads casting (`models.convert.CAST_WORKERS`, each
+  quantizing the kernel it converted); the old way has every one of them
   (the whole float tree exists when `quantize_tree` runs), which the same probe shows.
 """
 
@@ -19,6 +20,7 @@ import pytest
 from bit_identical import assert_bit_identical
 
 from sdjax import quant
+from sdjax.models import convert
 from sdjax.quant import params as P
 from sdjax.quant import scheme as scheme_lib
 
@@ -97,9 +99,10 @@ def test_quantize_while_loading_keeps_one_float_kernel_alive(sd1_dir, monkeypatc
     _, params = _sd(sd1_dir, quantize="int8")
     n = len(P.quantized_kernels(params["unet"]))
     assert probe.calls == n > 1  # every quantized kernel went through the per-tensor hook, none after loading
-    assert probe.max_alive == 1
+    # one float kernel per cast thread at most (`convert.CAST_WORKERS` cast while the next tensors are read)
+    assert 1 <= probe.max_alive <= convert.CAST_WORKERS
     largest = max(int(np.prod(q.shape)) * 4 for q, _ in P.quantized_kernels(params["unet"]).values())
-    assert probe.float_bytes == largest  # float32 load: at most the largest float kernel at once
+    assert largest <= probe.float_bytes <= convert.CAST_WORKERS * largest  # float32 load
 
 
 def test_the_probe_sees_the_old_way_hold_every_float_kernel(sd1_dir, monkeypatch):
@@ -140,6 +143,6 @@ def test_flux_single_file_quantize_equals_quantize_after_loading(flux_file, sche
     probe = AliveProbe(monkeypatch)
     pipe, params = FluxPipeline.from_single_file(str(path), config=str(folder), quantize=policy)
     n = len(P.quantized_kernels(params["transformer"]))
-    assert probe.calls == n > 1 and probe.max_alive == 1
+    assert probe.calls == n > 1 and 1 <= probe.max_alive <= convert.CAST_WORKERS  # one per cast thread at most
     assert_bit_identical(params, old_params, skip=())
     assert pipe.quantization == old_pipe.quantization == policy

@@ -385,7 +385,8 @@ def resolve_model_folder(
 
 
 def make_cast(dtype: Any) -> Callable[[np.ndarray], Any]:
-    """Floating tensors -> jnp arrays of `dtype`; other tensors keep their dtype. Runs one tensor at a time."""
+    """Floating tensors -> jnp arrays of `dtype`; other tensors keep their dtype. One tensor a call; safe to call
+    from several threads at once (`convert_state_dict` does)."""
     dtype = jnp.dtype(dtype)
 
     def cast(x: np.ndarray):

@@ -12,18 +12,27 @@ becomes whatever the Flax module calls it, with PyTorch's layout changed to Flax
 Each model passes `renames` (regex, replacement) for keys whose names differ between checkpoint generations
 and `ignore` for buffers that are not parameters. Every missing, unexpected or mis-shaped key fails the load
 and is reported by name.
+
+Reading and casting overlap: the state dict is read in the calling thread, key by key (so any Mapping works, thread
+safe or not), while up to `CAST_WORKERS` threads cast the tensors already read (the layout copy, the rounding, the
+transfer to the device: numpy and XLA release the GIL for these), with at most `2 * CAST_WORKERS` casts waiting,
+so that host memory stays near one copy of the weights.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 Path_ = tuple[str, ...]
+CAST_WORKERS = min(4, os.cpu_count() or 1)  # threads casting converted tensors while the next ones are read
 
 
 class WeightLoadError(ValueError):
@@ -72,10 +81,11 @@ def convert_state_dict(
 
     `expected` is the params tree the Flax model wants (arrays or `jax.ShapeDtypeStruct`s, e.g. from
     `jax.eval_shape(model.init, ...)["params"]`). `cast` turns each converted numpy array into the stored
-    leaf (e.g. a jnp array of the requested dtype); it runs one tensor at a time so that peak host memory stays
-    near one copy of the weights. A `cast` with a true `takes_path` attribute is called as `cast(value, path=path)`
-    with the leaf's params path (a tuple of names), e.g. to quantize selected kernels as they are converted
-    (`sdjax.quant.loading`). Raises `WeightLoadError` listing every missing, unexpected and mis-shaped key.
+    leaf (e.g. a jnp array of the requested dtype); it runs on a few tensors at a time, in threads beside the
+    reading (module doc), so that peak host memory stays near one copy of the weights. A `cast` with a true
+    `takes_path` attribute is called as `cast(value, path=path)` with the leaf's params path (a tuple of names),
+    e.g. to quantize selected kernels as they are converted (`sdjax.quant.loading`); a cast must be safe to call
+    from several threads at once. Raises `WeightLoadError` listing every missing, unexpected and mis-shaped key.
     """
     renames = [(re.compile(p), r) for p, r in renames]
     ignore = [re.compile(p) for p in ignore]
@@ -85,35 +95,50 @@ def convert_state_dict(
     misshaped: list[str] = []
     seen: set[Path_] = set()
     takes_path = getattr(cast, "takes_path", False)
-    for key in state_dict:
-        if any(p.fullmatch(key) for p in ignore):
-            continue
-        name = key
-        for pattern, repl in renames:
-            name = pattern.sub(repl, name)
-        path = torch_key_to_path(name)
-        if path[-1] == "weight":
-            options = [path[:-1] + (leaf,) for leaf in ("kernel", "scale", "embedding", "weight")]
-            path = next((p for p in options if p in want), path)
-        if path not in want:
-            unexpected.append(key)
-            continue
-        if path in seen:
-            raise WeightLoadError(component, [], [f"{key} (a second key for {'/'.join(path)})"], [])
-        seen.add(path)
-        raw = np.asarray(state_dict[key])
-        value = _to_flax_layout(path[-1], raw)
-        if tuple(value.shape) != want[path]:
-            misshaped.append(
-                f"{key}: checkpoint {tuple(raw.shape)} (as Flax {tuple(value.shape)}) vs model "
-                f"{want[path]} at {'/'.join(path)}"
-            )
-            continue
-        if cast is None:
-            out[path] = value
-        else:
-            out[path] = cast(value, path=path) if takes_path else cast(value)
-        del raw, value  # this tensor's host copy goes before the next one is read
+    in_flight: deque[tuple[Path_, Future]] = deque()  # casts submitted, in reading order
+    with ThreadPoolExecutor(CAST_WORKERS, thread_name_prefix="sdjax-cast") as pool:
+
+        def settle(limit: int) -> None:
+            while len(in_flight) > limit:
+                path, future = in_flight.popleft()
+                out[path] = future.result()
+
+        try:
+            for key in state_dict:
+                if any(p.fullmatch(key) for p in ignore):
+                    continue
+                name = key
+                for pattern, repl in renames:
+                    name = pattern.sub(repl, name)
+                path = torch_key_to_path(name)
+                if path[-1] == "weight":
+                    options = [path[:-1] + (leaf,) for leaf in ("kernel", "scale", "embedding", "weight")]
+                    path = next((p for p in options if p in want), path)
+                if path not in want:
+                    unexpected.append(key)
+                    continue
+                if path in seen:
+                    raise WeightLoadError(component, [], [f"{key} (a second key for {'/'.join(path)})"], [])
+                seen.add(path)
+                raw = np.asarray(state_dict[key])
+                value = _to_flax_layout(path[-1], raw)
+                if tuple(value.shape) != want[path]:
+                    misshaped.append(
+                        f"{key}: checkpoint {tuple(raw.shape)} (as Flax {tuple(value.shape)}) vs model "
+                        f"{want[path]} at {'/'.join(path)}"
+                    )
+                    continue
+                if cast is None:
+                    out[path] = value
+                else:
+                    args = {"path": path} if takes_path else {}
+                    in_flight.append((path, pool.submit(cast, value, **args)))
+                    settle(2 * CAST_WORKERS)
+                del raw, value  # the cast holds this tensor's host copy until it is done
+            settle(0)
+        finally:
+            for _, future in in_flight:  # an error: the casts not started are dropped
+                future.cancel()
     missing = ["/".join(p) for p in want if p not in seen]
     if missing or unexpected or misshaped:
         raise WeightLoadError(component, sorted(missing), sorted(unexpected), misshaped)
