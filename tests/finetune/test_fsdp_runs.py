@@ -20,6 +20,10 @@ from sdjax.finetune import train_dreambooth
 
 MIN_SIZE = 256
 RTOL = 1e-5  # the losses (relative)
+# Adafactor's second loss moves by about that much between runs of the very same replicated program on this machine
+# (measured 1.1870352, 1.1870384, 1.1870478: 1.1e-5 apart; the noise-sized updates below), so its losses are held to
+# three times it: the noise floor, not an FSDP error (its FSDP runs measured 1.9e-6 to 1.2e-5 from the replicated one).
+ADAFACTOR_LOSS_RTOL = 3e-5
 # The written UNet of a fine-tune (EMA of the updates): AdamW's and Prodigy's first updates move a coordinate whose
 # gradient is summation-order noise by a full step either way (test_train_sharding.py's docstring), so the whole
 # UNet is held to UNET_RTOL, and to 1% of what the run moved it. Adafactor (epsilon 1e-30 under its square root,
@@ -93,7 +97,7 @@ def _runs(train, data, tmp_path, suffix: str, **options):
     losses = first.losses + got.losses
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
     print(f"losses: FSDP stopped and resumed {losses}, replicated {ref.losses} (worst relative {loss_err:.1e})")
-    assert loss_err <= RTOL
+    assert loss_err <= (ADAFACTOR_LOSS_RTOL if options.get("optimizer") == "adafactor" else RTOL)
     return ref, got
 
 
