@@ -81,8 +81,10 @@ class GroupNorm(nn.Module):
     with a float32 `x - mean` tensor written between them: the SD 1.5 UNet step's GroupNorms took 354 H100 kernels
     instead of 225 (850 -> 721 in all; `benchmarks/gpu_kernel_count.py`). The cost is cancellation where a group's
     |mean| >> std: the variance's relative error grows as (mean / std)^2, measured 3e-5 at |mean| = 10 std and 3e-3
-    at 100 std (float32, 40960-element groups), against ~1e-7 for two passes. `GROUPNORM_ONE_PASS` (read when
-    traced) selects the two-pass form instead.
+    at 100 std (float32, 40960-element groups), against ~1e-7 for two passes. Shifting the sums by one value of
+    each group (d = x - x[0]) removes that error (1e-6 at any mean, tried) but XLA:GPU then writes d as a float32
+    tensor or splits the reductions: 760 or 751 kernels instead of 721. `GROUPNORM_ONE_PASS` (read when traced)
+    selects the two-pass form instead.
     """
 
     num_groups: int
