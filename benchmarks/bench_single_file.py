@@ -11,6 +11,12 @@ loader runs in fresh Python processes (`--reps` each, median reported): the time
 apart), and the peak resident memory the load adds (`VmHWM` after the load minus after the imports). Both load
 into float32. Needs torch, diffusers and transformers (test extras). Runs in well under a minute at the default size.
 
+sdjax's rows: `sdjax` reads the abstract params trees from a shape cache (`models.shapes_cache`) that an untimed
+load filled first, in a folder of the bench's own (what every load after a user's first one does); `--cold` adds a
+`sdjax-cold` row with the cache off (every trace done, as a first load). `--baseline SRC` adds `sdjax@baseline`, the
+same load from another checkout's `src` folder (e.g. `git archive HEAD src | tar -x -C /tmp/base`), run in turn with
+the others, for a before/after on one machine in one window. The load average at the start and end is recorded.
+
 `--arch sd15` writes the released SD 1.5 architecture instead (`benchmarks/full_size.py`: the configs sdjax
 embeds, random weights; 1.07 G parameters, a 2.0 GiB fp16 file); the diffusers folder then keeps only its configs
 and tokenizer (what `config=` reads). `--keep DIR` writes the files into DIR and reuses them on the next run
@@ -149,6 +155,8 @@ def main() -> None:
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="tensors in the file")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json")
+    p.add_argument("--cold", action="store_true", help="also time sdjax with the shape cache off (row sdjax-cold)")
+    p.add_argument("--baseline", metavar="SRC", help="also time sdjax imported from this src folder (before/after)")
     p.add_argument("--child", choices=("sdjax", "diffusers"), help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -162,13 +170,28 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         path, folder, n_params = make_files(out, args.width, args.dtype, args.arch)
         size_mb = path.stat().st_size / 2**20
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-        runs: dict[str, list[dict]] = {"sdjax": [], "diffusers": []}
+        base = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+        cache = Path(tmp) / "shape-cache"
+        envs = {"sdjax": {**base, "SDJAX_SHAPE_CACHE": str(cache)}}
+        if args.cold:
+            envs["sdjax-cold"] = {**base, "SDJAX_SHAPE_CACHE": "off"}
+        if args.baseline:
+            envs["sdjax@baseline"] = {**base, "PYTHONPATH": str(Path(args.baseline).resolve())}
+        envs["diffusers"] = base
+        load_before = os.getloadavg()
+
+        def child(name: str) -> dict:
+            kind = "diffusers" if name == "diffusers" else "sdjax"
+            cmd = [sys.executable, __file__, "--child", kind, "--file", str(path), "--config", str(folder)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=envs[name]).stdout
+            return json.loads(out.strip().splitlines()[-1])
+
+        child("sdjax")  # fills the shape cache, untimed
+        runs: dict[str, list[dict]] = {name: [] for name in envs}
         for _ in range(args.reps):
             for name in runs:
-                cmd = [sys.executable, __file__, "--child", name, "--file", str(path), "--config", str(folder)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+                runs[name].append(child(name))
+        load_after = os.getloadavg()
     summary = {}
     for name, rs in runs.items():
         summary[name] = {
@@ -179,10 +202,13 @@ def main() -> None:
         }
     print(f"file: {n_params / 1e6:.1f} M parameters, {args.dtype}, {size_mb:.1f} MiB; loaded into float32 "
           f"({n_params * 4 / 2**20:.1f} MiB); median of {args.reps} fresh processes each")  # fmt: skip
-    print(f"{'':10s} {'load s':>8s} {'+peak RSS MiB':>14s} {'process peak MiB':>17s} {'imports s':>10s}")
+    print(f"load average {load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end")
+    print(f"{'':15s} {'load s':>8s} {'runs':>20s} {'+peak RSS MiB':>14s} {'process peak MiB':>17s} {'imports s':>10s}")
     for name, s in summary.items():
-        row = f"{s['load_s']:8.2f} {s['load_peak_mb']:14.0f} {s['process_peak_mb']:17.0f} {s['import_s']:10.2f}"
-        print(f"{name:10s} {row}")
+        each = ", ".join(f"{r['load_s']:.2f}" for r in runs[name])
+        peaks = f"{s['load_peak_mb']:14.0f} {s['process_peak_mb']:17.0f}"
+        row = f"{s['load_s']:8.2f} {each:>20s} {peaks} {s['import_s']:10.2f}"
+        print(f"{name:15s} {row}")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
@@ -191,6 +217,8 @@ def main() -> None:
                     "params_m": n_params / 1e6,
                     "file_dtype": args.dtype,
                     "file_mib": size_mb,
+                    "load_average": {"start": load_before, "end": load_after},
+                    "baseline": args.baseline,
                     "summary": summary,
                     "runs": runs,
                 },

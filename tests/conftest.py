@@ -45,6 +45,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # on two cores each intra-op thread hand-off costs more than the op (tests/controlnet_cases.py measured 8-25 s of
 # CPU for one 5-step reference call under load, 0.25 s on one thread).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The models' traced param trees (`sdjax.models.shapes_cache`) go to a folder of this test process (its subprocesses
+# inherit it), not to the user's cache: a run neither reads trees an older checkout wrote nor leaves files behind.
+if "SDJAX_SHAPE_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["SDJAX_SHAPE_CACHE"] = _SHAPES = tempfile.mkdtemp(prefix="sdjax-test-shapes-")
+    atexit.register(shutil.rmtree, _SHAPES, ignore_errors=True)
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import pytest

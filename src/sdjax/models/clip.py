@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.config import config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import convert_state_dict
 
 
@@ -260,10 +261,14 @@ def final_layer_norm(config: CLIPTextConfig, params: Mapping[str, Any], x_btd, d
 class _InitShapes:
     @classmethod
     def init_params_shape(cls, config: CLIPTextConfig):
-        """The params tree as `jax.ShapeDtypeStruct`s (float32), computed by `jax.eval_shape`: nothing allocated."""
-        model = cls(config)
-        ids = jnp.zeros((1, config.max_position_embeddings), jnp.int32)
-        return jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"]
+        """The params tree as `jax.ShapeDtypeStruct`s (float32), computed by `jax.eval_shape` (nothing allocated)
+        and kept on disk for the next process (`shapes_cache`)."""
+
+        def trace():
+            ids = jnp.zeros((1, config.max_position_embeddings), jnp.int32)
+            return jax.eval_shape(lambda: cls(config).init(jax.random.key(0), ids))["params"]
+
+        return shapes_cache.cached(cls, config, trace)
 
 
 class CLIPTextModel(_InitShapes, nn.Module):

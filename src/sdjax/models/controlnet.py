@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.config import ConfigError, config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import convert_state_dict
 from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS, conv, nchw_to_nhwc, nhwc_to_nchw
 from sdjax.models.unet import (
@@ -334,7 +335,7 @@ class ControlNetModel(nn.Module):
     @staticmethod
     def init_params_shape(config: ControlNetConfig) -> dict:
         """The params tree (`jax.ShapeDtypeStruct` leaves, float32) the model built from `config` expects
-        (`jax.eval_shape`: nothing is allocated)."""
+        (`jax.eval_shape`: nothing is allocated; kept on disk for the next process: `shapes_cache`)."""
         return jax.tree_util.tree_map(lambda x: x, _init_params_shape(config))  # a fresh tree per caller
 
 
@@ -351,7 +352,7 @@ def _init_params_shape(config: ControlNetConfig) -> dict:
         context = jnp.zeros((1, 1, config.cross_attention_dim))
         return model.init(jax.random.key(0), sample, jnp.zeros((1,)), context, cond, **kwargs)["params"]
 
-    return jax.eval_shape(init)
+    return shapes_cache.cached(ControlNetModel, config, lambda: jax.eval_shape(init))
 
 
 def init_params_shape(config: ControlNetConfig) -> dict:

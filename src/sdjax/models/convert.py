@@ -17,10 +17,16 @@ Reading and casting overlap: the state dict is read in the calling thread, key b
 safe or not), while up to `CAST_WORKERS` threads cast the tensors already read (the layout copy, the rounding, the
 transfer to the device: numpy and XLA release the GIL for these), with at most `2 * CAST_WORKERS` casts waiting,
 so that host memory stays near one copy of the weights.
+
+`contiguous` is the copy a cast makes of the transposed view: numpy copies a transposed array element by element in
+the output's order, reading the input a cache line per element, so it goes block by block instead (SD 1.5's
+kernels about 2x faster); and it allocates 64-byte aligned, which lets `jax.device_put` on CPU adopt the buffer
+instead of copying it once more.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections import deque
@@ -33,6 +39,11 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 Path_ = tuple[str, ...]
 CAST_WORKERS = min(4, os.cpu_count() or 1)  # threads casting converted tensors while the next ones are read
+ALIGN = 64  # bytes; XLA's CPU client adopts a host buffer aligned so without copying it
+# (rows, columns) of the last two axes per block of a transposing copy, by rank: a conv kernel's HWIO view goes 16
+# input channels at a time (its source rows then stay in L2 across the 3x3 taps), a linear kernel's in 256 x 256
+# tiles. On SD 1.5's kernels, 1.1-1.8x faster than 128 x 128 blocks for both (three alternating runs).
+BLOCKS = {2: (256, 256), 4: (16, 1024)}
 
 
 class WeightLoadError(ValueError):
@@ -66,6 +77,36 @@ def _to_flax_layout(leaf: str, value: np.ndarray) -> np.ndarray:
         if value.ndim == 4:
             return value.transpose(2, 3, 1, 0)
     return value
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an `ALIGN`-byte boundary (numpy only aligns to 16)."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + n].view(dtype).reshape(shape)
+
+
+def contiguous(x: np.ndarray, dtype: Any) -> np.ndarray:
+    """A new C-contiguous, `ALIGN`-aligned copy of `x` cast to `dtype`, element for element what
+    `np.ascontiguousarray(x, dtype)` gives (the same numpy cast; only the order of the copy differs).
+
+    The views `_to_flax_layout` makes (a linear kernel's `.T`, a conv kernel's OIHW -> HWIO) are copied in blocks
+    of their last two axes (`BLOCKS`), so that the strided reads of one block stay in cache."""
+    x = np.asarray(x)
+    out = aligned_empty(x.shape, dtype)
+    transposed = (x.ndim == 2 and x.T.flags.c_contiguous) or (
+        x.ndim == 4 and x.transpose(3, 2, 0, 1).flags.c_contiguous
+    )
+    if not transposed or x.size < 2**16:
+        np.copyto(out, x, casting="unsafe")
+        return out
+    (rows, cols), (r, c) = x.shape[-2:], BLOCKS[x.ndim]
+    for i in range(0, rows, r):
+        for j in range(0, cols, c):
+            np.copyto(out[..., i : i + r, j : j + c], x[..., i : i + r, j : j + c], casting="unsafe")
+    return out
 
 
 def convert_state_dict(

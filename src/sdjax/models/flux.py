@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.config import ConfigError, config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import convert_state_dict
 from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS, TimestepEmbedding, timestep_embedding
 from sdjax.ops import attention as ops_attention
@@ -459,7 +460,8 @@ class FluxTransformer2DModel(nn.Module):
     def init_params_shape(cls, config: FluxTransformerConfig) -> dict:
         """The params tree (`jax.ShapeDtypeStruct` leaves, float32) the model built from `config` expects.
 
-        Traced once per config (`jax.eval_shape`: nothing is allocated; Flux.1 dev is 11.9e9 parameters)."""
+        Traced once per config (`jax.eval_shape`: nothing is allocated; Flux.1 dev is 11.9e9 parameters) and kept
+        on disk for the next process (`shapes_cache`)."""
         return jax.tree_util.tree_map(lambda x: x, _init_params_shape(config))  # a fresh tree per caller
 
 
@@ -475,7 +477,7 @@ def _init_params_shape(config: FluxTransformerConfig) -> dict:
         guidance = jnp.zeros((1,)) if config.guidance_embeds else None
         return model.init(jax.random.key(0), x, ctx, pooled, jnp.zeros((1,)), ids, ids, guidance)["params"]
 
-    return jax.eval_shape(init)
+    return shapes_cache.cached(FluxTransformer2DModel, config, lambda: jax.eval_shape(init))
 
 
 def init_params_shape(config: FluxTransformerConfig) -> dict:

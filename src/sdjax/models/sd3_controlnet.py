@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from sdjax.config import ConfigError, config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import convert_state_dict
 from sdjax.models.flux import AdaLayerNormZero, CombinedTimestepTextProjEmbeddings, FeedForward, layer_norm, modulate
 from sdjax.models.layers import ATTENTION_IMPLEMENTATIONS
@@ -316,10 +317,13 @@ def _init_params_shape(config: SD3ControlNetConfig) -> dict:
         pooled = jnp.zeros((1, config.pooled_projection_dim))
         return model.init(jax.random.key(0), x, cond, ctx, pooled, jnp.zeros((1,)))["params"]
 
-    shapes = dict(jax.eval_shape(init))
-    if not config.use_pos_embed:
-        shapes.pop("pos_embed")
-    return shapes
+    def trace():
+        shapes = dict(jax.eval_shape(init))
+        if not config.use_pos_embed:
+            shapes.pop("pos_embed")
+        return shapes
+
+    return shapes_cache.cached(SD3ControlNetModel, config, trace)
 
 
 def init_params_shape(config: SD3ControlNetConfig) -> dict:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.config import ConfigError, config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import WeightLoadError, convert_state_dict
 
 # transformers' ACT2FN names a T5 `dense_act_fn` can take. `gelu` is the exact erf form; `gelu_new` (what
@@ -303,9 +304,14 @@ class T5EncoderModel(nn.Module):
 
     @classmethod
     def init_params_shape(cls, config: T5Config):
-        """The params tree as `jax.ShapeDtypeStruct`s (float32), computed by `jax.eval_shape`: nothing allocated."""
-        ids = jnp.zeros((1, 2), jnp.int32)
-        return jax.eval_shape(lambda: cls(config).init(jax.random.key(0), ids))["params"]
+        """The params tree as `jax.ShapeDtypeStruct`s (float32), computed by `jax.eval_shape` (nothing allocated)
+        and kept on disk for the next process (`shapes_cache`)."""
+
+        def trace():
+            ids = jnp.zeros((1, 2), jnp.int32)
+            return jax.eval_shape(lambda: cls(config).init(jax.random.key(0), ids))["params"]
+
+        return shapes_cache.cached(cls, config, trace)
 
 
 # Keyed by the class name that `config.json` "architectures" and `model_index.json` use.

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from sdjax.config import ConfigError, config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import convert_state_dict
 from sdjax.models.layers import (
     ACTIVATIONS,
@@ -688,7 +689,8 @@ class UNet2DConditionModel(nn.Module):
     def init_params_shape(config: UNet2DConditionConfig) -> dict:
         """The params tree (`jax.ShapeDtypeStruct` leaves, float32) the model built from `config` expects.
 
-        Traced once per config (`jax.eval_shape`: nothing is allocated; the full SDXL UNet takes ~15 s on CPU).
+        Traced once per config (`jax.eval_shape`: nothing is allocated; the full SDXL UNet takes ~15 s on CPU) and
+        kept on disk for the next process (`shapes_cache`).
         """
         return jax.tree_util.tree_map(lambda x: x, _init_params_shape(config))  # a fresh tree per caller
 
@@ -708,7 +710,7 @@ def _init_params_shape(config: UNet2DConditionConfig) -> dict:
         sample = jnp.zeros((1, config.in_channels, size, size))
         return model.init(jax.random.key(0), sample, jnp.zeros((1,)), jnp.zeros((1, 1, ctx)), **kwargs)["params"]
 
-    return jax.eval_shape(init)
+    return shapes_cache.cached(UNet2DConditionModel, config, lambda: jax.eval_shape(init))
 
 
 def init_params_shape(config: UNet2DConditionConfig) -> dict:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sdjax.config import ConfigError, config_from_dict
+from sdjax.models import shapes_cache
 from sdjax.models.convert import convert_state_dict
 from sdjax.models.layers import (
     ACTIVATIONS,
@@ -325,7 +326,8 @@ class AutoencoderKL(nn.Module):
     # ------------------------------------------------------------------ params
     @staticmethod
     def init_params_shape(config: AutoencoderKLConfig) -> dict:
-        """The params tree (`jax.ShapeDtypeStruct` leaves, float32) the model built from `config` expects."""
+        """The params tree (`jax.ShapeDtypeStruct` leaves, float32) the model built from `config` expects (traced
+        once per config, kept on disk for the next process: `shapes_cache`)."""
         return jax.tree_util.tree_map(lambda x: x, _init_params_shape(config))
 
 
@@ -333,8 +335,12 @@ class AutoencoderKL(nn.Module):
 def _init_params_shape(config: AutoencoderKLConfig) -> dict:
     model = AutoencoderKL(config)
     size = 2 ** (len(config.block_out_channels) - 1)
-    return jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, config.in_channels, size, size)))["params"]
+    return shapes_cache.cached(
+        AutoencoderKL,
+        config,
+        lambda: jax.eval_shape(
+            lambda: model.init(jax.random.key(0), jnp.zeros((1, config.in_channels, size, size)))["params"]
+        ),
     )
 
 
