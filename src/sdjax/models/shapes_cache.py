@@ -38,7 +38,6 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 logger = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ def cache_key(model_cls: type, config: Any) -> dict | None:
         "fields": fields,
         "source": source,
         "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
+        "jaxlib": jax.lib.__version__,  # jaxlib comes with jax: not a dependency of its own
         "flax": flax.__version__,
         "x64": bool(jax.config.jax_enable_x64),
     }
