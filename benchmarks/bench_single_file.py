@@ -14,8 +14,9 @@ into float32. Needs torch, diffusers and transformers (test extras). Runs in wel
 sdjax's rows: `sdjax` reads the abstract params trees from a shape cache (`models.shapes_cache`) that an untimed
 load filled first, in a folder of the bench's own (what every load after a user's first one does); `--cold` adds a
 `sdjax-cold` row with the cache off (every trace done, as a first load). `--baseline SRC` adds `sdjax@baseline`, the
-same load from another checkout's `src` folder (e.g. `git archive HEAD src | tar -x -C /tmp/base`), run in turn with
-the others, for a before/after on one machine in one window. The load average at the start and end is recorded.
+same load from another checkout's `src` folder (e.g. `git archive HEAD src | tar -x -C /tmp/base`), with the same
+shape-cache folder (filled by an untimed load of its own), run in turn with the others, for a before/after on one
+machine in one window. The load average at the start and end is recorded.
 
 `--arch sd15` writes the released SD 1.5 architecture instead (`benchmarks/full_size.py`: the configs sdjax
 embeds, random weights; 1.07 G parameters, a 2.0 GiB fp16 file); the diffusers folder then keeps only its configs
@@ -176,7 +177,7 @@ def main() -> None:
         if args.cold:
             envs["sdjax-cold"] = {**base, "SDJAX_SHAPE_CACHE": "off"}
         if args.baseline:
-            envs["sdjax@baseline"] = {**base, "PYTHONPATH": str(Path(args.baseline).resolve())}
+            envs["sdjax@baseline"] = {**envs["sdjax"], "PYTHONPATH": str(Path(args.baseline).resolve())}
         envs["diffusers"] = base
         load_before = os.getloadavg()
 
@@ -187,6 +188,8 @@ def main() -> None:
             return json.loads(out.strip().splitlines()[-1])
 
         child("sdjax")  # fills the shape cache, untimed
+        if args.baseline:
+            child("sdjax@baseline")  # the same cache folder: its trees may be keyed otherwise
         runs: dict[str, list[dict]] = {name: [] for name in envs}
         for _ in range(args.reps):
             for name in runs:
