@@ -19,6 +19,8 @@ import pytest
 import reference
 import t5_reference
 
+from sdjax.families.flux import presets as flux_presets
+from sdjax.families.sd3 import presets as sd3_presets
 from sdjax.models import clip, controlnet, flux, sd3, sd3_controlnet, shapes_cache, t5, unet, vae
 
 CACHED_FUNCTIONS = [
@@ -30,30 +32,9 @@ CACHED_FUNCTIONS = [
     sd3_controlnet._init_params_shape,
 ]
 
-SD3_TINY = dict(
-    sample_size=8,
-    patch_size=2,
-    in_channels=4,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=40,
-    caption_projection_dim=32,
-    pooled_projection_dim=24,
-    out_channels=4,
-    pos_embed_max_size=12,
-)
-FLUX_TINY = dict(
-    patch_size=1,
-    in_channels=16,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    pooled_projection_dim=24,
-    axes_dims_rope=(4, 6, 6),
-)
+# the families' own seconds-long presets
+FLUX_TINY = flux_presets.ARCHITECTURES["flux-tiny"].transformer
+SD3_TINY = sd3_presets.ARCHITECTURES["sd3-tiny"].transformer
 
 # (model class, config) of each family whose `init_params_shape` goes through the cache.
 CASES = {
@@ -87,6 +68,7 @@ CASES = {
         lambda: sd3_controlnet.SD3ControlNetConfig.from_dict(
             {**{k: v for k, v in SD3_TINY.items() if k != "sample_size"}, "pos_embed_max_size": None}
             | {"pos_embed_type": None, "use_pos_embed": False, "joint_attention_dim": None, "num_layers": 1}
+            | {"dual_attention_layers": (), "qk_norm": None}  # joint-block options of the preset
         ),
     ),
 }
