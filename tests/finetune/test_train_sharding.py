@@ -325,11 +325,13 @@ def _field_and_value(path) -> tuple[str, tuple[str, ...]]:
 
 
 @pytest.mark.parametrize("name", ["adafactor", "prodigy"])
-def test_optimizer_states_fsdp_equal_replicated(mesh, name):
+def test_optimizer_states_fsdp_equal_replicated(mesh, name, tmp_path):
     """Adafactor's and Prodigy's states (other shapes than AdamW's: factored moments, scalar step-size estimates)
     under FSDP, with accumulation (`optax.MultiSteps`): every leaf that holds an array per value has that value's
     sharding, a device holds 1/8 of each of those leaves, everything else is whole; two updates of the FSDP layout
-    give the replicated layout's losses, values and every optimiser-state leaf."""
+    give the replicated layout's losses, values and every optimiser-state leaf; and the split state comes back
+    from a run's checkpoint (`run._checkpoints`, `run._restore`, placed by the layout, as a resumed FSDP run does)
+    bit for bit, each leaf in its sharding. (A whole resumed FSDP run: tests/finetune/test_fsdp_runs.py, AdamW.)"""
     lr = 1.0 if name == "prodigy" else 1e-2  # Prodigy's lr multiplies its own step-size estimate
     optimizer = step_lib.make_optimizer(step_lib.lr_schedule(lr, 10, 0, "constant"), optimizer=name, accumulation=2)
     values = _toy_values()
@@ -370,6 +372,20 @@ def test_optimizer_states_fsdp_equal_replicated(mesh, name):
         assert inner.v_row["to_q"].shape == (128,) and inner.v_col["to_q"].shape == (256,)
         assert inner.v["to_q"].shape == (1,)
     assert held < 0.2 * whole
+
+    from sdjax.finetune import run as run_lib
+
+    manager = run_lib._checkpoints(tmp_path)
+    manager.save(2, args=run_lib._save_args(state), force=True)
+    manager.wait_until_finished()
+    manager.close()
+    saved, micro = run_lib._restore(run_lib._checkpoints(tmp_path), init())
+    back, _ = lay.place(saved, frozen)
+    pairs = zip(*(jax.tree_util.tree_flatten_with_path(t)[0] for t in (state, back)), strict=True)
+    for (path, a), (_, b) in pairs:
+        where = jax.tree_util.keystr(path)
+        assert b.sharding.spec == a.sharding.spec and np.array_equal(np.asarray(b), np.asarray(a)), where
+    assert micro == 2
 
 
 def test_layout_refuses_a_missing_trained_entry(mesh):
