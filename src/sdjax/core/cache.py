@@ -1,11 +1,14 @@
 """The bounded cache of compiled programs (`Generator.cache`): executables kept least recently used first out,
-beyond a count or a budget of generated-code bytes; evicted executables are freed."""
+beyond a count or a budget of generated-code bytes; evicted executables are freed. `compile_shared`: one executable
+for the same program lowered twice in a process (two pipelines of one model), while either holds it."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -114,3 +117,27 @@ def _code_bytes(executable) -> int:
         return int(getattr(analysis, "generated_code_size_in_bytes", 0) or 0)
     except Exception:  # not every backend reports it
         return 0
+
+
+# Executables by (program text, devices, JAX settings), held weakly: alive only while some cache (a pipeline's
+# `ProgramCache`, a decoder table) holds them, so sharing never keeps an evicted executable's memory.
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def compile_shared(lowered: Any, devices: tuple) -> Any:
+    """`lowered.compile()`, or the executable of an identical lowering that this process compiled before and that
+    is still alive: the same program text (StableHLO with its shapes, dtypes and shardings), on the same `devices`
+    (ids in mesh order: the text names no device) under the same JAX settings. The same program runs, so no number
+    changes; only the compile is saved (a second pipeline of one model, a CLI run beside the Python API's)."""
+    import jax
+
+    text = lowered.as_text()
+    key = (hashlib.sha256(text.encode()).hexdigest(), len(text), devices, repr(sorted(jax.config.values.items())))
+    with _SHARED_LOCK:
+        compiled = _SHARED.get(key)
+    if compiled is None:
+        compiled = lowered.compile()
+        with _SHARED_LOCK:
+            _SHARED[key] = compiled
+    return compiled

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sdjax import rng
 from sdjax.core import autoencoder, loop
 from sdjax.core import features as feature_lib
-from sdjax.core.cache import ProgramCache
+from sdjax.core.cache import ProgramCache, compile_shared
 from sdjax.core.protocols import PROMPT_SYNTAXES, Conditioning, Denoiser, Feature, FeatureRequest
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
@@ -421,7 +421,8 @@ class Generator:
         `inputs` are example host arrays (default: zeros of the right shapes), used only for their shapes."""
         mesh = self.get_mesh()
         key = self._program_key(spec, mesh, params)
-        return self.cache.get(key, lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs).compile())
+        lowered = lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs)
+        return self.cache.get(key, lambda: compile_shared(lowered(), _mesh_key(mesh)))
 
     def executables(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
         """What `run` executes for `spec`, compiled (or from the cache): `(main, decode)`. With `split_decode` and
@@ -434,7 +435,7 @@ class Generator:
 
         def build():
             latents_spec = dataclasses.replace(spec, output="latents")
-            main = self.lower(latents_spec, params=params, mesh=mesh, inputs=inputs).compile()
+            main = compile_shared(self.lower(latents_spec, params=params, mesh=mesh, inputs=inputs), _mesh_key(mesh))
             checked = self.check_params(self.params if params is None else params, features=spec.features)
             vae = self.place_params(checked, mesh)["vae"]
             decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling, spec.vae_slicing)
@@ -454,7 +455,7 @@ class Generator:
             latents = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=latents_sharding)
             fn = jax.jit(functools.partial(decode_program, self.models, spec))
             with ops_attention.lowering_for(_platform(mesh), mesh):
-                decoder = fn.lower(vae_params, latents).compile()
+                decoder = compile_shared(fn.lower(vae_params, latents), _mesh_key(mesh))
             with self._place_lock:
                 self._decoders[key] = decoder
         return decoder

@@ -1,0 +1,38 @@
+"""`core.cache.compile_shared`: two pipelines of one model in a process run one executable per program (the second
+compiles nothing), on the same devices only, and the shared executables are freed with the last pipeline. (The key
+also holds JAX's settings, as `finetune.run._compiled_once` does for train steps.)"""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import numpy as np
+
+from sdjax.core import cache as cache_lib
+from sdjax.pipelines import StableDiffusionPipeline
+
+
+def _executables(pipe) -> set[int]:
+    return {id(exe) for _, parts in pipe.generator.cache._entries.values() for exe, _ in parts}
+
+
+def _image(pipe) -> np.ndarray:
+    return np.asarray(pipe.generate("a cat", steps=2, seed=0, width=32, height=32, output_type="np"))
+
+
+def test_a_second_pipeline_of_the_model_runs_the_first_ones_executables(sd1_dir):
+    first, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    second, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    other, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    first.devices = second.devices = jax.devices()[:1]
+    other.devices = jax.devices()[1:2]  # the same program text on another device: its own executable
+    images = [_image(p) for p in (first, second, other)]
+    assert _executables(first) and _executables(second) == _executables(first)
+    assert not _executables(other) & _executables(first)
+    np.testing.assert_array_equal(images[1], images[0])
+    np.testing.assert_array_equal(images[2], images[0])
+    held = _executables(first) | _executables(other)
+    del first, second, other, images
+    gc.collect()
+    assert not held & {id(exe) for exe in cache_lib._SHARED.values()}  # the weak table kept nothing alive
