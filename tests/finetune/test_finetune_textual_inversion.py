@@ -113,14 +113,37 @@ def _train(images, out, model, **options):
     )
 
 
-def test_trained_files_load_in_sdjax_and_diffusers(sd1_dir, torch_sd1, images, tmp_path):
-    """A 2-update run on the tiny SD 1.x model: the A1111 file and diffusers' file load with sdjax's and
-    diffusers' `load_textual_inversion` and give the same text-encoder output for a prompt using the token."""
+# Micro-batches of 2, 2 per update, flips, noise offset, bfloat16 compute and Min-SNR-gamma weighting.
+RUN_OPTIONS = dict(
+    steps=3, lr=1e-2, batch_size=2, accumulation=2, flip=True, noise_offset=0.05, mixed_precision="bf16",
+    min_snr_gamma=GAMMA,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sd1_runs(sd1_dir, images, tmp_path_factory):
+    """Three runs on the tiny SD 1.x model with `RUN_OPTIONS`: (the unbroken 3-update run, a run stopped after one
+    update, whether that stopped run wrote its file, the stopped run resumed to the end, the resumed run's file).
+    The unbroken run's files are also the ones `test_trained_files_load_in_sdjax_and_diffusers` loads (one training
+    run and its compile fewer than a run of its own)."""
+    tmp = tmp_path_factory.mktemp("ti-sd1-runs")
+    full = _train(images, tmp / "full.safetensors", str(sd1_dir), **RUN_OPTIONS)
+    part_out = tmp / "part.safetensors"
+    first = _train(images, part_out, str(sd1_dir), stop_after=1, **RUN_OPTIONS)
+    part_written_early = part_out.exists()
+    rest = _train(images, part_out, str(sd1_dir), **RUN_OPTIONS)
+    return full, first, part_written_early, rest, part_out
+
+
+def test_trained_files_load_in_sdjax_and_diffusers(sd1_dir, torch_sd1, sd1_runs):
+    """A 3-update run on the tiny SD 1.x model (`sd1_runs`' unbroken run): the A1111 file and diffusers' file load
+    with sdjax's and diffusers' `load_textual_inversion` and give the same text-encoder output for a prompt using
+    the token."""
     import torch
 
-    out = tmp_path / "star.safetensors"
-    result = _train(images, out, str(sd1_dir), steps=2, lr=1e-2, min_snr_gamma=GAMMA)
-    assert len(result.losses) == 2 and all(np.isfinite(result.losses))
+    result = sd1_runs[0]
+    out = result.out
+    assert len(result.losses) == RUN_OPTIONS["steps"] and all(np.isfinite(result.losses))
     a1111 = load_file(str(out))
     diffusers_file = result.run_dir / "learned_embeds.safetensors"
     learned = load_file(str(diffusers_file))
@@ -260,20 +283,16 @@ def test_sdxl_embedding_for_both_encoders(sdxl_dir, torch_sdxl, images, tmp_path
     assert err <= 1e-5
 
 
-def test_prompts_and_resume(sd1_dir, images, tmp_path):
+def test_prompts_and_resume(sd1_dir, images, sd1_runs):
     """Captions naming the token stay, others get it in front, missing ones a template; a run stopped after one
-    update and resumed repeats the unbroken run's losses and embedding exactly."""
+    update and resumed repeats the unbroken run's losses and embedding exactly (`sd1_runs`)."""
     got = ti_lib.prompts([f"a {TOKEN}", "a red shape", ""], TOKEN, seed=0, step=3)
     assert got[:2] == [f"a {TOKEN}", f"{TOKEN}, a red shape"]
     assert got[2] in [t.format(TOKEN) for t in ti_lib.OBJECT_TEMPLATES]
     assert got == ti_lib.prompts([f"a {TOKEN}", "a red shape", ""], TOKEN, seed=0, step=3)
 
-    options = dict(steps=3, lr=1e-2, batch_size=2, accumulation=2, flip=True, noise_offset=0.05, mixed_precision="bf16")
-    full = _train(images, tmp_path / "full.safetensors", str(sd1_dir), **options)
-    part_out = tmp_path / "part.safetensors"
-    first = _train(images, part_out, str(sd1_dir), stop_after=1, **options)
-    assert first.losses == full.losses[:1] and not part_out.exists()
-    rest = _train(images, part_out, str(sd1_dir), **options)
+    full, first, part_written_early, rest, part_out = sd1_runs
+    assert first.losses == full.losses[:1] and not part_written_early
     assert rest.start_step == 1 and rest.losses == full.losses[1:]
     a, b = load_file(str(full.out)), load_file(str(part_out))
     np.testing.assert_array_equal(a["emb_params"], b["emb_params"])

@@ -169,8 +169,9 @@ def trained(flux, tmp_path_factory):
     return result, data
 
 
-def _fixed_batch_loss(pipe, params, lora, data, *, keys=6):
-    """The step's loss (VAE sample, noise, u from fixed keys) on the four images, mean over `keys` draws."""
+def _fixed_batch_losses(pipe, params, loras, data, *, keys=6):
+    """The step's loss (VAE sample, noise, u from fixed keys) on the four images for each LoRA of `loras`, one
+    array of `keys` draws per LoRA (one compiled loss serves them all)."""
     from PIL import Image
 
     texts = flow_models.TextStates(pipe.generator.models.conditioning, params)
@@ -183,7 +184,9 @@ def _fixed_batch_loss(pipe, params, lora, data, *, keys=6):
     objective = flow.FlowObjective(shift=s.shift, use_dynamic_shifting=s.use_dynamic_shifting)
     loss = jax.jit(flow.make_flow_loss(models, objective))
     frozen = {"transformer": params["transformer"], "vae": params["vae"]}
-    return np.asarray([float(loss(lora, frozen, batch, jax.random.PRNGKey(k))) for k in range(keys)])
+    return [
+        np.asarray([float(loss(lora, frozen, batch, jax.random.PRNGKey(k))) for k in range(keys)]) for lora in loras
+    ]
 
 
 def test_a_short_run_lowers_the_loss_and_writes_diffusers_file(flux, trained):
@@ -202,7 +205,7 @@ def test_a_short_run_lowers_the_loss_and_writes_diffusers_file(flux, trained):
     assert all(k.startswith("transformer.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
     assert len(keys) == 2 * 30 and '"transformer.lora_alpha": 8.0' in meta["lora_adapter_metadata"]
     fresh = jax.tree_util.tree_map(np.zeros_like, lora)
-    before, after = _fixed_batch_loss(pipe, params, fresh, data), _fixed_batch_loss(pipe, params, lora, data)
+    before, after = _fixed_batch_losses(pipe, params, [fresh, lora], data)
     print(f"fixed-batch loss {before.mean():.4f} -> {after.mean():.4f} (per key {before} -> {after})")
     assert after.mean() < 0.85 * before.mean() and np.all(after < before)
 

@@ -65,15 +65,14 @@ def test_branch_form_with_lora_dropout(sd1, torch_sd1):
     inputs = {k: jnp.asarray(v) for k, v in batch.items()}
     inputs |= {"unet_kwargs": {}, "perturbation": None, "dropout_key": jax.random.PRNGKey(5)}
 
-    def value_and_grad(rate):
+    def loss_at(rate):
         models = step_lib.Models(None, pipe.unet, pipe.vae, unet_scale=ALPHA / RANK, lora_dropout=rate)
-        fn = lambda lora_unet: step_lib.unet_loss(lora_unet, params["unet"], models, objective, ac, inputs)
-        return jax.jit(jax.value_and_grad(fn))(lora["unet"])
+        return lambda lora_unet: step_lib.unet_loss(lora_unet, params["unet"], models, objective, ac, inputs)
 
-    value, grads = value_and_grad(1e-9)
+    value, grads = jax.jit(jax.value_and_grad(loss_at(1e-9)))(lora["unet"])
     assert abs(float(value) - ref_loss) / ref_loss <= 1e-5
     worst = worst_grad_error(grads, tensors, tol=None)
     print(f"branch form: loss relative error {abs(float(value) - ref_loss) / ref_loss:.2e}, gradients {worst:.2e}")
     assert worst <= 1e-4
-    dropped, _ = value_and_grad(0.5)
+    dropped = jax.jit(loss_at(0.5))(lora["unet"])  # only the loss is compared: no backward pass to compile
     assert np.isfinite(float(dropped)) and abs(float(dropped) - float(value)) > 1e-4
