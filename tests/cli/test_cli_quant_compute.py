@@ -19,9 +19,24 @@ runner = CliRunner()
 PROMPT = "a red circle"
 
 
-def _api_image(**policy) -> np.ndarray:
+def _api_pipeline(**policy):
     pipe, _ = load_pipeline(EMBEDDED_MODEL, quantize=quant.QuantPolicy("int8", components=("unet",), **policy))
+    return pipe
+
+
+def _image(pipe) -> np.ndarray:
     return np.asarray(pipe.generate(PROMPT, steps=3, seed=3, output_type="pil")[0])
+
+
+def _api_image(**policy) -> np.ndarray:
+    return _image(_api_pipeline(**policy))
+
+
+@pytest.fixture(scope="module")
+def int8_compute():
+    """The Python API's int8-compute pipeline and its image, the reference of every test here that needs them."""
+    pipe = _api_pipeline(compute="int8")
+    return pipe, _image(pipe)
 
 
 def _cli_image(tmp_path, *flags) -> np.ndarray:
@@ -34,20 +49,20 @@ def _cli_image(tmp_path, *flags) -> np.ndarray:
         return np.asarray(im)
 
 
-def test_generate_int8_compute_writes_the_python_apis_image(tmp_path):
+def test_generate_int8_compute_writes_the_python_apis_image(tmp_path, int8_compute):
     written = _cli_image(tmp_path, "--quantize", "int8", "--quant-compute", "int8")
-    np.testing.assert_array_equal(written, _api_image(compute="int8"))
+    np.testing.assert_array_equal(written, int8_compute[1])
     # and not the weight-only one: the option reached the program
     assert np.abs(written.astype(int) - _api_image()).max() > 0
 
 
-def test_generate_with_a_calibration_writes_the_python_apis_image(tmp_path):
-    pipe, _ = load_pipeline(EMBEDDED_MODEL, quantize=quant.QuantPolicy("int8", components=("unet",), compute="int8"))
+def test_generate_with_a_calibration_writes_the_python_apis_image(tmp_path, int8_compute):
+    pipe, per_call = int8_compute  # calibrate leaves the pipeline's policy as it was (its programs are dropped)
     path = tmp_path / quant.CALIBRATION_FILE
     quant.calibrate(pipe, ["a blue square", "a green triangle"], steps=2).save(path)
     written = _cli_image(tmp_path / "out", "--quantize", "int8", "--quant-compute", "int8", "--calibration", str(path))
     np.testing.assert_array_equal(written, _api_image(compute="int8", calibration=str(path)))
-    assert np.abs(written.astype(int) - _api_image(compute="int8")).max() > 0  # static scales: another image
+    assert np.abs(written.astype(int) - per_call).max() > 0  # static scales: another image
 
 
 def _calibration_file(tmp_path, compute="int8", layers=None, name="cal.json"):
@@ -103,7 +118,7 @@ def test_a_calibration_of_another_model_is_refused_naming_the_file(tmp_path):
     assert r.exit_code == 1 and "could not load" in text and str(path) in text and "another model" in text
 
 
-def test_serve_loads_the_int8_compute_pipeline(tmp_path, monkeypatch):
+def test_serve_loads_the_int8_compute_pipeline(tmp_path, monkeypatch, int8_compute):
     from sdjax import server
 
     served = []
@@ -113,6 +128,4 @@ def test_serve_loads_the_int8_compute_pipeline(tmp_path, monkeypatch):
     (pipe,) = served
     want = quant.QuantPolicy("int8", components=("unet",), compute="int8")
     assert pipe.quantization == want
-    assert np.asarray(pipe.generate(PROMPT, steps=3, seed=3, output_type="pil")[0]).tobytes() == (
-        _api_image(compute="int8").tobytes()
-    )
+    assert _image(pipe).tobytes() == int8_compute[1].tobytes()

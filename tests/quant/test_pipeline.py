@@ -38,10 +38,23 @@ def embedded():
     return pipe, params, pipe.generate(PROMPTS, **KW)
 
 
+@pytest.fixture(scope="module")
+def quantized_pipes():
+    """scheme -> (pipeline, params, its images of PROMPTS), each loaded and generated once for the module."""
+    made = {}
+
+    def get(scheme):
+        if scheme not in made:
+            pipe, params = load_pipeline(None, quantize=scheme)
+            made[scheme] = pipe, params, pipe.generate(PROMPTS, **KW)
+        return made[scheme]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["int8", "fp8"])
-def quantized(request):
-    pipe, params = load_pipeline(None, quantize=request.param)
-    return request.param, pipe, params, pipe.generate(PROMPTS, **KW)
+def quantized(request, quantized_pipes):
+    return request.param, *quantized_pipes(request.param)
 
 
 def test_images_stay_close_to_the_unquantized_ones(embedded, quantized):
@@ -110,14 +123,15 @@ def _lora_file(tmp_path, params, rank=4, seed=0):
     return file, paths
 
 
-def test_lora_on_a_quantized_model(tmp_path):
+def test_lora_on_a_quantized_model(tmp_path, quantized_pipes, request):
     """The delta is added in float32 to the dequantized kernel, then quantized again with a new per-channel scale:
     the fused kernel is within half an old step plus half a new step of the unquantized model's fused kernel; the
-    LoRA changes the image; unfusing gives the very base arrays (and the base image) back."""
-    pipe, params = load_pipeline(None, quantize="int8")
+    LoRA changes the first image; unfusing gives the very base arrays (and the base images) back. On the module's
+    int8 pipeline (unfused again at the end), against its images before the LoRA."""
+    pipe, params, base_q = quantized_pipes("int8")
+    request.addfinalizer(pipe.unfuse_loras)  # the other tests' int8 pipeline, even when an assertion here fails
     ref_pipe, _ = load_pipeline(None)
     file, paths = _lora_file(tmp_path, params)
-    base_q = pipe.generate(PROMPTS[:1], **KW)
     pipe.load_lora(file, scale=0.8)
     ref_pipe.load_lora(file, scale=0.8)
     fused = P.quantized_kernels(pipe.params["unet"])
@@ -135,12 +149,12 @@ def test_lora_on_a_quantized_model(tmp_path):
         old_step = np.asarray(before[path][1])
         assert np.all(np.abs(got - np.asarray(want)) <= (np.asarray(scale) + old_step) / 2 * (1 + 1e-4) + 1e-7)
         assert not np.array_equal(np.asarray(q), np.asarray(before[path][0]))
-    out = pipe.generate(PROMPTS[:1], **KW)
-    assert float(np.abs(out - base_q).max()) > 5e-3  # the LoRA changed the image
+    out = pipe.generate(PROMPTS, **KW)
+    assert float(np.abs(out[0] - base_q[0]).max()) > 5e-3  # the LoRA changed the (first) image
     pipe.unfuse_loras()
     for path in paths:
         assert P.quantized_kernels(pipe.params["unet"])[path][0] is before[path][0]
-    np.testing.assert_array_equal(pipe.generate(PROMPTS[:1], **KW), base_q)
+    np.testing.assert_array_equal(pipe.generate(PROMPTS, **KW), base_q)
 
 
 def test_bad_quantize_value_fails_before_loading(tmp_path):
@@ -164,7 +178,7 @@ def test_a_policy_names_components_and_thresholds():
     assert text and all(q.size >= 1024 for q, _ in text.values())
     assert unet and not any("/attn2/" in p for p in unet)
     assert "conv_in/kernel" in unet  # 3x3x4x32 = 1,152 weights: above this policy's threshold, not the default
-    out = pipe.generate(PROMPTS[:1], **KW)
+    out = pipe.generate(PROMPTS[:1], **{**KW, "steps": 2})  # finite images: 2 steps run every layer as 8 do
     assert np.isfinite(out).all()
     with pytest.raises(ValueError, match="lack"):
         quant.quantize_pipeline(*load_pipeline(None), quant.QuantPolicy("int8", components=("transformer",)))
