@@ -34,9 +34,15 @@ def _diffusers_dreambooth_step(torch_unet, scheduler_config, prediction_type, ba
     return float(loss.detach()), {n: p for n, p in unet.named_parameters() if "lora_" in n}
 
 
+@pytest.fixture(scope="module")
+def sd1(sd1_dir):
+    """The tiny SD 1.x pipeline, loaded once for the module (no test changes it)."""
+    return load_pipeline(str(sd1_dir))
+
+
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
-def test_prior_preservation_step_matches_diffusers(sd1_dir, torch_sd1, prediction_type):
-    pipe, params = load_pipeline(str(sd1_dir))
+def test_prior_preservation_step_matches_diffusers(sd1, torch_sd1, prediction_type):
+    pipe, params = sd1
     batch = parity_batch(3, [37, 811, 500, 120])  # 2 instance examples, then 2 class examples
     ref_loss, tensors = _diffusers_dreambooth_step(torch_sd1.unet, torch_sd1.scheduler.config, prediction_type, batch)
     lora = lora_from_peft(params, tensors, RANK)
@@ -46,12 +52,15 @@ def test_prior_preservation_step_matches_diffusers(sd1_dir, torch_sd1, predictio
     inputs = {k: jnp.asarray(v) for k, v in batch.items()} | {"unet_kwargs": {}, "perturbation": None}
 
     def loss_with(objective):
-        fn = lambda lora_unet: step_lib.unet_loss(lora_unet, params["unet"], models, objective, ac, inputs)
-        return jax.jit(jax.value_and_grad(fn))(lora["unet"])
+        return lambda lora_unet: step_lib.unet_loss(lora_unet, params["unet"], models, objective, ac, inputs)
 
-    value, grads = loss_with(step_lib.Objective(prediction_type=prediction_type, prior_loss_weight=PRIOR_WEIGHT))
+    def losses(lora_unet):  # one program: the prior-preservation loss and its gradient, and the plain loss
+        prior = loss_with(step_lib.Objective(prediction_type=prediction_type, prior_loss_weight=PRIOR_WEIGHT))
+        plain = loss_with(step_lib.Objective(prediction_type=prediction_type))  # the mean over all 4: not it
+        return *jax.value_and_grad(prior)(lora_unet), plain(lora_unet)
+
+    value, grads, plain = jax.jit(losses)(lora["unet"])
     loss_rel = abs(float(value) - ref_loss) / abs(ref_loss)
-    plain, _ = loss_with(step_lib.Objective(prediction_type=prediction_type))  # the mean over all 4: not it
     assert abs(float(plain) - ref_loss) / ref_loss > 1e-3
     worst = worst_grad_error(grads, tensors)
     print(f"{prediction_type}: loss relative error {loss_rel:.2e}, worst of {2 * len(grads)} gradients {worst:.2e}")
@@ -66,7 +75,7 @@ def _images(folder, n, seed):
         (folder / f"img{i}.txt").write_text("a caption DreamBooth does not read")
 
 
-def test_class_images_drawn_when_missing_then_reused(sd1_dir, tmp_path):
+def test_class_images_drawn_when_missing_then_reused(sd1_dir, sd1, tmp_path):
     instance, classes = tmp_path / "sks", tmp_path / "dog"
     _images(instance, 2, 0)
     _images(classes, 1, 1)  # one class image of the user's: two of three are missing
@@ -94,7 +103,7 @@ def test_class_images_drawn_when_missing_then_reused(sd1_dir, tmp_path):
     assert any(k.startswith("lora_unet_") and k.endswith("lora_up.weight") for k in trained)
 
     # the batch: the instance examples with the instance prompt, then the class examples with the class prompt
-    pipe, _ = load_pipeline(str(sd1_dir))
+    pipe, _ = sd1
     cfg = dreambooth.DreamBoothConfig(data=str(instance), out="x.safetensors", **options)
     data_cfg = cfg.data_config(64)
     samplers = [
@@ -123,14 +132,14 @@ def test_class_images_drawn_when_missing_then_reused(sd1_dir, tmp_path):
         train_dreambooth(instance, tmp_path / "sks.safetensors", **(options | {"prior_loss_weight": 2.0}))
 
 
-def test_a_process_rows_of_the_instance_and_class_batch(sd1_dir, tmp_path):
+def test_a_process_rows_of_the_instance_and_class_batch(sd1, tmp_path):
     """`_batch(..., rows)` (what one process of several builds: `run.RowBatches`) equals those rows of the whole
     [instance; class] micro-batch, opening only the images of those rows: instance rows from the instance images,
     class rows from the class images, none of a part without rows."""
     instance, classes = tmp_path / "sks", tmp_path / "dog"
     _images(instance, 3, 0)
     _images(classes, 3, 1)
-    pipe, _ = load_pipeline(str(sd1_dir))
+    pipe, _ = sd1
     conditioning = pipe.generator.models.conditioning
     data_cfg = dreambooth.data_lib.DataConfig(resolution=64, bucketing=False, flip=True, random_crop=True)
     samplers = [

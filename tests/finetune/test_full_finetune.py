@@ -5,9 +5,10 @@
   timesteps and hidden states gives the same loss and the same gradient of every UNet tensor (named by diffusers).
 - The written diffusers folder loads in diffusers and in sdjax and gives the trained UNet's output; the other
   components are the base model's files; the A1111 single file loads in both too.
-- A run stopped after update 2 and resumed repeats the unbroken run's losses and writes the same UNet (gradient
-  checkpointing, accumulation, EMA, Min-SNR, noise offset, flips, cosine schedule with warm-up, through the CLI).
-  The bf16 run (float32 master copy) is the file test's.
+- A run stopped after update 2 and resumed repeats the unbroken run's losses and writes the same UNet (bf16 compute
+  with a float32 master copy, gradient checkpointing, accumulation, EMA, Min-SNR, noise offset, flips, cosine
+  schedule with warm-up, through the CLI). The file test reads that same run's folder and single file (one run,
+  one compile of its step, for both tests).
 - Bad settings fail before anything is loaded, naming the setting or folder.
 """
 
@@ -112,6 +113,52 @@ def test_full_step_matches_diffusers(sd1, torch_sd1, prediction_type, gamma):
 
 
 # ------------------------------------------------------------------------------------------------ (b) the files
+OPTIONS = dict(
+    steps=4,
+    batch_size=2,
+    accumulation=2,
+    resolution=64,
+    lr=1e-3,
+    warmup=1,
+    lr_schedule="cosine",
+    min_snr_gamma=5.0,
+    noise_offset=0.05,
+    flip=True,
+    save_every=2,
+    ema_decay=0.5,
+    gradient_checkpointing=True,
+    tensorboard=True,
+    mixed_precision="bf16",  # bfloat16 compute; the master copy and what is written stay float32
+)
+
+
+@pytest.fixture(scope="module")
+def cli_run(sd1_dir, images, tmp_path_factory):
+    """`sdjax train finetune` with OPTIONS and an A1111 single file, through the CLI: (the trainer's
+    `FinetuneResult`, the CLI's result, the folder holding `ft/`, `ft.safetensors` and `ft-run/`). The resume test
+    and the file test both read this one run."""
+    folder = tmp_path_factory.mktemp("finetune-cli")
+    out = folder / "ft"
+    cli = ["train", "finetune", "--model", str(sd1_dir), "--data", str(images), "--out", str(out)]
+    cli += ["--single-file", str(folder / "ft.safetensors")]
+    for key, value in OPTIONS.items():
+        flag = "--" + key.replace("_", "-")
+        cli += [flag] if value is True else [flag, str(value)]
+    results = []
+    train = full.train_finetune
+
+    def recorded(*args, **kwargs):
+        results.append(train(*args, **kwargs))
+        return results[-1]
+
+    with pytest.MonkeyPatch.context() as mp:  # the CLI imports `train_finetune` from `full` when it runs
+        mp.setattr(full, "train_finetune", recorded)
+        result = CliRunner().invoke(app, cli)
+    assert result.exit_code == 0, result.output + str(result.exception)
+    assert len(results) == 1
+    return results[0], result, folder
+
+
 def _unet_output(module, unet_params, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
@@ -120,30 +167,20 @@ def _unet_output(module, unet_params, seed=0):
     return x, t, ctx, np.asarray(module.apply({"params": unet_params}, x, t, ctx))
 
 
-def test_written_folder_and_single_file_load_in_diffusers_and_sdjax(sd1_dir, sd1, images, tmp_path):
+def test_written_folder_and_single_file_load_in_diffusers_and_sdjax(sd1_dir, sd1, cli_run):
     import diffusers
     import torch
 
     from sdjax.loading.single_file import load_single_file
 
-    out, single = tmp_path / "cat-model", tmp_path / "cat-model.safetensors"
-    result = full.train_finetune(
-        images,
-        out,
-        model=str(sd1_dir),
-        steps=2,
-        resolution=64,
-        lr=1e-3,
-        single_file=str(single),
-        seed=3,
-        mixed_precision="bf16",  # bfloat16 compute; the master copy and what is written stay float32
-    )
+    result, _, folder = cli_run  # bfloat16 compute; the master copy and what is written stay float32
+    out, single = folder / "ft", folder / "ft.safetensors"
     trained = result.unet
     pipe, base = sd1
     kernel = np.asarray(trained["conv_in"]["kernel"])
     assert kernel.dtype == np.float32 and np.any(kernel != kernel.astype(jnp.bfloat16).astype(np.float32))
     assert _rel(kernel, np.asarray(base["unet"]["conv_in"]["kernel"])) > 1e-4  # it trained
-    assert (result.run_dir / "loss.jsonl").is_file() and result.run_dir == tmp_path / "cat-model-run"
+    assert (result.run_dir / "loss.jsonl").is_file() and result.run_dir == folder / "ft-run"
 
     x, t, ctx, want = _unet_output(pipe.unet, trained)
     # sdjax reads the folder back: the trained params exactly, hence the trained output
@@ -174,24 +211,6 @@ def test_written_folder_and_single_file_load_in_diffusers_and_sdjax(sd1_dir, sd1
 
 
 # ------------------------------------------------------------------------------------------------ (c) resuming
-OPTIONS = dict(
-    steps=4,
-    batch_size=2,
-    accumulation=2,
-    resolution=64,
-    lr=1e-3,
-    warmup=1,
-    lr_schedule="cosine",
-    min_snr_gamma=5.0,
-    noise_offset=0.05,
-    flip=True,
-    save_every=2,
-    ema_decay=0.5,
-    gradient_checkpointing=True,
-    tensorboard=True,
-)
-
-
 def read_scalars(folder) -> list[dict]:
     """The scalar events of every TensorBoard event file in `folder` (TFRecord framing: u64 length, u32 CRC,
     data, u32 CRC; tensorboardX's `Event` protobuf), in file order."""
@@ -211,16 +230,11 @@ def read_scalars(folder) -> list[dict]:
     return rows
 
 
-def test_cli_run_then_resume_repeats_the_losses(sd1_dir, images, tmp_path):
-    out = tmp_path / "ft"
-    cli = ["train", "finetune", "--model", str(sd1_dir), "--data", str(images), "--out", str(out)]
-    for key, value in OPTIONS.items():
-        flag = "--" + key.replace("_", "-")
-        cli += [flag] if value is True else [flag, str(value)]
-    result = CliRunner().invoke(app, cli)
-    assert result.exit_code == 0, result.output + str(result.exception)
+def test_cli_run_then_resume_repeats_the_losses(sd1_dir, images, cli_run, tmp_path):
+    _, result, folder = cli_run
+    out = folder / "ft"
     assert result.stdout.strip().splitlines()[-1] == str(out)
-    run = tmp_path / "ft-run"
+    run = folder / "ft-run"
     rows = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "8"]
