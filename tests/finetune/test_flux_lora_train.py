@@ -26,6 +26,7 @@ import pytest
 from flow_helpers import lora_from_peft, peft_transformer, save_flux, script_loss, tiny_lora_run, worst_grad_error
 from typer.testing import CliRunner
 
+from sdjax.cli import app
 from sdjax.finetune import flow, flow_models
 from sdjax.models.convert import torch_key_to_path
 
@@ -283,52 +284,80 @@ def test_flow_options_refused_for_a_unet_model(sd1_dir, tmp_path):
         train_lora(data, tmp_path / "x.safetensors", model=str(sd1_dir), weighting_scheme="logit_normal")
 
 
-def test_cli_schnell_bf16_checkpointing_dropout_targets_cache(flux, tmp_path):
-    """`sdjax train lora -m <schnell folder>`: a flow run picked from the model, bfloat16 compute with float32 LoRA,
-    per-block checkpointing, LoRA dropout, own targets, cached latents, validation images; the file loads in
-    sdjax's Flux reader."""
-    import json
+# `sdjax train lora` on the schnell folder: bfloat16 compute, per-block checkpointing, LoRA dropout, own targets,
+# flips, cached latents, validation images, Prodigy (its state restored by the resume test: tests/finetune/
+# test_optimizers.py points here); the same settings as `train_lora` options for the stopped run.
+SCHNELL = dict(
+    steps=2, rank=2, resolution=SIZE, bucketing=False, mixed_precision="bf16", gradient_checkpointing=True,
+    lora_dropout=0.1, lora_layers=["attn.to_q", "proj_mlp"], weighting_scheme="logit_normal", flip=True,
+    max_sequence_length=MAX_SEQ, cache_latents=True, validation_prompts=["sks"], optimizer="prodigy", lr=1.0,
+)  # fmt: skip
 
-    from sdjax.cli import app
-    from sdjax.families.flux.lora import load_flux_lora
 
-    _, folder, _, params = flux["schnell"]
-    data, out = _images(tmp_path / "data", 2), tmp_path / "s.safetensors"
+@pytest.fixture(scope="module")
+def schnell_cli_run(flux, tmp_path_factory):
+    """`sdjax train lora -m <schnell folder>` with `SCHNELL`'s settings: (result, data, out, the command line). Its
+    run is the unbroken run `test_a_stopped_run_resumes_exactly` compares with (one compile fewer than a run of its
+    own)."""
+    _, folder, _, _ = flux["schnell"]
+    tmp = tmp_path_factory.mktemp("schnell-cli")
+    data, out = _images(tmp / "data", 2), tmp / "s.safetensors"
     cli = ["train", "lora", "-m", str(folder), "--data", str(data), "--out", str(out), "--steps", "2", "--rank", "2"]
     cli += ["--resolution", "32", "--no-bucketing", "--mixed-precision", "bf16", "--gradient-checkpointing"]
     cli += ["--lora-dropout", "0.1", "--lora-layers", "attn.to_q,proj_mlp", "--weighting-scheme", "logit_normal"]
-    cli += ["--max-sequence-length", str(MAX_SEQ), "--cache-latents", "--validation-prompt", "sks", "--lr", "1e-2"]
-    run = CliRunner().invoke(app, cli)
+    cli += ["--flip", "--max-sequence-length", str(MAX_SEQ), "--cache-latents", "--validation-prompt", "sks"]
+    cli += ["--optimizer", "prodigy", "--lr", "1.0"]
+    return CliRunner().invoke(app, cli), data, out, cli
+
+
+def test_cli_schnell_bf16_checkpointing_dropout_targets_cache(flux, schnell_cli_run):
+    """`sdjax train lora -m <schnell folder>`: a flow run picked from the model, bfloat16 compute with float32 LoRA,
+    per-block checkpointing, LoRA dropout, own targets, cached latents, validation images, `--optimizer prodigy`;
+    the file loads in sdjax's Flux reader."""
+    import json
+
+    from sdjax.families.flux.lora import load_flux_lora
+
+    _, _, _, params = flux["schnell"]
+    run, _, out, cli = schnell_cli_run
     assert run.exit_code == 0, run.output + str(run.exception)
     assert run.stdout.strip().splitlines()[-1] == str(out)
     lora = load_flux_lora(out, params["transformer"])
     modules = sorted(f.name.removeprefix("transformer.").removesuffix(".lora_A.weight") for f in lora.factors.values())
     assert len(modules) == 6 and all(m.endswith(("attn.to_q", "proj_mlp")) for m in modules)
     assert any(np.abs(f.up).max() > 0 for f in lora.factors.values())  # trained (up starts at zero)
-    drawn = sorted(p.name for p in (tmp_path / "s-run" / "validation").iterdir())
+    run_dir = out.parent / "s-run"
+    drawn = sorted(p.name for p in (run_dir / "validation").iterdir())
     assert drawn == ["step-000000-0.png", "step-000002-0.png"]
-    saved = json.loads((tmp_path / "s-run" / "config.json").read_text())
+    saved = json.loads((run_dir / "config.json").read_text())
     assert saved["weighting_scheme"] == "logit_normal" and saved["lora_layers"] == ["attn.to_q", "proj_mlp"]
+    assert {k: saved[k] for k in SCHNELL} == SCHNELL  # the settings the stopped run repeats
     bad = CliRunner().invoke(app, cli[:-2] + ["--lora-layers", "attn.to_q,proj_in", "--no-resume"])
     assert bad.exit_code == 2 and "'proj_in' names no layer" in bad.output
 
 
-def test_a_stopped_run_resumes_exactly(flux, tmp_path):
-    """A run stopped after update 1 and resumed repeats the unbroken run's losses and file (the draws are
-    functions of the seed and step; `run_loop`'s checkpoints); resuming with another weighting scheme is refused."""
+def test_a_stopped_run_resumes_exactly(flux, schnell_cli_run, tmp_path):
+    """A run stopped after update 1 and resumed repeats the unbroken run's (`schnell_cli_run`'s) losses and file
+    (the draws, LoRA dropout included, are functions of the seed and step; `run_loop`'s checkpoints, Prodigy's state
+    among them; the latent cache built again); resuming with another weighting scheme or optimiser is refused."""
+    import json
+
     from safetensors.numpy import load_file
 
     from sdjax.finetune import train_lora
 
     _, folder, _, _ = flux["schnell"]
-    data = _images(tmp_path / "data", 2)
-    options = dict(model=str(folder), steps=3, rank=2, lr=1e-2, resolution=SIZE, bucketing=False, flip=True)
-    options |= dict(max_sequence_length=MAX_SEQ, weighting_scheme="logit_normal")
-    whole = train_lora(data, tmp_path / "whole.safetensors", **options)
+    run, data, whole_out, _ = schnell_cli_run
+    assert run.exit_code == 0, run.output + str(run.exception)
+    whole = [json.loads(line)["loss"] for line in (whole_out.parent / "s-run" / "loss.jsonl").read_text().splitlines()]
+    # without validation images (no resume setting, no draw of the training's; each call would compile them again)
+    options = dict(model=str(folder), **{k: v for k, v in SCHNELL.items() if k != "validation_prompts"})
     first = train_lora(data, tmp_path / "cut.safetensors", stop_after=1, **options)
     with pytest.raises(ValueError, match="weighting_scheme: 'logit_normal' -> 'mode'"):
         train_lora(data, tmp_path / "cut.safetensors", **(options | {"weighting_scheme": "mode"}))
+    with pytest.raises(ValueError, match="optimizer: 'prodigy' -> 'adamw'"):
+        train_lora(data, tmp_path / "cut.safetensors", **(options | {"optimizer": "adamw"}))
     rest = train_lora(data, tmp_path / "cut.safetensors", **options)
-    assert rest.start_step == 1 and first.losses + rest.losses == whole.losses
-    a, b = load_file(str(tmp_path / "whole.safetensors")), load_file(str(tmp_path / "cut.safetensors"))
+    assert rest.start_step == 1 and first.losses + rest.losses == whole and len(whole) == 2
+    a, b = load_file(str(whole_out)), load_file(str(tmp_path / "cut.safetensors"))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -1,7 +1,13 @@
 """`sdjax train lora` end to end on a tiny SD 1.x model, and resuming from an orbax checkpoint: a run stopped
 half-way and resumed gives the very losses and LoRA of the unbroken run (data parallel over 2 devices, gradient
-accumulation, bfloat16 compute, the text encoder trained too, every loss option on); SDXL's step."""
+accumulation, bfloat16 compute, the text encoder trained too, every loss option on, the EMA restored too); SDXL's
+step.
 
+`ema_decay`: the same run keeps an EMA of the LoRA, which equals diffusers' `EMAModel` stepped by hand over the run's
+per-update LoRAs (read back from the orbax checkpoints); the written file holds the EMA values. (One run serves the
+CLI, resume and EMA checks: each whole run compiles its train step, most of its time.)"""
+
+import functools
 import json
 import shutil
 
@@ -12,8 +18,11 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from sdjax.cli import app
+from sdjax.finetune import lora as lora_lib
+from sdjax.finetune import run as run_lib
 from sdjax.finetune import train_lora
 
+DECAY = 0.3  # below diffusers' warm-up (1 + s) / (10 + s) from the 4th update: both regimes in 4 updates
 OPTIONS = dict(
     steps=4,
     rank=2,
@@ -30,8 +39,9 @@ OPTIONS = dict(
     warmup=1,
     flip=True,
     caption_dropout=0.2,
-    save_every=2,
+    save_every=1,
     mixed_precision="bf16",  # bfloat16 compute, float32 LoRA and optimiser
+    ema_decay=DECAY,
 )
 
 
@@ -59,39 +69,102 @@ def _cli_args(options: dict) -> list[str]:
     return args
 
 
-def test_cli_run_then_resume_repeats_the_losses(sd1_dir, images, tmp_path):
-    out = tmp_path / "star.safetensors"
+@pytest.fixture(scope="module")
+def cli_run(sd1_dir, images, tmp_path_factory):
+    """The CLI run of `OPTIONS` (every checkpoint kept), and the same run stopped after update 2 (its later
+    checkpoints removed) and resumed: (CLI result, out, run folder, resumed result, resumed out, resumed folder)."""
+    tmp = tmp_path_factory.mktemp("cli-run")
+    out = tmp / "star.safetensors"
     cli = ["train", "lora", "--model", str(sd1_dir), "--data", str(images), "--out", str(out), "--peft"]
-    result = CliRunner().invoke(app, cli + _cli_args(OPTIONS))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_lib, "_checkpoints", functools.partial(run_lib._checkpoints, keep=None))  # keep all
+        result = CliRunner().invoke(app, cli + _cli_args(OPTIONS))
     assert result.exit_code == 0, result.output + str(result.exception)
+    run = tmp / "star-run"
+    # stopped after update 2: its checkpoint is the latest; resuming runs updates 2 and 3 again
+    resumed_run = tmp / "resumed-run"
+    shutil.copytree(run, resumed_run)
+    for micro in (6, 8):
+        shutil.rmtree(resumed_run / "checkpoints" / str(micro))
+    resumed_out = tmp / "resumed.safetensors"
+    resumed = train_lora(images, resumed_out, model=str(sd1_dir), run_dir=str(resumed_run), **OPTIONS)
+    return result, out, run, resumed, resumed_out, resumed_run
+
+
+def test_cli_run_then_resume_repeats_the_losses(cli_run):
+    result, out, run, resumed, resumed_out, resumed_run = cli_run
     assert result.stdout.strip().splitlines()[-1] == str(out)
     assert "skipped" in result.output and "broken.png" in result.output
-    run = tmp_path / "star-run"
     rows = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == pytest.approx(1e-3)  # warm-up, then cosine
     assert json.loads((run / "config.json").read_text())["rank"] == 2
     assert (run / "loss.png").is_file() and (run / "pytorch_lora_weights.safetensors").is_file()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "8"]  # micro-steps
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [2, 4, 6, 8]  # micro-steps
     trained = load_file(str(out))
     assert any(k.startswith("lora_te_") for k in trained) and all(v.dtype == np.float32 for v in trained.values())
     assert any(np.abs(v).max() > 0 for k, v in trained.items() if k.endswith("lora_up.weight"))
 
-    # stopped after update 2: its checkpoint is the latest; resuming runs updates 2 and 3 again
-    resumed_run = tmp_path / "resumed-run"
-    shutil.copytree(run, resumed_run)
-    shutil.rmtree(resumed_run / "checkpoints" / "8")
-    resumed = train_lora(
-        images, tmp_path / "resumed.safetensors", model=str(sd1_dir), run_dir=str(resumed_run), **OPTIONS
-    )
+    # resumed from update 2's checkpoint: the LoRA, the optimiser and the EMA restored
     assert resumed.start_step == 2
     assert resumed.losses == [rows[2]["loss"], rows[3]["loss"]]  # exactly
-    again = load_file(str(tmp_path / "resumed.safetensors"))
+    again = load_file(str(resumed_out))
     assert again.keys() == trained.keys()
     for key in trained:
         np.testing.assert_array_equal(again[key], trained[key], err_msg=key)
     resumed_rows = [json.loads(line) for line in (resumed_run / "loss.jsonl").read_text().splitlines()]
     assert resumed_rows == [{**r, "seconds": s["seconds"]} for r, s in zip(rows, resumed_rows)]
+
+
+def _flat(lora: dict) -> dict[str, np.ndarray]:
+    return {f"{c}/{k}/{f}": np.asarray(v[f]) for c, layers in lora.items() for k, v in layers.items() for f in v}
+
+
+def _diffusers_ema(per_update: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """diffusers' EMAModel (decay DECAY, its defaults otherwise) stepped once per update with that update's LoRA."""
+    import torch
+    from diffusers.training_utils import EMAModel
+
+    names = sorted(per_update[0])
+    params = [torch.nn.Parameter(torch.from_numpy(per_update[0][n].copy())) for n in names]
+    ema = EMAModel(params, decay=DECAY)
+    for values in per_update:
+        with torch.no_grad():
+            for p, n in zip(params, names):
+                p.copy_(torch.tensor(values[n]))
+        ema.step(params)
+    return {n: s.detach().numpy() for n, s in zip(names, ema.shadow_params)}
+
+
+def test_ema_is_diffusers_ema(cli_run):
+    """The EMA after each update (every update's checkpoint of `cli_run`) against diffusers' EMAModel over the
+    updates so far; the written file holds the EMA values, not the last update's. (Its resume: `cli_run`'s.)"""
+    import orbax.checkpoint as ocp
+
+    _, out, run, *_ = cli_run
+    saved = [ocp.StandardCheckpointer().restore((run / "checkpoints" / str(2 * u) / "default").absolute()) for u in
+             range(1, 5)]  # fmt: skip
+    per_update = [_flat(s["lora"]) for s in saved]
+    up = "unet/" + next(iter(saved[0]["lora"]["unet"])) + "/up"
+    assert np.array_equal(per_update[0][up], 0 * per_update[0][up])  # update 0: the warm-up's lr 0
+    assert not np.allclose(per_update[1][up], 0)
+
+    for u in range(4):
+        reference = _diffusers_ema(per_update[: u + 1])
+        ours = _flat(saved[u]["ema"])
+        assert ours.keys() == reference.keys()
+        for name in reference:
+            np.testing.assert_allclose(ours[name], reference[name], rtol=2e-6, atol=1e-8, err_msg=f"{u + 1}: {name}")
+    first = _flat(saved[0]["ema"])  # the first update copies the values (decay 0)
+    assert all(np.array_equal(first[n], per_update[0][n]) for n in first)
+
+    written = load_file(str(out))  # the EMA values, not the last update's
+    expected = lora_lib.kohya_state_dict(saved[-1]["ema"], OPTIONS["alpha"])
+    raw = lora_lib.kohya_state_dict(saved[-1]["lora"], OPTIONS["alpha"])
+    assert written.keys() == expected.keys()
+    for key in written:
+        np.testing.assert_array_equal(written[key], expected[key], err_msg=key)
+    assert any(not np.array_equal(written[k], raw[k]) for k in written if k.endswith("lora_up.weight"))
 
 
 def test_bad_settings_fail_before_loading(images, tmp_path):
