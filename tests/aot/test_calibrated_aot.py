@@ -37,14 +37,31 @@ def calibration_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def placeholder():
+    """The placeholder calibration of the embedded model's abstract int8-compute params."""
+    pipe, params = aot.abstract_pipeline(MODEL, quantize="int8", quant_compute="int8")
+    return quant.Calibration.placeholder_for(params, pipe.quantization)
+
+
+def _costs_of(compile_report):
+    """`compile_report()`'s result and the `(flops, bytes accessed)` of each executable it compiled, in order (the
+    whole program, then the model call when it is compiled)."""
+    costs, real = [], aot._cost
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aot, "_cost", lambda compiled: costs.append(real(compiled)) or costs[-1])
+        return compile_report(), costs
+
+
+@pytest.fixture(scope="module")
 def reports(calibration_file):
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'sdjax[tpu-aot]')")
     out = {}
     for name, extra in (("dynamic", []), ("static", ["--calibration", str(calibration_file)])):
-        r = runner.invoke(cli.app, [*ARGS, *INT8, *extra, "--json"])
+        r, costs = _costs_of(lambda extra=extra: runner.invoke(cli.app, [*ARGS, *INT8, *extra, "--json"]))
         assert r.exit_code == 0, r.output
         out[name] = json.loads(r.stdout)
+        out[name + "_program_cost"] = costs[0]
     return out
 
 
@@ -62,16 +79,26 @@ def test_static_scales_drop_the_per_call_reductions(reports, calibration_file):
 
 
 @needs_libtpu
-def test_the_placeholder_compiles_the_program_of_a_real_calibration(reports):
-    pipe, params = aot.abstract_pipeline(MODEL, quantize="int8", quant_compute="int8")
-    placeholder = quant.Calibration.placeholder_for(params, pipe.quantization)
+def test_the_placeholder_compiles_the_program_of_a_real_calibration(reports, placeholder):
     assert set(placeholder.layers) == set(quant.Calibration.load(reports["static"]["calibration"]).layers)
-    report = aot.compile_for(
-        "v5e-1", model=MODEL, size=32, batch=1, steps=2, quantize="int8", quant_compute="int8", calibration=placeholder
+    # the whole program only (`unet_cost=False`): the model call is its loop's body, compiled from the same params
+    report, costs = _costs_of(
+        lambda: aot.compile_for(
+            "v5e-1",
+            model=MODEL,
+            size=32,
+            batch=1,
+            steps=2,
+            quantize="int8",
+            quant_compute="int8",
+            calibration=placeholder,
+            unet_cost=False,
+        )
     )
     assert report.calibration == "placeholder"
     static = reports["static"]
-    for key in ("flops", "unet_call_flops", "quant_flops", "bytes_accessed", "argument_bytes", "temp_bytes"):
+    assert costs == [reports["static_program_cost"]]  # the program's FLOPs and bytes accessed
+    for key in ("program_flops", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes"):
         assert getattr(report, key) == static[key], key
 
 
@@ -82,7 +109,9 @@ def _edited(path, out, change):
     return out
 
 
-def test_a_calibration_of_another_model_is_refused_before_the_compile(calibration_file, tmp_path, monkeypatch):
+def test_a_calibration_of_another_model_is_refused_before_the_compile(
+    calibration_file, placeholder, tmp_path, monkeypatch
+):
     def no_compile(*a, **k):
         raise AssertionError("reached the compiler")
 
@@ -97,8 +126,6 @@ def test_a_calibration_of_another_model_is_refused_before_the_compile(calibratio
     with pytest.raises(ValueError, match=rf"{calibration_file} was recorded for another model"):
         aot.compile_for("v5e-1", model="sd15", quantize="int8", quant_compute="int8", calibration=calibration_file)
     # the placeholder is for abstract params only: real weights refuse it, and it is never written
-    pipe, params = aot.abstract_pipeline(MODEL, quantize="int8", quant_compute="int8")
-    placeholder = quant.Calibration.placeholder_for(params, pipe.quantization)
     with pytest.raises(ValueError, match="placeholder calibration .* is refused for real weights"):
         load_pipeline(
             None, quantize=P.QuantPolicy("int8", components=("unet",), compute="int8", calibration=placeholder)

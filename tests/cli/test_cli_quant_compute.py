@@ -4,8 +4,10 @@ on the embedded model; bad combinations and files refused, naming the option or 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -39,7 +41,38 @@ def int8_compute():
     return pipe, _image(pipe)
 
 
-def _cli_image(tmp_path, *flags) -> np.ndarray:
+def _same_pipeline(pipe, want) -> None:
+    """`pipe` computes what `want` does, without compiling either: the same quantization policy (a calibration by
+    its recorded ranges: `Calibration` compares by identity) and the same params, leaf for leaf."""
+    policy, want_policy = pipe.quantization, want.quantization
+    assert dataclasses.replace(policy, calibration=None) == dataclasses.replace(want_policy, calibration=None)
+    cal, want_cal = policy.calibration, want_policy.calibration
+    assert (cal is None) == (want_cal is None)
+    if cal is not None:
+        assert (cal.compute, cal.layers, cal.convs, cal.source) == (
+            want_cal.compute,
+            want_cal.layers,
+            want_cal.convs,
+            want_cal.source,
+        )
+    leaves, want_leaves = jax.tree_util.tree_flatten(pipe.params), jax.tree_util.tree_flatten(want.params)
+    assert leaves[1] == want_leaves[1]
+    for a, b in zip(leaves[0], want_leaves[0], strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _cli_image(tmp_path, *flags, loaded=None) -> np.ndarray:
+    """The image `sdjax generate ... flags` writes; `loaded` (a list) receives the pipeline the command built."""
+    if loaded is not None:
+        real = cli.generate.load_pipeline
+
+        def keep(*a, **k):
+            loaded.append(real(*a, **k))
+            return loaded[-1]
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cli.generate, "load_pipeline", keep)
+            return _cli_image(tmp_path, *flags)
     r = runner.invoke(
         cli.app, ["generate", PROMPT, "--steps", "3", "--seed", "3", "--quiet", "--out", str(tmp_path), *flags]
     )
@@ -60,8 +93,14 @@ def test_generate_with_a_calibration_writes_the_python_apis_image(tmp_path, int8
     pipe, per_call = int8_compute  # calibrate leaves the pipeline's policy as it was (its programs are dropped)
     path = tmp_path / quant.CALIBRATION_FILE
     quant.calibrate(pipe, ["a blue square", "a green triangle"], steps=2).save(path)
-    written = _cli_image(tmp_path / "out", "--quantize", "int8", "--quant-compute", "int8", "--calibration", str(path))
-    np.testing.assert_array_equal(written, _api_image(compute="int8", calibration=str(path)))
+    flags = ["--quantize", "int8", "--quant-compute", "int8", "--calibration", str(path)]
+    loaded = []
+    written = _cli_image(tmp_path / "out", *flags, loaded=loaded)
+    (cli_pipe,) = loaded
+    # the CLI wrote its pipeline's image (the program it compiled, run again) ...
+    np.testing.assert_array_equal(written, _image(cli_pipe))
+    # ... and its pipeline is the Python API's: the same policy, calibration ranges and params (so the same image)
+    _same_pipeline(cli_pipe, _api_pipeline(compute="int8", calibration=str(path)))
     assert np.abs(written.astype(int) - per_call).max() > 0  # static scales: another image
 
 
@@ -128,4 +167,5 @@ def test_serve_loads_the_int8_compute_pipeline(tmp_path, monkeypatch, int8_compu
     (pipe,) = served
     want = quant.QuantPolicy("int8", components=("unet",), compute="int8")
     assert pipe.quantization == want
-    assert _image(pipe).tobytes() == int8_compute[1].tobytes()
+    # the same params as the Python API's int8-compute pipeline, so its image (compared without another compile)
+    _same_pipeline(pipe, int8_compute[0])
