@@ -290,7 +290,7 @@ def test_a_pipeline_runs_the_k_diffusion_form_as_its_scheduler():
 
     pipe, params = build_pipeline("tiny", jnp.float32)
     ref = samplers.get_sampler("dpmpp_2m_karras", base_config=pipe.scheduler)
-    kw = dict(steps=6, seed=0, output_type="latent", height=64, width=64, params=params)
+    kw = dict(steps=6, seed=0, output_type="latent", height=32, width=32, params=params)
     latents = []
     for sampler in (ref, kd.from_diffusers(ref)):
         pipe.scheduler = sampler

@@ -241,7 +241,7 @@ def test_generate_takes_a_k_diffusion_sampler_on_a_tiny_sd_model():
     from sdjax.pipelines.presets import build_pipeline
 
     pipe, params = build_pipeline("tiny", jnp.float32)
-    kw = dict(steps=5, seed=0, output_type="latent", height=64, width=64, params=params)
+    kw = dict(steps=5, seed=0, output_type="latent", height=32, width=32, params=params)
     want = np.asarray(pipe.generate("a cat", sampler="dpmpp_2m_karras", **kw))
     mine = kd.from_diffusers(samplers.get_sampler("dpmpp_2m_karras", pipe.scheduler))
     pipe.validate(sampler=mine)
