@@ -49,6 +49,10 @@ def models_dir(flux_dev, tmp_path_factory):
     return root
 
 
+def as_the_server_calls(*args, **kwargs) -> None:
+    """A progress callback that takes the latents, as the server's does (the same compiled program)."""
+
+
 def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models_dir):
     h, w = flux_dev.default_size
     serve = dict(model_name="flux-tiny", default_steps=STEPS, max_batch=1, models_dir=str(models_dir))
@@ -71,14 +75,16 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models
     raw = infotext.parse_parameters(text)
     assert float(raw["CFG scale"]) == 1.0
     assert float(raw["Distilled CFG Scale"]) == flux_dev.distilled_guidance_scale == 3.5
+    # The library's calls take a progress callback that takes the latents, as the server's does: they run the
+    # server's compiled program (without one the library compiles a second program, whose pixels may round the
+    # other way by 1; a wrong default moves them by far more).
     expected = metadata.generate_images(
         flux_dev,
         metadata.GenerationRequest(
             "a red fox", seed=3, steps=STEPS, guidance_scale=1.0, width=w, height=h, sampler=config["default_sampler"]
         ).images(),
+        progress=as_the_server_calls,
     )[0]
-    # The server's program also hands the latents to its progress previews, the library's does not: the two compile
-    # differently and a pixel may round the other way (a wrong default moves them by far more).
     np.testing.assert_allclose(pixels, expected, atol=1)
     # Forge's field: the distilled guidance of the request, written back and run
     pixels5, text5 = decode_png(r5.json()["images"][0])
@@ -89,6 +95,7 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models
             "a red fox", seed=3, steps=STEPS, guidance_scale=1.0, width=w, height=h,
             sampler=config["default_sampler"], distilled_guidance=5.0,
         ).images(),
+        progress=as_the_server_calls,
     )[0]  # fmt: skip
     np.testing.assert_allclose(pixels5, expected5, atol=1)
     assert np.abs(pixels5.astype(int) - pixels.astype(int)).max() > 1  # the guidance reached the model
@@ -101,6 +108,7 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models
                 "a red fox", seed=3, steps=STEPS, guidance_scale=1.0, width=w, height=h,
                 sampler=config["default_sampler"],
             ).images(),
+            progress=as_the_server_calls,
         )[0]  # fmt: skip
     finally:
         flux_dev.unload_loras()

@@ -65,6 +65,11 @@ def close(got: np.ndarray, want) -> bool:
     return int(np.abs(got.astype(np.int16) - np.asarray(want, np.int16)).max()) <= 1
 
 
+def as_the_server_calls(*args, **kwargs) -> None:
+    """A progress callback that takes the latents, as the server's does: the library's calls below run the
+    server's compiled program, not a second one without host callbacks."""
+
+
 def test_model_settings_and_networks_per_request(models):
     pipe = cli.load_pipeline(None, "float32")  # the embedded model: 2 text-encoder layers, width 64
     calls = []
@@ -115,12 +120,14 @@ def test_model_settings_and_networks_per_request(models):
     ti = hashlib.sha256((models / "embeddings" / "inky.safetensors").read_bytes()).hexdigest()[:12]
     assert f'TI hashes: "inky: {ti}"' in text and "TI hashes" not in plain_text
     assert metadata.parameters_from_text(text).ti_hashes == f"inky: {ti}"
-    assert close(skipped, pipe.generate("an inky cat", seed=4, steps=STEPS, clip_skip=2)[0])
-    assert close(plain, pipe.generate("a red circle", seed=5, steps=STEPS)[0])
+    assert close(
+        skipped, pipe.generate("an inky cat", seed=4, steps=STEPS, clip_skip=2, progress=as_the_server_calls)[0]
+    )
+    assert close(plain, pipe.generate("a red circle", seed=5, steps=STEPS, progress=as_the_server_calls)[0])
     # the embedding is a word of the prompt (its own token ids), and CLIP skip changes the image
     assert pipe.text_encoder.config.vocab_size == 49408 + 2
     assert list(pipe.tokenizer(["inky"])[0][1:3]) == [49408, 49409]
-    assert not close(skipped, pipe.generate("an inky cat", seed=4, steps=STEPS)[0])
+    assert not close(skipped, pipe.generate("an inky cat", seed=4, steps=STEPS, progress=as_the_server_calls)[0])
 
     # <lora:...> and sd_vae: params of their own for that batch, the program unchanged
     assert [c[2] for c in calls[1:]] == [True, True] and compiles == [], (calls, compiles)
@@ -134,8 +141,12 @@ def test_model_settings_and_networks_per_request(models):
 
     ref, _ = load_pipeline(sdjax.EMBEDDED_MODEL, vae=str(models / "VAE" / "shift"))
     ref.load_lora(models / "Lora" / "fc.safetensors", scale=0.8)
-    want = ref.generate("a red circle", seed=6, steps=STEPS)[0]
+    want = ref.generate("a red circle", seed=6, steps=STEPS, progress=as_the_server_calls)[0]
     assert close(got, want)
-    assert not close(got, pipe.generate("a red circle", seed=6, steps=STEPS)[0])  # the LoRA and VAE matter
+    # the LoRA and VAE matter
+    assert not close(got, pipe.generate("a red circle", seed=6, steps=STEPS, progress=as_the_server_calls)[0])
     pipe.load_lora(models / "Lora" / "fc.safetensors", scale=0.3)
-    assert close(pixels(reweighted.json()["images"][0])[0], pipe.generate("a red circle", seed=6, steps=STEPS)[0])
+    assert close(
+        pixels(reweighted.json()["images"][0])[0],
+        pipe.generate("a red circle", seed=6, steps=STEPS, progress=as_the_server_calls)[0],
+    )

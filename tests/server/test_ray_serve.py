@@ -2,11 +2,11 @@
 node started on 127.0.0.1 without the dashboard. The Ray driver runs in a subprocess (Ray installs its own signal
 handlers and processes); it checks that every Ray process of the node listens on loopback addresses only.
 
-Both tests share one Ray node (a module fixture; Ray's start is most of the fake-pipeline test's time): the fake
-pipeline's deployment, then the embedded model's on the same node. The fake-pipeline test runs in the suite whenever
-`ray[serve]` is installed (the `ray` extra). The embedded-model test loads and compiles the model in both replicas
-(with the suite's compile flags) and is marked `ray_model`: deselect it with `-m "not ray_model"` on a busy machine
-(the node then runs the fake pipeline's deployment only).
+Both tests share one Ray node and one Serve instance (a module fixture; Ray's start is most of the fake-pipeline
+test's time): the fake pipeline's application, deleted, then the embedded model's on the same HTTP proxy. The
+fake-pipeline test runs in the suite whenever `ray[serve]` is installed (the `ray` extra). The embedded-model test
+loads and compiles the model in both replicas (with the suite's compile flags) and is marked `ray_model`: deselect
+it with `-m "not ray_model"` on a busy machine (the node then runs the fake pipeline's deployment only).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent("""
     from fake_pipeline import FakePipeline
     from server_helpers import check_image, free_port
     from sdjax.server import ServerConfig
-    from sdjax.server.ray_serve import run
+    from sdjax.server.ray_serve import APP_NAME, run
 
     # A proxy actor that takes over 5 s to answer its ready check (importing uvicorn and FastAPI on a 2-core machine
     # busy with the rest of the suite) is restarted, then killed: Ray's own timeouts, raised for the test's machine.
@@ -42,9 +42,12 @@ DRIVER = textwrap.dedent("""
              runtime_env={{"env_vars": {{"PYTHONPATH": {pythonpath!r}, "JAX_PLATFORMS": "cpu",
                                         "XLA_FLAGS": {xla_flags!r}, **SLOW_MACHINE}}}})
 
+    # One Serve instance (controller and HTTP proxy on one port) for every phase: a phase deletes its application
+    # and the next one deploys its own (`run` again) on the same proxy, not a restart of Serve.
+    port = free_port()
+    url = f"http://127.0.0.1:{{port}}"
+
     def phase(factory, config, steps, check):
-        port = free_port()
-        url = f"http://127.0.0.1:{{port}}"
         out = {{}}
         t0 = time.monotonic()
         run(None, factory=factory, config=ServerConfig(model_name="replicated", max_batch=2, **config),
@@ -75,7 +78,7 @@ DRIVER = textwrap.dedent("""
         out["listening"] = len(listening)
         out["non_loopback"] = sorted({{f"{{c.laddr.ip}}:{{c.laddr.port}}" for c in listening
                                      if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:")).is_loopback}})
-        serve.shutdown()  # the next phase deploys on the same Ray node
+        serve.delete(APP_NAME)  # the next phase deploys on the same Serve instance (the replicas are gone)
         return out
 
     results = {{}}
@@ -90,7 +93,9 @@ DRIVER = textwrap.dedent("""
 
 # The phases one Ray node runs in turn (Ray's start is paid once): name, factory, extra config, steps, check images.
 FAKE = ("fake", "functools.partial(FakePipeline, delay_s=0.5)", {"warm": False}, 4, True)
-EMBEDDED = ("embedded", "None", {"default_steps": 4, "batch_sizes": (2,)}, 4, False)
+# Two steps: the embedded model's replicas compile and run the whole loop (a program per step count); more steps
+# cost compile and run time and prove nothing more about replication.
+EMBEDDED = ("embedded", "None", {"default_steps": 2, "batch_sizes": (2,)}, 2, False)
 
 
 def drive(phases: list[tuple]) -> dict:
@@ -102,6 +107,9 @@ def drive(phases: list[tuple]) -> dict:
     )
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath}
     env.update(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="60", RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S="60")
+    # No idle workers started ahead of need: Serve's actors run in workers of the job's runtime environment, so
+    # the raylet's prestarted default workers would only be started, then killed unused.
+    env.update(RAY_prestart_worker_first_driver="0", RAY_enable_worker_prestart="0")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
