@@ -6,9 +6,11 @@ Euler, Euler a and DPM++ 2M, at strengths 1.0, a middle value and one that leave
 agree to 1e-3 absolute (float32); a wrong start step, sigma or blend moves them by 1e-2 or more.
 """
 
+import contextlib
 import json
 
 import inject
+import jax
 import numpy as np
 import pytest
 import torch
@@ -61,6 +63,18 @@ def sd(sd1_dir):
     return StableDiffusionPipeline.from_pretrained(str(sd1_dir))
 
 
+@contextlib.contextmanager
+def on_devices(pipe, name):
+    """DDIM runs the batch of 2 padded to the 8 simulated devices (padding against diffusers, and the program
+    test_img2img_strength_changes_the_image_without_recompiling reuses); the other samplers run it on 2 devices: no
+    padding images to compile and run."""
+    pipe.devices = None if name == "ddim" else jax.devices()[:2]
+    try:
+        yield pipe
+    finally:
+        pipe.devices = None
+
+
 @pytest.fixture(scope="module")
 def torch_img2img(torch_sd1):
     import diffusers
@@ -109,17 +123,18 @@ def test_img2img_matches_diffusers(name, cls_name, extra, sd, torch_img2img, sd1
             image=images,
             strength=strength,
         )
-        out = pipe.generate(
-            PROMPTS,
-            negative_prompt=NEGATIVE,
-            image=images,
-            strength=strength,
-            steps=STEPS,
-            guidance_scale=7.5,
-            seed=5,
-            sampler=name,
-            output_type="np",
-        )
+        with on_devices(pipe, name):
+            out = pipe.generate(
+                PROMPTS,
+                negative_prompt=NEGATIVE,
+                image=images,
+                strength=strength,
+                steps=STEPS,
+                guidance_scale=7.5,
+                seed=5,
+                sampler=name,
+                output_type="np",
+            )
         assert out.shape == ref.shape == (2, 64, 64, 3)
         errors[strength] = float(np.abs(out - ref).max())
     assert max(errors.values()) < ATOL, f"{name}: max abs image error by strength {errors}"
@@ -140,7 +155,7 @@ def test_img2img_strength_changes_the_image_without_recompiling(sd):
 
 @pytest.fixture(scope="module")
 def inpaint_models(torch_sd1, tmp_path_factory):
-    """A tiny 9-channel SD inpainting model (diffusers folder + torch pipeline)."""
+    """A tiny 9-channel SD inpainting model (torch pipeline, diffusers folder, the sdjax pipeline loaded from it)."""
     import diffusers
     import reference
 
@@ -149,7 +164,7 @@ def inpaint_models(torch_sd1, tmp_path_factory):
     torch_pipe = diffusers.StableDiffusionInpaintPipeline(**parts)
     folder = tmp_path_factory.mktemp("tiny-sd1-inpaint")
     torch_pipe.save_pretrained(folder, safe_serialization=True)
-    return torch_pipe, folder
+    return torch_pipe, folder, StableDiffusionPipeline.from_pretrained(str(folder))[0]
 
 
 # Each sampler with one kind of UNet, each kind with a deterministic, an ancestral or a multistep sampler.
@@ -163,8 +178,7 @@ def test_inpaint_matches_diffusers(channels, name, cls_name, extra, inpaint_mode
     import diffusers
 
     if channels == 9:
-        torch_pipe, folder = inpaint_models
-        pipe, _ = StableDiffusionPipeline.from_pretrained(str(folder))
+        torch_pipe, folder, pipe = inpaint_models
     else:
         torch_pipe, folder = diffusers.StableDiffusionInpaintPipeline(**torch_sd1.components), sd1_dir
         pipe = sd[0]
@@ -190,17 +204,18 @@ def test_inpaint_matches_diffusers(channels, name, cls_name, extra, inpaint_mode
             height=64,
             width=64,
         )
-        out = pipe.generate(
-            PROMPTS,
-            negative_prompt=NEGATIVE,
-            image=images,
-            mask_image=masks,
-            strength=strength,
-            steps=STEPS,
-            guidance_scale=7.5,
-            seed=3,
-            sampler=name,
-            output_type="np",
-        )
+        with on_devices(pipe, name):
+            out = pipe.generate(
+                PROMPTS,
+                negative_prompt=NEGATIVE,
+                image=images,
+                mask_image=masks,
+                strength=strength,
+                steps=STEPS,
+                guidance_scale=7.5,
+                seed=3,
+                sampler=name,
+                output_type="np",
+            )
         errors[strength] = float(np.abs(out - ref).max())
     assert max(errors.values()) < ATOL, f"{channels}-channel {name}: max abs image error by strength {errors}"

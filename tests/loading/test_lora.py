@@ -340,22 +340,31 @@ def sdxl_loras(torch_sdxl, tmp_path_factory):
     return {"xa": a, "xb": b}, twins
 
 
-def test_sdxl_loras_match_diffusers(sdxl_dir, sdxl_loras, torch_sdxl):
-    from safetensors.numpy import load_file
-
+@pytest.fixture(scope="module")
+def sdxl(sdxl_dir):
+    """One SDXL pipeline for the module (one load; the LoRA tests unload what they load)."""
     from sdjax import StableDiffusionXLPipeline
+
+    return StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))[0]
+
+
+def test_sdxl_loras_match_diffusers(sdxl, sdxl_loras, torch_sdxl):
+    from safetensors.numpy import load_file
 
     kohya_keys = load_file(str(sdxl_loras[0]["xb"]))  # the kohya file really uses SGM block names
     assert "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya_keys
     assert "lora_unet_output_blocks_5_0_in_layers_2.lora_down.weight" in kohya_keys
-    pipe, _ = StableDiffusionXLPipeline.from_pretrained(str(sdxl_dir))
+    pipe = sdxl
     scales = {"xa": 0.8, "xb": 0.6}
     for name, path in sdxl_loras[0].items():
         pipe.load_lora(path, scale=scales[name], adapter_name=name)
-    ref = diffusers_with(torch_sdxl, sdxl_loras, scales)
-    compare_unet(pipe, ref)
-    compare_text(pipe, ref, "text_encoder")
-    compare_text(pipe, ref, "text_encoder_2")
+    try:
+        ref = diffusers_with(torch_sdxl, sdxl_loras, scales)
+        compare_unet(pipe, ref)
+        compare_text(pipe, ref, "text_encoder")
+        compare_text(pipe, ref, "text_encoder_2")
+    finally:
+        pipe.unload_loras()
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
@@ -367,9 +376,7 @@ def test_kohya_unet_names_as_diffusers_converts_them(family, request, sd1):
     if family == "sd1":
         pipe, key = sd1, "b"
     else:
-        from sdjax import StableDiffusionXLPipeline
-
-        pipe, key = StableDiffusionXLPipeline.from_pretrained(str(request.getfixturevalue("sdxl_dir")))[0], "xb"
+        pipe, key = request.getfixturevalue("sdxl"), "xb"
     pipe.load_lora(twins[f"{key}-unet"], scale=0.9, adapter_name="kohya-unet")
     pipe.set_loras({"kohya-unet": 0.9})
     ref = copy.deepcopy(torch_pipe)

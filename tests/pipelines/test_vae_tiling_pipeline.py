@@ -7,6 +7,7 @@ of 4-latent tiles (short tiles of 2 latents at the bottom and right). Expectatio
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ ATOL = 1e-4  # images in [0, 1]; the tiled decode itself agrees to ~1e-5 (tests/
 @pytest.fixture(scope="module")
 def sd(sd1_dir):
     pipe, params = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    pipe.devices = jax.devices()[:1]  # one image per program, not padded to the 8 simulated devices
     return pipe, params
 
 
