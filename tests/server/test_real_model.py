@@ -162,11 +162,11 @@ def test_warm_start_compiles_what_requests_run(pipe):
 
 
 class SlowPipeline:
-    """The real pipeline at 0.3 s per denoising step, so that a request can be interrupted mid-way; keeps the
-    latents each step reports."""
+    """The real pipeline at `delay` seconds per denoising step, so that a request can be interrupted (or a partial
+    image taken) mid-way; keeps the latents each step reports."""
 
-    def __init__(self, pipe):
-        self.pipe, self.reported = pipe, []
+    def __init__(self, pipe, delay: float = 0.3):
+        self.pipe, self.reported, self.delay = pipe, [], delay
 
     def __getattr__(self, name):
         return getattr(self.pipe, name)
@@ -175,7 +175,7 @@ class SlowPipeline:
         def slowly(stage, step, total, latents=None):
             if latents is not None:
                 self.reported.append(np.asarray(latents))
-                time.sleep(0.3)
+                time.sleep(self.delay)
             progress(stage, step, total, **({} if latents is None else {"latents": latents}))
 
         return self.pipe.generate_arrays(*args, progress=slowly, should_stop=should_stop, **kwargs)
@@ -220,7 +220,9 @@ def test_openai_streaming_decodes_partial_images_while_the_batch_runs(pipe):
     beside the running program), the completed one the pipeline's image."""
     from sdjax.server import partial
 
-    slow = SlowPipeline(pipe)
+    # 1 s a step: the stream polls the running batch every 50 ms, and under a loaded CI machine's two test workers a
+    # 0.3 s step once ended the batch before the poll saw it half done (no partial image: a timing failure)
+    slow = SlowPipeline(pipe, delay=1.0)
     with live_server(slow, max_batch=1, model_name="tiny", warm=False) as s, client(s.url, timeout=600) as c:
         body = {"prompt": "a cat", "seed": 3, "steps": STEPS, "sampler": "pndm", "stream": True, "partial_images": 1}
         r = c.post("/v1/images/generations", json=body)
