@@ -93,6 +93,7 @@ if os.environ.get("SDJAX_TEST_FLAX_CHECKS") != "1":
 # collected last would keep one worker busy after the other has finished.
 LONGEST_FIRST = (
     "tests/finetune/test_fsdp_runs.py",
+    "tests/finetune/test_full_finetune.py",
     "tests/core/test_controlnet_parity.py",
     "tests/finetune/test_multihost_training.py",
     "tests/training/test_train.py",
