@@ -162,23 +162,40 @@ def test_warm_start_compiles_what_requests_run(pipe):
 
 
 class SlowPipeline:
-    """The real pipeline at `delay` seconds per denoising step, so that a request can be interrupted (or a partial
-    image taken) mid-way; keeps the latents each step reports."""
+    """The real pipeline, held at a denoising step until the server acts on it, so that a request can be
+    interrupted (or a partial image taken) mid-way without racing the clock; keeps the latents each step reports.
 
-    def __init__(self, pipe, delay: float = 0.3):
-        self.pipe, self.reported, self.delay = pipe, [], delay
+    The step whose count reaches `hold_at` of the total reports its progress (and latents) to the server, then
+    waits for `release`: set by the test, or by the server asking this pipeline for a partial image. The hold is
+    short (`HOLD_S`): a program held in its host callback keeps the other simulated devices waiting in a collective,
+    which XLA aborts after 40 s; a server that never acts on the held step fails the run, and the test, first."""
+
+    HOLD_S = 20.0
+
+    def __init__(self, pipe, hold_at: float):
+        self.pipe, self.reported, self.hold_at = pipe, [], hold_at
+        self.release = threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.pipe, name)
 
     def generate_arrays(self, *args, progress=None, should_stop=None, **kwargs):
-        def slowly(stage, step, total, latents=None):
+        def held(stage, step, total, latents=None):
             if latents is not None:
                 self.reported.append(np.asarray(latents))
-                time.sleep(self.delay)
             progress(stage, step, total, **({} if latents is None else {"latents": latents}))
+            if latents is not None and step >= self.hold_at * total and not self.release.wait(self.HOLD_S):
+                raise TimeoutError(f"the server did not act on step {step}/{total} within {self.HOLD_S:g} s")
 
-        return self.pipe.generate_arrays(*args, progress=slowly, should_stop=should_stop, **kwargs)
+        return self.pipe.generate_arrays(*args, progress=held, should_stop=should_stop, **kwargs)
+
+    def decode_latents(self, latents, params=None):
+        """`server.partial`'s decode asks the pipeline first: the server wants the held step's image, so the run
+        may go on (the decode waits for the devices the running program holds)."""
+        from sdjax.server import partial
+
+        self.release.set()
+        return partial.decode_latents(self.pipe, latents, params)
 
 
 def test_an_interrupted_request_answers_with_its_partly_denoised_image(pipe):
@@ -187,7 +204,7 @@ def test_an_interrupted_request_answers_with_its_partly_denoised_image(pipe):
     from sdjax.server import partial
 
     h, w = pipe.default_size
-    slow = SlowPipeline(pipe)
+    slow = SlowPipeline(pipe, hold_at=0.0)  # held at its first step until the interrupt is in
     with live_server(slow, max_batch=1, model_name="tiny", warm=False) as s, client(s.url, timeout=600) as c:
         body = {"prompt": "a dog", "seed": 9, "steps": 8}
         out = {}
@@ -199,11 +216,12 @@ def test_an_interrupted_request_answers_with_its_partly_denoised_image(pipe):
             time.sleep(0.01)
         with client(s.url) as other:
             assert other.post("/sdapi/v1/interrupt").json()["interrupted"]
+        slow.release.set()
         t.join(60)
         r = out["r"]
         assert r.status_code == 200 and json.loads(r.json()["info"])["stopped"] == "interrupt", r.text
         (image,) = r.json()["images"]
-        assert 1 <= len(slow.reported) < 8
+        assert len(slow.reported) == 1  # the held first step, then the interrupt
         np.testing.assert_array_equal(
             pixels(base64.b64decode(image)), partial.decode_latents(pipe, slow.reported[-1])[0]
         )
@@ -220,9 +238,9 @@ def test_openai_streaming_decodes_partial_images_while_the_batch_runs(pipe):
     beside the running program), the completed one the pipeline's image."""
     from sdjax.server import partial
 
-    # 1 s a step: the stream polls the running batch every 50 ms, and under a loaded CI machine's two test workers a
-    # 0.3 s step once ended the batch before the poll saw it half done (no partial image: a timing failure)
-    slow = SlowPipeline(pipe, delay=1.0)
+    # held half way until the server decodes the partial image: the stream polls the running batch every 50 ms,
+    # and timed steps (0.3 s, then 1 s) twice ended the batch before a poll saw it half done on a loaded CI machine
+    slow = SlowPipeline(pipe, hold_at=0.5)
     with live_server(slow, max_batch=1, model_name="tiny", warm=False) as s, client(s.url, timeout=600) as c:
         body = {"prompt": "a cat", "seed": 3, "steps": STEPS, "sampler": "pndm", "stream": True, "partial_images": 1}
         r = c.post("/v1/images/generations", json=body)
