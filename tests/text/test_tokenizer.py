@@ -182,3 +182,21 @@ def test_from_folder_errors_name_the_folder(tmp_path):
         CLIPTokenizer.from_folder(tmp_path)
     with pytest.raises(FileNotFoundError, match="not found"):
         CLIPTokenizer.from_folder(tmp_path / "nope")
+
+
+def test_vocab_files_are_read_again_when_they_change(tmp_path):
+    """The read `vocab.json` + `merges.txt` are kept per file version (every pipeline builds a tokenizer from the
+    same files): a rewritten vocabulary is read again, not served from the kept copy."""
+    import os
+
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    shutil.copy(reference.ASSETS / "merges.txt", merges)
+    table = json.loads((reference.ASSETS / "vocab.json").read_text(encoding="utf-8"))
+    vocab.write_text(json.dumps(table), encoding="utf-8")
+    before = CLIPTokenizer.from_files(vocab, merges)
+    assert CLIPTokenizer.from_files(vocab, merges)._backend.token_to_id("cat</w>") == table["cat</w>"]
+    table["cat</w>"], table["dog</w>"] = table["dog</w>"], table["cat</w>"]  # two ids swapped, same size
+    vocab.write_text(json.dumps(table), encoding="utf-8")
+    os.utime(vocab, ns=(os.stat(vocab).st_atime_ns, os.stat(vocab).st_mtime_ns + 10**9))
+    after = CLIPTokenizer.from_files(vocab, merges)
+    assert after(["a cat"])[0][2] == before(["a dog"])[0][2] == table["cat</w>"]

@@ -25,6 +25,7 @@ upper-case `<|ENDOFTEXT|>`) follows the token's `normalized` flag as transformer
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import warnings
 from collections.abc import Mapping, Sequence
@@ -130,7 +131,7 @@ class CLIPTokenizer:
         for f in (vocab_file, merges_file):
             if not Path(f).is_file():
                 raise FileNotFoundError(f"tokenizer file not found: {f}")
-        vocab, merges = BPE.read_file(str(vocab_file), str(merges_file))
+        vocab, merges = _read_bpe(Path(vocab_file), Path(merges_file))
         return cls(vocab, merges, **kwargs)
 
     @classmethod
@@ -161,7 +162,7 @@ class CLIPTokenizer:
             vocab = model["vocab"]
             merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
         elif (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            vocab, merges = BPE.read_file(str(path / "vocab.json"), str(path / "merges.txt"))
+            vocab, merges = _read_bpe(path / "vocab.json", path / "merges.txt")
         else:
             raise FileNotFoundError(f"{path}: no tokenizer.json, nor vocab.json + merges.txt")
 
@@ -274,3 +275,20 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _read_bpe(vocab_file: Path, merges_file: Path) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """`vocab.json` + `merges.txt` through `tokenizers`' reader, kept per file version: every pipeline (and each
+    of SDXL's two encoders) builds a tokenizer from the same 49k-entry files, whose reading is most of that build.
+    The callers copy what they keep (`BPE(vocab=dict(...), merges=list(...))`)."""
+    return _read_bpe_version(*(_version(f) for f in (vocab_file, merges_file)))
+
+
+def _version(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _read_bpe_version(vocab: tuple[str, int, int], merges: tuple[str, int, int]):
+    return BPE.read_file(vocab[0], merges[0])
