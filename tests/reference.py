@@ -37,11 +37,14 @@ CLIP_SDXL_2 = {
     "projection_dim": 40,
 }
 
+# One layer per block for SD 1.x, the suite's most used model (training steps: 36% less XLA compile, measured on
+# tests/finetune/test_step_parity.py); the two-layer layout of released checkpoints (the `input_blocks` numbering of
+# single files, `resnets.1`, three up-block layers) stays held by SD 2.x's and SDXL's tiny UNets below.
 UNET_SD1 = dict(
     sample_size=8,
     in_channels=4,
     out_channels=4,
-    layers_per_block=2,
+    layers_per_block=1,
     block_out_channels=(32, 64),
     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
@@ -49,7 +52,13 @@ UNET_SD1 = dict(
     attention_head_dim=8,
     norm_num_groups=32,
 )
-UNET_SD2 = {**UNET_SD1, "attention_head_dim": (2, 4), "use_linear_projection": True, "upcast_attention": True}
+UNET_SD2 = {
+    **UNET_SD1,
+    "layers_per_block": 2,
+    "attention_head_dim": (2, 4),
+    "use_linear_projection": True,
+    "upcast_attention": True,
+}
 UNET_SDXL = dict(
     sample_size=8,
     in_channels=4,

@@ -103,7 +103,7 @@ def test_full_step_matches_diffusers(sd1, torch_sd1, prediction_type, gamma):
         "down_blocks.0.resnets.0.conv1.weight",
         "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight",
         "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight",
-        "up_blocks.1.attentions.2.transformer_blocks.0.ff.net.0.proj.weight",
+        "up_blocks.1.attentions.1.transformer_blocks.0.ff.net.0.proj.weight",
         "mid_block.attentions.0.proj_in.weight",
         "up_blocks.0.resnets.0.norm1.weight",
         "conv_out.bias",

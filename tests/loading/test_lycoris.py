@@ -44,7 +44,7 @@ LOHA = [
     ("unet", "mid_block.resnets.0.conv2", (64, 64, 3, 3),  # Tucker
      {"hada_t1": (3, 3, 3, 3), "hada_w1_a": (3, 64), "hada_w1_b": (3, 64),
       "hada_t2": (3, 3, 3, 3), "hada_w2_a": (3, 64), "hada_w2_b": (3, 64)}, 1.5),
-    ("unet", "up_blocks.1.attentions.2.transformer_blocks.0.ff.net.0.proj", (256, 32),
+    ("unet", "up_blocks.1.attentions.1.transformer_blocks.0.ff.net.0.proj", (256, 32),
      {"hada_w1_a": (256, 3), "hada_w1_b": (3, 32), "hada_w2_a": (256, 2), "hada_w2_b": (2, 32)}, None),
     ("text_encoder", "text_model.encoder.layers.1.self_attn.q_proj", (32, 32),
      {"hada_w1_a": (32, 2), "hada_w1_b": (2, 32), "hada_w2_a": (32, 2), "hada_w2_b": (2, 32)}, 1.0),
@@ -54,13 +54,13 @@ LOHA = [
 LOKR = [
     ("unet", "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k", (32, 32),
      {"lokr_w1": (4, 4), "lokr_w2_a": (8, 2), "lokr_w2_b": (2, 8)}, 4.0),
-    ("unet", "down_blocks.0.resnets.1.conv1", (32, 32, 3, 3),  # both full (4D w2): factor 1, alpha ignored
+    ("unet", "up_blocks.1.resnets.0.conv2", (32, 32, 3, 3),  # both full (4D w2): factor 1, alpha ignored
      {"lokr_w1": (2, 4), "lokr_w2": (16, 8, 3, 3)}, 5.0),
-    ("unet", "down_blocks.0.resnets.1.conv2", (32, 32, 3, 3),  # both factored: r of w2
+    ("unet", "up_blocks.1.resnets.1.conv2", (32, 32, 3, 3),  # both factored: r of w2
      {"lokr_w1_a": (4, 1), "lokr_w1_b": (1, 2), "lokr_w2_a": (8, 2), "lokr_w2_b": (2, 144)}, 3.0),
     ("unet", "mid_block.resnets.0.conv1", (64, 64, 3, 3),  # Tucker w2
      {"lokr_w1": (4, 4), "lokr_t2": (2, 2, 3, 3), "lokr_w2_a": (2, 16), "lokr_w2_b": (2, 16)}, 1.0),
-    ("unet", "up_blocks.1.attentions.2.transformer_blocks.0.ff.net.2", (32, 128),
+    ("unet", "up_blocks.1.attentions.1.transformer_blocks.0.ff.net.2", (32, 128),
      {"lokr_w1": (2, 8), "lokr_w2_a": (16, 2), "lokr_w2_b": (2, 16)}, 2.0),
     ("text_encoder", "text_model.encoder.layers.1.mlp.fc2", (32, 37), {"lokr_w1": (2, 1), "lokr_w2": (16, 37)}, None),
     ("text_encoder", "text_model.encoder.layers.1.self_attn.v_proj", (32, 32),  # w1 factored, w2 full: r of w1
