@@ -12,11 +12,19 @@ import sys
 
 import numpy as np
 
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where conftest.py is
+
 # `sdjax train ...` with every decode of a training example (`data.crop_example`: the sampler's, a latent cache's)
-# written to the file $SDJAX_TEST_LOADS, one image name a line, in call order
-_COUNTED_CLI = """
+# written to the file $SDJAX_TEST_LOADS, one image name a line, in call order. The process first imports
+# tests/conftest.py for the suite's settings (no Flax re-trace of each parameter's initializer at every `apply`, the
+# GC thresholds), as the test process has them, and draws no loss.png (matplotlib's import and a plot: about 2 s of
+# CPU in each writing process; tests/finetune/test_run.py checks that plot).
+_COUNTED_CLI = f"""
 import os, sys
-from sdjax.finetune import data
+sys.path.insert(0, {_TESTS!r})
+import conftest
+from sdjax.finetune import data, run
+run.plot_losses = lambda log, png: False
 crop = data.crop_example
 def counted(item, *args):
     with open(os.environ["SDJAX_TEST_LOADS"], "a") as f:
