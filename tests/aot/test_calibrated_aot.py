@@ -24,7 +24,7 @@ needs_libtpu = pytest.mark.skipif(
 )
 runner = CliRunner()
 MODEL = str(EMBEDDED_MODEL_DIR)
-ARGS = ["compile", "--target", "v5e-1", "-m", MODEL, "--size", "32", "--batch", "1", "--steps", "2", "--in-process"]
+ARGS = ["compile", "--target", "v5e-1", "-m", MODEL, "--size", "16", "--batch", "1", "--steps", "2", "--in-process"]
 INT8 = ["--quantize", "int8", "--quant-compute", "int8"]
 
 
@@ -86,7 +86,7 @@ def test_the_placeholder_compiles_the_program_of_a_real_calibration(reports, pla
         lambda: aot.compile_for(
             "v5e-1",
             model=MODEL,
-            size=32,
+            size=16,
             batch=1,
             steps=2,
             quantize="int8",

@@ -3,19 +3,21 @@ layers and convolutions multiply int8 x int8 in the TPU program, their FLOPs are
 chip's int8 rate.
 
 The expected count is worked out by hand from the tiny architecture (configs in `sdjax.models.presets`): its UNet
-has three 2-D kernels of >= 16,384 weights (the policy's default `min_size`), all outside the 16x16 level:
+has three 2-D kernels of >= 16,384 weights (the policy's default `min_size`), all outside the top (latent-size) level:
 - the mid block's feed-forward, `ff/net_0/proj` (64 -> 512, GEGLU's doubled width) and `ff/net_2` (256 -> 64), on
-  the mid block's tokens: a 32x32 image is 16x16 latents (the tiny VAE downsamples by 2), 8x8 after the UNet's one
-  downsampler, so 64 tokens per row;
+  the mid block's tokens: a 16x16 image is 8x8 latents (the tiny VAE downsamples by 2), 4x4 after the UNet's one
+  downsampler, so 16 tokens per row;
 - `time_embedding/linear_2` (128 -> 128), one token per row.
 One image with classifier-free guidance is 2 rows per model call. A Dense layer of `tokens` rows is
 `2 * tokens * in * out` FLOPs.
 
 Its convolutions of >= 16,384 weights (the first and last stay float) are 3x3 "same" convolutions; XLA counts the
-taps that fall inside the input, not the zero padding: on an n x n map a 3x3 kernel has (3n - 2)^2 such taps, 22^2 at
-8x8 and 46^2 at 16x16, each `2 * in * out` FLOPs per row. The selected ones, as in -> out channels: at 8x8
-32 -> 64 once, 64 -> 64 seven times, 128 -> 64 and 96 -> 64 (the up block's resnets on concatenated skips); at 16x16
+taps that fall inside the input, not the zero padding: on an n x n map a 3x3 kernel has (3n - 2)^2 such taps, 10^2 at
+4x4 and 22^2 at 8x8, each `2 * in * out` FLOPs per row. The selected ones, as in -> out channels: at 4x4
+32 -> 64 once, 64 -> 64 seven times, 128 -> 64 and 96 -> 64 (the up block's resnets on concatenated skips); at 8x8
 the upsampler's 64 -> 64 and the last resnets' 96 -> 32 and 64 -> 32.
+
+The image is 16x16: the size changes these counts, not which layers multiply in int8.
 """
 
 from __future__ import annotations
@@ -32,19 +34,19 @@ needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install 'sdjax[tpu-aot]')"
 )
 runner = CliRunner()
-SETTINGS = dict(model="tiny", size=32, batch=1, steps=2, quantize="int8")
+SETTINGS = dict(model="tiny", size=16, batch=1, steps=2, quantize="int8")
 
 ROWS = 2  # one image, CFG
-MID_TOKENS = ROWS * 8 * 8
+MID_TOKENS = ROWS * 4 * 4
 HAND_COUNT_PER_CALL = (
     2 * MID_TOKENS * 64 * 512  # mid_block ... ff/net_0/proj
     + 2 * MID_TOKENS * 256 * 64  # mid_block ... ff/net_2
     + 2 * ROWS * 128 * 128  # time_embedding/linear_2
 )
 CONV_PER_CALL = (
-    2 * ROWS * 22**2 * (32 * 64 + 7 * 64 * 64 + 128 * 64 + 96 * 64)  # 3x3 convs at 8x8
-    + 2 * ROWS * 46**2 * 64 * 64  # the upsampler's conv, 16x16
-    + 2 * ROWS * 46**2 * (96 * 32 + 64 * 32)  # 3x3 convs at 16x16
+    2 * ROWS * 10**2 * (32 * 64 + 7 * 64 * 64 + 128 * 64 + 96 * 64)  # 3x3 convs at 4x4
+    + 2 * ROWS * 22**2 * 64 * 64  # the upsampler's conv, 8x8
+    + 2 * ROWS * 22**2 * (96 * 32 + 64 * 32)  # 3x3 convs at 8x8
 )
 
 
@@ -62,7 +64,7 @@ def test_int8_flops_are_the_hand_count_of_the_quantized_dense_layers(reports):
     weight_only, compute = reports
     assert compute.quantize == "int8" and compute.quant_compute == "int8"
     assert compute.model_calls == 3  # the tiny model's PNDM: 2 steps, 3 model calls
-    assert HAND_COUNT_PER_CALL == 12_648_448 and CONV_PER_CALL == 165_232_640
+    assert HAND_COUNT_PER_CALL == 3_211_264 and CONV_PER_CALL == 35_864_576
     assert compute.unet_call_quant_flops == HAND_COUNT_PER_CALL + CONV_PER_CALL
     assert compute.quant_flops == 3 * (HAND_COUNT_PER_CALL + CONV_PER_CALL)
     assert weight_only.quant_compute is None and weight_only.quant_flops is None

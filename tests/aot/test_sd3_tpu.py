@@ -99,7 +99,7 @@ def test_tiny_sd3_compiles_for_a_v5e_4_with_fsdp(monkeypatch):
     """CFG doubles each model call's rows; FSDP (threshold lowered for the tiny model) leaves each chip a quarter of
     the large kernels; the loop-corrected cost covers every step."""
     monkeypatch.setattr(sharding, "fsdp", functools.partial(sharding.fsdp, 256))
-    r = aot.compile_for("v5e-4", model="sd3-tiny", size=32, batch=4, steps=2, fsdp=True)
+    r = aot.compile_for("v5e-4", model="sd3-tiny", size=16, batch=4, steps=2, fsdp=True)
     assert (r.pipeline, r.cfg, r.fsdp, r.mesh) == ("StableDiffusion3Pipeline", True, True, {"data": 4, "model": 1})
     assert r.fits and r.error is None
     assert (r.model_calls, r.sampler) == (2, "flow_euler")  # the registry name of FlowMatch Euler

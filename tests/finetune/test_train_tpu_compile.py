@@ -2,12 +2,13 @@
 slice with libtpu's compile-only client, with the weights replicated and with `finetune.sharding`'s FSDP layout.
 
 The tiny SD preset's full fine-tune (float32 master copy and AdamW moments, bf16 compute) on `v5e:2x2` (4 chips),
-one image per chip; the FSDP threshold lowered to 256 elements so the tiny weights are split. Tens of seconds a
-compile.
+one 16 x 16 image per chip (small: what is checked is the weights' and state's layout, not the activations); the
+FSDP threshold lowered to 256 elements so the tiny weights are split. Tens of seconds a compile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -22,9 +23,9 @@ needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installe
 def rows():
     if not HAS_LIBTPU:
         pytest.skip("libtpu is not installed (pip install 'sdjax[tpu-aot]')")
-    case = train_aot.TrainCase("tiny", "full", size=32, fsdp_min_size=256)
+    case = train_aot.TrainCase("tiny", "full", size=16, fsdp_min_size=256)
     replicated = train_aot.compile_case(case, "v5e:2x2")
-    fsdp = train_aot.compile_case(train_aot.TrainCase("tiny", "full", size=32, fsdp=True, fsdp_min_size=256), "v5e:2x2")
+    fsdp = train_aot.compile_case(dataclasses.replace(case, fsdp=True), "v5e:2x2")
     return replicated, fsdp
 
 
