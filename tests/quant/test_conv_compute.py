@@ -199,21 +199,21 @@ def test_compute_convs_false_keeps_the_convs_weight_only():
 
 @pytest.mark.slow
 def test_the_embedded_model_with_int8_convs_against_float32():
-    """The shape evaluation's 28 held-out prompts, 8 steps, seed 0: the images with the UNet's Dense layers and convs
-    in int8 against the float32 ones, and the shape/colour scores against float32's. Measured: mean abs 0.0233, max
-    0.91 with the suite's XLA flags (0.0217 without them, docs/benchmarks.md; 4 / 20 steps: 0.0076 / 0.0063; Dense
-    layers only: 0.0111), every attribute's score within 1 image of float32's; the test allows 0.03 mean and 2
-    images per attribute."""
+    """The shape evaluation's 28 held-out prompts, 4 steps, seed 0: the images with the UNet's Dense layers and convs
+    in int8 against the float32 ones, and the shape/colour scores against float32's. Measured: mean abs 0.0073, max
+    0.47 with the suite's XLA flags (8 steps: 0.0233, max 0.91, every attribute's score within 1 image of float32's;
+    without the flags, docs/benchmarks.md: 8 steps 0.0217, 4 / 20 steps 0.0076 / 0.0063; Dense layers only, 8 steps:
+    0.0111); the test allows 0.01 mean at 4 steps (0.03 at 8 steps before) and 2 images per attribute."""
     from sdjax.evaluation.shapes import held_out_prompts, score
 
     prompts, scenes = held_out_prompts(2)
-    kw = dict(steps=8, seed=0, output_type="np")
+    kw = dict(steps=4, seed=0, output_type="np")
     policy = P.QuantPolicy("int8", components=("unet",), compute="int8")
     out = np.asarray(load_pipeline(None, quantize=policy)[0].generate(prompts, **kw), np.float32)
     ref = np.asarray(load_pipeline(None)[0].generate(prompts, **kw), np.float32)
     err = np.abs(out - ref)
-    print(f"int8 Dense + conv compute vs float32, 8 steps: mean abs {err.mean():.4f}, max {err.max():.3f}")
-    assert 0 < float(err.mean()) < 0.03
+    print(f"int8 Dense + conv compute vs float32, 4 steps: mean abs {err.mean():.4f}, max {err.max():.3f}")
+    assert 0 < float(err.mean()) < 0.01
 
     def scores(images):
         return score([(255 * np.clip(x, 0, 1)).round().astype(np.uint8) for x in images], scenes)
