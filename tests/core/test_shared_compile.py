@@ -36,3 +36,39 @@ def test_a_second_pipeline_of_the_model_runs_the_first_ones_executables(sd1_dir)
     del first, second, other, images
     gc.collect()
     assert not held & {id(exe) for exe in cache_lib._SHARED.values()}  # the weak table kept nothing alive
+
+
+def test_programs_that_call_back_into_python_are_not_shared():
+    """A host callback is named in the program text only by its index, so two lowerings calling different Python
+    functions print the same text: each keeps its own executable (found by CI: a server's progress went to an
+    earlier pipeline of the same model, and its stream never saw a step)."""
+    from jax.experimental import io_callback
+
+    calls = []
+
+    def lowered(tag):
+        def report(x):
+            calls.append(tag)
+            return np.float32(x)
+
+        fn = jax.jit(lambda x: io_callback(report, jax.ShapeDtypeStruct((), np.float32), x) + 1)
+        return fn.lower(np.float32(1))
+
+    a, b = lowered("a"), lowered("b")
+    assert a.as_text() == b.as_text()
+    devices = (jax.devices()[0].id,)
+    held = [cache_lib.compile_shared(low, devices) for low in (a, b)]  # both alive, as two pipelines hold theirs
+    for tag, exe in zip("ab", held):
+        assert float(exe(np.float32(2))) == 3.0
+        assert calls[-1] == tag
+
+
+def test_two_pipelines_of_the_model_report_progress_to_their_own_callbacks(sd1_dir):
+    first, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    second, _ = StableDiffusionPipeline.from_pretrained(str(sd1_dir))
+    first.devices = second.devices = jax.devices()[:1]
+    seen = {"first": [], "second": []}
+    for name, pipe in (("first", first), ("second", second)):
+        progress = lambda stage, step, total, name=name: seen[name].append((stage, step))
+        pipe.generate("a cat", steps=2, seed=0, width=32, height=32, output_type="np", progress=progress)
+    assert seen["first"] == seen["second"] and ("denoise", 2) in seen["second"], seen

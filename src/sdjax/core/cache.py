@@ -111,6 +111,15 @@ def release_memory() -> None:
         pass
 
 
+def _has_host_callbacks(lowered: Any, text: str) -> bool:
+    """Whether `lowered` calls back into Python (io_callback, pure_callback, jax.debug.callback): from JAX's list of
+    the lowering's callbacks, or (where that internal is gone) from the text, erring towards yes."""
+    try:
+        return bool(lowered._lowering.compile_args["host_callbacks"])
+    except (AttributeError, KeyError, TypeError):
+        return "callback" in text or "stablehlo.send" in text or "stablehlo.recv" in text
+
+
 def _code_bytes(executable) -> int:
     try:
         analysis = executable.memory_analysis()
@@ -129,10 +138,16 @@ def compile_shared(lowered: Any, devices: tuple) -> Any:
     """`lowered.compile()`, or the executable of an identical lowering that this process compiled before and that
     is still alive: the same program text (StableHLO with its shapes, dtypes and shardings), on the same `devices`
     (ids in mesh order: the text names no device) under the same JAX settings. The same program runs, so no number
-    changes; only the compile is saved (a second pipeline of one model, a CLI run beside the Python API's)."""
+    changes; only the compile is saved (a second pipeline of one model, a CLI run beside the Python API's).
+
+    A program with host callbacks (progress and stop between steps, calibration's observers) is never shared: its
+    text names a callback only by its position in the lowering's list, so two lowerings calling different Python
+    functions print the same text, and a shared executable would call the other pipeline's functions."""
     import jax
 
     text = lowered.as_text()
+    if _has_host_callbacks(lowered, text):
+        return lowered.compile()
     key = (hashlib.sha256(text.encode()).hexdigest(), len(text), devices, repr(sorted(jax.config.values.items())))
     with _SHARED_LOCK:
         compiled = _SHARED.get(key)
