@@ -41,6 +41,12 @@ os.environ.setdefault(
     "XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {os.environ['SDJAX_TEST_CODEGEN_FLAG']}".strip()
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Pipelines, fine-tuning and training run on the first simulated device by default (`SDJAX_DEVICES`, read by
+# `parallel.sharding.default_devices`): a batch of one over eight devices is padded to eight images and compiled
+# as an eight-way SPMD program, 9% more CPU over seven generation-heavy files (17-29% for some). Tests of
+# several devices give their devices or mesh, or are marked `all_devices`; `SDJAX_DEVICES=all` runs every test
+# on all eight.
+os.environ.setdefault("SDJAX_DEVICES", "1")
 # PyTorch references on one thread: the tiny reference models run hundreds of small ops, and with two test workers
 # on two cores each intra-op thread hand-off costs more than the op (tests/controlnet_cases.py measured 8-25 s of
 # CPU for one 5-step reference call under load, 0.25 s on one thread).
@@ -173,7 +179,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Compile with XLA's default optimisation while an `xla_optimized` test (and its fixtures) runs."""
+    """Compile with XLA's default optimisation while an `xla_optimized` test (and its fixtures) runs; an
+    `all_devices` test (and its fixtures) runs with every simulated device by default."""
+    if item.get_closest_marker("all_devices") is not None:
+        before = os.environ["SDJAX_DEVICES"]
+        os.environ["SDJAX_DEVICES"] = "all"
+        try:
+            return (yield from _optimised(item))
+        finally:
+            os.environ["SDJAX_DEVICES"] = before
+    return (yield from _optimised(item))
+
+
+def _optimised(item):
     if _OPTIMISED or item.get_closest_marker("xla_optimized") is None:
         return (yield)
     import jax

@@ -162,8 +162,9 @@ def test_the_byte_budget_counts_a_shared_decode_once():
     assert cache.keys() == ["other size"] and cache.nbytes == 1100  # over budget: the oldest pairs went
 
 
+@pytest.mark.all_devices  # on all eight devices no other pipeline of the suite shares its executables
 def test_pipeline_cache_evicts_compiled_programs(sd):
-    """On the module's pipeline: its 2-step program (compiled by the tests above) is reused, then evicted."""
+    """On the module's pipeline: a 2-step program, then a 3-step one evicts it; freed with the cache."""
     pipe, _ = sd
     cache = pipe.generator.cache
     saved = cache.max_entries

@@ -39,6 +39,7 @@ sys.exit(main())
 def _train(devices: int, argv: list[str], loads, command: str) -> subprocess.Popen:
     flags = f"--xla_force_host_platform_device_count={devices} {os.environ.get('SDJAX_TEST_COMPILE_FLAGS', '')}"
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "SDJAX_TEST_LOADS": str(loads)}
+    env["SDJAX_DEVICES"] = "all"  # one program over every process's devices
     cmd = [sys.executable, "-c", _COUNTED_CLI, "train", command, *argv]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -23,6 +23,8 @@ from safetensors.numpy import load_file
 from sdjax.finetune import sharding as train_sharding
 from sdjax.finetune import train_dreambooth
 
+pytestmark = pytest.mark.all_devices  # FSDP splits over the data axis of all eight simulated devices
+
 MIN_SIZE = 256
 RTOL = 1e-5  # the losses (relative)
 # The written UNet of a fine-tune (EMA of the updates): AdamW's first updates move a coordinate whose gradient is

@@ -28,6 +28,7 @@ def test_two_processes_equal_single_process(sd1_dir, tmp_path):
     out = tmp_path / "images"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    env["SDJAX_DEVICES"] = "all"  # one program over both processes' devices
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(i), "2", str(port), str(sd1_dir), str(out)],

@@ -8,6 +8,8 @@ from jax.sharding import PartitionSpec as P
 from sdjax import StableDiffusionPipeline
 from sdjax.parallel import make_mesh, param_specs, shard_params
 
+pytestmark = pytest.mark.all_devices  # default meshes over all eight simulated devices
+
 
 @pytest.fixture(scope="module")
 def sd(sd1_dir):

@@ -170,6 +170,7 @@ def test_min_snr_v_weight_clips_the_x0_weight_and_keeps_high_noise():
     assert np.all(np.diff(w) >= -1e-7)  # never falls as noise grows
 
 
+@pytest.mark.all_devices
 def test_data_parallel_splits_the_batch_over_devices_that_divide_it():
     n = jax.device_count()  # 8 simulated CPU devices in the test suite (tests/conftest.py)
     replicated, split = train.data_parallel(4 * n, min_per_device=4)

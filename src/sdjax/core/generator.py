@@ -265,10 +265,11 @@ class Generator:
 
     # ------------------------------------------------------------------ placement
     def get_mesh(self) -> Mesh:
-        """`self.mesh` if set, else a data-parallel mesh over `self.devices` (default: every device)."""
+        """`self.mesh` if set, else a data-parallel mesh over `self.devices` (default: every device, or
+        `SDJAX_DEVICES` of them: `parallel.sharding.default_devices`)."""
         if self.mesh is not None:
             return self.mesh
-        devices = self.devices or jax.devices()
+        devices = self.devices or sharding_lib.default_devices()
         return sharding_lib.make_mesh(len(devices), 1, devices)
 
     def place_params(self, params: dict, mesh: Mesh) -> dict:

@@ -309,9 +309,9 @@ def _load(cfg: TrainConfig, what: str = "LoRA training"):
 def _mesh(cfg: LoraTrainConfig, log: Callable[[str], None]):
     import jax
 
-    from sdjax.parallel.sharding import make_mesh
+    from sdjax.parallel.sharding import default_devices, make_mesh
 
-    available = jax.devices()  # every process's, with several (`finetune.distributed`)
+    available = default_devices()  # every process's, with several (`finetune.distributed`)
     if jax.process_count() > 1:  # one program over all processes' devices: the batch must split over all of them
         if (cfg.devices or len(available)) != len(available) or cfg.batch_size % len(available):
             raise ValueError(

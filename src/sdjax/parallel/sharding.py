@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -95,9 +96,35 @@ def fsdp_min_size() -> int | None:
     return _FSDP.get()
 
 
+DEVICES_ENV = "SDJAX_DEVICES"
+
+
+def default_devices() -> list:
+    """The devices sdjax runs on when none are given (pipelines, fine-tuning, training): every device of every
+    process, or the first N of them with the environment variable `SDJAX_DEVICES=N` (one process only; `all` or
+    unset: every device). With simulated CPU devices (`--xla_force_host_platform_device_count`) or a shared
+    accelerator host it keeps a run on fewer devices without touching XLA's or the platform's own settings."""
+    devices = jax.devices()
+    value = os.environ.get(DEVICES_ENV, "").strip()
+    if value in ("", "all"):
+        return devices
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"{DEVICES_ENV}={value!r}: expected a number of devices from 1 to {len(devices)}, or 'all'")
+    if n < len(devices) and jax.process_count() > 1:
+        raise ValueError(
+            f"{DEVICES_ENV}={value!r}: a run over {jax.process_count()} processes uses all their {len(devices)} "
+            "devices; unset it (or set it to 'all')"
+        )
+    return devices[:n]
+
+
 def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
-    """A `(data, model)` mesh over `devices` (default: all devices of all processes)."""
-    devices = list(devices) if devices is not None else jax.devices()
+    """A `(data, model)` mesh over `devices` (default: `default_devices()`, all devices of all processes)."""
+    devices = list(devices) if devices is not None else default_devices()
     if model < 1 or len(devices) % model:
         raise ValueError(f"model={model} must divide the {len(devices)} devices")
     data = data or len(devices) // model
