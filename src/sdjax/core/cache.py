@@ -111,12 +111,13 @@ def release_memory() -> None:
         pass
 
 
-def _has_host_callbacks(lowered: Any, text: str) -> bool:
+def has_host_callbacks(lowered: Any, text: str | None = None) -> bool:
     """Whether `lowered` calls back into Python (io_callback, pure_callback, jax.debug.callback): from JAX's list of
     the lowering's callbacks, or (where that internal is gone) from the text, erring towards yes."""
     try:
         return bool(lowered._lowering.compile_args["host_callbacks"])
     except (AttributeError, KeyError, TypeError):
+        text = lowered.as_text() if text is None else text
         return "callback" in text or "stablehlo.send" in text or "stablehlo.recv" in text
 
 
@@ -146,7 +147,7 @@ def compile_shared(lowered: Any, devices: tuple) -> Any:
     import jax
 
     text = lowered.as_text()
-    if _has_host_callbacks(lowered, text):
+    if has_host_callbacks(lowered, text):
         return lowered.compile()
     key = (hashlib.sha256(text.encode()).hexdigest(), len(text), devices, repr(sorted(jax.config.values.items())))
     with _SHARED_LOCK:

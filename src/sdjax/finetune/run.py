@@ -720,10 +720,12 @@ def _compiled_once(train_step: Callable) -> Callable:
     """`train_step` (a `jit`) compiled once per process and program: each new argument signature (a new bucket's
     shapes) is lowered, and a program whose text, signature and JAX settings are an earlier call's (`_COMPILED`)
     reuses that executable. The same program runs, so no number changes; only the compile (most of a small run's
-    time) is saved."""
+    time) is saved. A step that calls back into Python is not shared (`core.cache.has_host_callbacks`)."""
     import hashlib
 
     import jax
+
+    from sdjax.core.cache import has_host_callbacks
 
     if not hasattr(train_step, "lower"):
         return train_step
@@ -735,12 +737,16 @@ def _compiled_once(train_step: Callable) -> Callable:
         compiled = by_signature.get(signature)
         if compiled is None:
             lowered = train_step.lower(*args)
-            program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-            key = (program, signature, repr(sorted(jax.config.values.items())))
-            compiled = _COMPILED.pop(key, None) or lowered.compile()
-            _COMPILED[key] = by_signature[signature] = compiled
-            while len(_COMPILED) > _COMPILED_KEEP:
-                del _COMPILED[next(iter(_COMPILED))]
+            if has_host_callbacks(lowered):  # its callbacks are this lowering's: the text names them by index only
+                compiled = lowered.compile()
+            else:
+                program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+                key = (program, signature, repr(sorted(jax.config.values.items())))
+                compiled = _COMPILED.pop(key, None) or lowered.compile()
+                _COMPILED[key] = compiled
+                while len(_COMPILED) > _COMPILED_KEEP:
+                    del _COMPILED[next(iter(_COMPILED))]
+            by_signature[signature] = compiled
         return compiled(*args)
 
     return step
