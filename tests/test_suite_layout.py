@@ -13,3 +13,13 @@ def test_test_module_basenames_are_unique():
     assert not [n for n, k in names.items() if k > 1], sorted(
         str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if names[p.name] > 1
     )
+
+
+def test_the_longest_first_files_exist():
+    """conftest's LONGEST_FIRST orders the full run: a moved file silently lost its place (it happened with
+    tests/core/test_controlnet_parity.py, now in tests/families/)."""
+    import conftest
+
+    root = TESTS.parent
+    assert [p for p in conftest.LONGEST_FIRST if not (root / p).is_file()] == []
+    assert len(set(conftest.LONGEST_FIRST)) == len(conftest.LONGEST_FIRST)
