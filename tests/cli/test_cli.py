@@ -279,3 +279,10 @@ def test_prompt_syntax_option(fake, tmp_path):
     assert fake.prompt_syntaxes[-2:] == [None, "a1111"]
     r = run("generate", "x", "-o", str(tmp_path), "--prompt-syntax", "comfy")
     assert r.exit_code == 2 and "--prompt-syntax" in r.output
+
+
+def test_a_bad_device_count_is_named_before_the_model_loads(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("SDJAX_DEVICES", "none")
+    r = run("generate", "x", "-o", str(tmp_path), "--steps", "1")
+    assert r.exit_code == 2 and "SDJAX_DEVICES='none'" in r.output, r.output
+    assert fake.loads == [] and not list(tmp_path.glob("*.png"))

@@ -53,3 +53,15 @@ def test_serve_option_errors(monkeypatch, tmp_path):
     assert r.exit_code == 2 and "--warm-sampler" in r.output
     r, seen = invoke(monkeypatch)
     assert r.exit_code == 0 and seen["config"].api_key is None and seen["loader"] is None
+
+
+def test_a_bad_device_count_is_refused_before_the_model_loads(monkeypatch):
+    """`SDJAX_DEVICES` is checked at start-up (a usage error naming it), not at the first request's mesh."""
+    loaded = []
+    monkeypatch.setattr(cli.serve, "load_pipeline", lambda model, dtype: loaded.append(model) or FakePipeline())
+    monkeypatch.setattr(server, "serve", lambda pipe, config, **kw: None)
+    r = CliRunner().invoke(cli.app, ["serve", "--no-warm"], env={"SDJAX_DEVICES": "99"})
+    assert r.exit_code == 2 and "SDJAX_DEVICES='99'" in r.output and "from 1 to 8" in r.output
+    assert loaded == []
+    r = CliRunner().invoke(cli.app, ["serve", "--no-warm"], env={"SDJAX_DEVICES": "2"})
+    assert r.exit_code == 0 and len(loaded) == 1

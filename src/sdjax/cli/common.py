@@ -115,6 +115,22 @@ def _require_extra(extra: str, *modules: str) -> None:
         raise typer.Exit(2)
 
 
+def _check_devices_env() -> None:
+    """`SDJAX_DEVICES`, when set, checked at a command's start (a usage error naming it, exit 2) rather than at its
+    first mesh: a server started without warming would otherwise answer its first request with a failed generation.
+    Unset, nothing is checked and no JAX backend starts here."""
+    import os
+
+    from sdjax.parallel import sharding
+
+    if os.environ.get(sharding.DEVICES_ENV, "").strip() in ("", "all"):
+        return
+    try:
+        sharding.default_devices()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=sharding.DEVICES_ENV) from None
+
+
 # ---------------------------------------------------------------------------------------------- loading
 def _jnp_dtype(name: str | DType):
     import jax.numpy as jnp

@@ -30,6 +30,7 @@ from sdjax.cli.common import (
     ResizeMode,
     Upscaler,
     _apply_quant_compute,
+    _check_devices_env,
     _jnp_dtype,
     _load_with_vae,
     _next_number,
@@ -124,6 +125,7 @@ def _generate(o: GenerateOptions) -> None:
     )
     err = Console(stderr=True, quiet=o.quiet)
     _jnp_dtype(o.dtype)
+    _check_devices_env()
     calibration = _quant_options(o.quantize, o.quant_compute, o.calibration)
     timings = Timings()
     t_start = time.perf_counter()

@@ -22,6 +22,7 @@ from sdjax.cli.common import (
     Quantize,
     QuantizeOpt,
     _apply_quant_compute,
+    _check_devices_env,
     _load_with_vae,
     _mega,
     _parse_list,
@@ -322,6 +323,7 @@ def _serve(o: ServeOptions) -> None:
     from sdjax import server
 
     sizes, batch, users = _parse_options(o, server)
+    _check_devices_env()
     calibration = _quant_options(o.quantize, o.quant_compute, o.calibration)
     models = _resolve_models(o)
     _log_to_stderr(o.log_level)
