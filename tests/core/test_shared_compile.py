@@ -8,8 +8,10 @@ import gc
 
 import jax
 import numpy as np
+import pytest
 
 from sdjax.core import cache as cache_lib
+from sdjax.core.generator import Cancelled
 from sdjax.pipelines import StableDiffusionPipeline
 
 
@@ -72,3 +74,69 @@ def test_two_pipelines_of_the_model_report_progress_to_their_own_callbacks(sd1_d
         progress = lambda stage, step, total, name=name: seen[name].append((stage, step))
         pipe.generate("a cat", steps=2, seed=0, width=32, height=32, output_type="np", progress=progress)
     assert seen["first"] == seen["second"] and ("denoise", 2) in seen["second"], seen
+    # ... from one executable: its step callback is the process-wide dispatcher, which finds the run by its id
+    assert _executables(first) and _executables(second) == _executables(first)
+    stops = []
+    should_stop = lambda: stops.append(1) or True  # the second pipeline's stop reaches the shared executable
+    with pytest.raises(Cancelled):
+        second.generate("a cat", steps=2, seed=0, width=32, height=32, output_type="np", should_stop=should_stop)
+    assert stops == [1]
+
+
+def test_callback_sites_counts_only_callbacks_it_accepts():
+    """`callback_sites` walks the traced program (here a while loop's body) and names how many callbacks call the
+    accepted function; one other callback anywhere makes the program unshareable (None)."""
+    from jax.experimental import io_callback
+
+    def ours(x):
+        return np.float32(x)
+
+    def theirs(x):
+        return np.float32(x)
+
+    accept = lambda f: f is ours
+
+    def program(*callbacks):
+        def f(x):
+            def body(c):
+                i, x = c
+                for cb in callbacks:
+                    x = io_callback(cb, jax.ShapeDtypeStruct((), np.float32), x)
+                return i + 1, x
+
+            return jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1]
+
+        return jax.jit(f).trace(np.float32(1))
+
+    assert cache_lib.callback_sites(program().jaxpr, accept) == 0
+    assert cache_lib.callback_sites(program(ours, ours).jaxpr, accept) == 2
+    assert cache_lib.callback_sites(program(ours, theirs).jaxpr, accept) is None
+    traced = program(ours)
+    assert cache_lib.host_callback_count(traced.lower()) == 1 == cache_lib.callback_sites(traced.jaxpr, accept)
+
+
+def test_callbacks_the_caller_vouches_for_are_shared_and_others_are_not():
+    from jax.experimental import io_callback
+
+    calls = []
+
+    def shared(x):  # one process-wide function: any lowering may run any executable calling it
+        calls.append("shared")
+        return np.float32(x)
+
+    def lowered(*callbacks):
+        def f(x):
+            for cb in callbacks:
+                x = io_callback(cb, jax.ShapeDtypeStruct((), np.float32), x)
+            return x + 1
+
+        return jax.jit(f).lower(np.float32(1))
+
+    devices = (jax.devices()[0].id,)
+    a = cache_lib.compile_shared(lowered(shared), devices, shared_callbacks=1)
+    b = cache_lib.compile_shared(lowered(shared), devices, shared_callbacks=1)
+    assert a is b and float(b(np.float32(2))) == 3.0 and calls == ["shared"]
+    # two callbacks registered, one vouched for: not shared
+    c = cache_lib.compile_shared(lowered(shared, shared), devices, shared_callbacks=1)
+    d = cache_lib.compile_shared(lowered(shared, shared), devices, shared_callbacks=1)
+    assert c is not d

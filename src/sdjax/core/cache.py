@@ -111,14 +111,59 @@ def release_memory() -> None:
         pass
 
 
+def host_callback_count(lowered: Any) -> int | None:
+    """How many Python callbacks `lowered` registered with its executable (io_callback, pure_callback,
+    jax.debug.callback), from JAX's list of them; None where that internal is gone."""
+    try:
+        return len(lowered._lowering.compile_args["host_callbacks"])
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
 def has_host_callbacks(lowered: Any, text: str | None = None) -> bool:
     """Whether `lowered` calls back into Python (io_callback, pure_callback, jax.debug.callback): from JAX's list of
     the lowering's callbacks, or (where that internal is gone) from the text, erring towards yes."""
-    try:
-        return bool(lowered._lowering.compile_args["host_callbacks"])
-    except (AttributeError, KeyError, TypeError):
-        text = lowered.as_text() if text is None else text
-        return "callback" in text or "stablehlo.send" in text or "stablehlo.recv" in text
+    count = host_callback_count(lowered)
+    if count is not None:
+        return count > 0
+    text = lowered.as_text() if text is None else text
+    return "callback" in text or "stablehlo.send" in text or "stablehlo.recv" in text
+
+
+def callback_sites(jaxpr: Any, accept: Callable[[Any], bool]) -> int | None:
+    """The number of host-callback equations in `jaxpr` (a traced program's, with its sub-programs, each visited
+    once) when `accept(function)` takes the Python function of every one of them; None when it refuses one, or an
+    equation's function cannot be found. (`Generator` uses it to show that all its program's callbacks are its
+    process-wide step dispatcher.)"""
+    seen: set[int] = set()
+    count = 0
+
+    def sub_jaxprs(value):
+        if hasattr(value, "eqns"):
+            yield value
+        elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+            yield value.jaxpr
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                yield from sub_jaxprs(v)
+
+    def walk(j) -> bool:
+        nonlocal count
+        if id(j) in seen:
+            return True
+        seen.add(id(j))
+        for eqn in j.eqns:
+            if "callback" in eqn.params or "callback" in eqn.primitive.name:
+                function = getattr(eqn.params.get("callback"), "callback_func", None)
+                if function is None or not accept(function):
+                    return False
+                count += 1
+            for value in eqn.params.values():
+                if not all(walk(sub) for sub in sub_jaxprs(value)):
+                    return False
+        return True
+
+    return count if walk(getattr(jaxpr, "jaxpr", jaxpr)) else None
 
 
 def _code_bytes(executable) -> int:
@@ -135,19 +180,23 @@ _SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def compile_shared(lowered: Any, devices: tuple) -> Any:
+def compile_shared(lowered: Any, devices: tuple, *, shared_callbacks: int = 0) -> Any:
     """`lowered.compile()`, or the executable of an identical lowering that this process compiled before and that
     is still alive: the same program text (StableHLO with its shapes, dtypes and shardings), on the same `devices`
     (ids in mesh order: the text names no device) under the same JAX settings. The same program runs, so no number
     changes; only the compile is saved (a second pipeline of one model, a CLI run beside the Python API's).
 
-    A program with host callbacks (progress and stop between steps, calibration's observers) is never shared: its
-    text names a callback only by its position in the lowering's list, so two lowerings calling different Python
-    functions print the same text, and a shared executable would call the other pipeline's functions."""
+    The text names a host callback only by its position in the lowering's list, so two lowerings calling different
+    Python functions print the same text, and a shared executable would call the other lowering's functions. A
+    program with host callbacks is therefore shared only when the caller vouches for all of them:
+    `shared_callbacks` is how many of its callbacks call a process-wide function, the same in every lowering
+    (`callback_sites`; the generator's step dispatcher, which finds the run by the id the program is given), and
+    it must be every callback JAX registered. Anything else (calibration's observers, a callback the caller did not
+    count, a JAX without the list) compiles its own executable."""
     import jax
 
     text = lowered.as_text()
-    if has_host_callbacks(lowered, text):
+    if has_host_callbacks(lowered, text) and host_callback_count(lowered) != shared_callbacks:
         return lowered.compile()
     key = (hashlib.sha256(text.encode()).hexdigest(), len(text), devices, repr(sorted(jax.config.values.items())))
     with _SHARED_LOCK:

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sdjax import rng
 from sdjax.core import autoencoder, loop
 from sdjax.core import features as feature_lib
-from sdjax.core.cache import ProgramCache, compile_shared
+from sdjax.core.cache import ProgramCache, callback_sites, compile_shared
 from sdjax.core.protocols import PROMPT_SYNTAXES, Conditioning, Denoiser, Feature, FeatureRequest
 from sdjax.core.tasks.base import Context, TaskRequest, TaskSpec, window
 from sdjax.core.tasks.txt2img import Txt2Img
@@ -245,8 +245,6 @@ class Generator:
         self.cache = ProgramCache(cache_size, cache_bytes)
         self._placed: dict[Any, dict[int, tuple[Any, Any]]] = {}
         self._place_lock = threading.Lock()
-        self._runs: dict[int, tuple[Progress | None, Callable[[], bool] | None]] = {}
-        self._run_ids = itertools.count(1)
         self._pmapped: dict[Any, Any] = {}
         self._decoders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -393,7 +391,7 @@ class Generator:
 
     # ------------------------------------------------------------------ programs
     def _jitted(self, spec: ProgramSpec):
-        return jax.jit(functools.partial(program, self.models, spec, on_step=self._on_step))
+        return jax.jit(functools.partial(program, self.models, spec, on_step=_dispatch_step))
 
     def lower(
         self, spec: ProgramSpec, *, params: Any = None, mesh: Mesh | None = None, inputs: dict | None = None
@@ -401,6 +399,12 @@ class Generator:
         """Lower the program for `spec` on `mesh` (default: the generator's). `params` may be arrays or abstract
         `jax.ShapeDtypeStruct`s (nothing allocated: shapes from the config, e.g. for a TPU topology); they are
         placed, or given shardings, by the rules table. `inputs` are example host arrays, used for their shapes."""
+        return self._lower(spec, params=params, mesh=mesh, inputs=inputs)[0]
+
+    def _lower(
+        self, spec: ProgramSpec, *, params: Any = None, mesh: Mesh | None = None, inputs: dict | None = None
+    ) -> tuple[jax.stages.Lowered, int | None]:
+        """`lower`'s program and how many host callbacks it makes, all to `_dispatch_step` (None: some other)."""
         mesh = mesh or self.get_mesh()
         params = self.check_params(self.params if params is None else params, features=spec.features)
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params)):
@@ -414,7 +418,9 @@ class Generator:
         example = inputs if inputs is not None else self.example_inputs(spec)
         abstract = jax.tree_util.tree_map(lambda x: _abstract(x, mesh), example)
         with ops_attention.lowering_for(_platform(mesh), mesh):  # "auto" attention: the choice of the mesh's devices
-            return self._jitted(spec).lower(placed, abstract, self._window_spec(mesh))
+            traced = self._jitted(spec).trace(placed, abstract, self._window_spec(mesh))
+            lowered = traced.lower()
+        return lowered, callback_sites(traced.jaxpr, _is_step_dispatch)
 
     def compile(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
         """The AOT-compiled executable for `spec` on the current mesh (from the cache, or compiled now).
@@ -422,8 +428,11 @@ class Generator:
         `inputs` are example host arrays (default: zeros of the right shapes), used only for their shapes."""
         mesh = self.get_mesh()
         key = self._program_key(spec, mesh, params)
-        lowered = lambda: self.lower(spec, params=params, mesh=mesh, inputs=inputs)
-        return self.cache.get(key, lambda: compile_shared(lowered(), _mesh_key(mesh)))
+        return self.cache.get(key, lambda: self._compile(spec, params, mesh, inputs))
+
+    def _compile(self, spec: ProgramSpec, params: Any, mesh: Mesh, inputs: dict | None):
+        lowered, dispatches = self._lower(spec, params=params, mesh=mesh, inputs=inputs)
+        return compile_shared(lowered, _mesh_key(mesh), shared_callbacks=dispatches or 0)
 
     def executables(self, spec: ProgramSpec, *, params: dict | None = None, inputs: dict | None = None):
         """What `run` executes for `spec`, compiled (or from the cache): `(main, decode)`. With `split_decode` and
@@ -436,7 +445,7 @@ class Generator:
 
         def build():
             latents_spec = dataclasses.replace(spec, output="latents")
-            main = compile_shared(self.lower(latents_spec, params=params, mesh=mesh, inputs=inputs), _mesh_key(mesh))
+            main = self._compile(latents_spec, params, mesh, inputs)
             checked = self.check_params(self.params if params is None else params, features=spec.features)
             vae = self.place_params(checked, mesh)["vae"]
             decode = DecodeSpec(spec.batch, spec.height, spec.width, spec.vae_tiling, spec.vae_slicing)
@@ -620,12 +629,12 @@ class Generator:
         executable, decode = self.executables(spec, params=params, inputs=host)
         placed = self.place_params(params, mesh)
         inputs = {k: sharding_lib.put_global_batch(v, mesh) for k, v in host.items()}
-        run_id = next(self._run_ids)
+        run_id = next(_RUN_IDS)
         win = {
             k: jax.device_put(np.int32(v), NamedSharding(mesh, PartitionSpec()))
             for k, v in (("start", start), ("end", end), ("run", run_id))
         }
-        self._runs[run_id] = (progress, should_stop)
+        _RUNS[run_id] = (progress, should_stop)
         try:
             if progress is not None:
                 progress("denoise", 0, end - start)
@@ -636,19 +645,10 @@ class Generator:
                 out = decode(placed["vae"], out)
             out = sharding_lib.gather_to_host(out)
         finally:
-            self._runs.pop(run_id, None)
+            _RUNS.pop(run_id, None)
         if progress is not None and output == "images":
             progress("decode", 1, 1)
         return out[:n]
-
-    def _on_step(self, run_id: int, step: int, total: int, latents=None) -> bool:
-        progress, should_stop = self._runs.get(run_id, (None, None))
-        if progress is not None:
-            if latents is not None:
-                progress("denoise", step, total, latents=latents)
-            else:
-                progress("denoise", step, total)
-        return bool(should_stop()) if should_stop is not None else False
 
     # ------------------------------------------------------------------ the guide API (pmap)
     def pmapped(self, spec: ProgramSpec):
@@ -661,6 +661,29 @@ class Generator:
                 self._pmapped.pop(next(iter(self._pmapped)))
             self._pmapped[spec] = fn
         return fn
+
+
+# The runs in progress in this process, by run id: (progress, should_stop). One table for every generator: a
+# program's step callback is `_dispatch_step`, the same function in every lowering, and finds the run by the id it
+# is given, so an executable that `compile_shared` hands to another pipeline of the model reports to that
+# pipeline's run. (A generator's own table made the text of two pipelines' programs identical while their
+# callbacks were not: a progress bar, a preview or a stop went to the other pipeline.)
+_RUNS: dict[int, tuple[Progress | None, Callable[[], bool] | None]] = {}
+_RUN_IDS = itertools.count(1)
+
+
+def _dispatch_step(run_id: int, step: int, total: int, latents=None) -> bool:
+    progress, should_stop = _RUNS.get(run_id, (None, None))
+    if progress is not None:
+        if latents is not None:
+            progress("denoise", step, total, latents=latents)
+        else:
+            progress("denoise", step, total)
+    return bool(should_stop()) if should_stop is not None else False
+
+
+def _is_step_dispatch(function) -> bool:
+    return getattr(function, "on_step", None) is _dispatch_step  # `loop._host`'s wrapper of it
 
 
 def _tree_key(tree: Any) -> tuple:

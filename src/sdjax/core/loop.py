@@ -98,6 +98,7 @@ def _host(fn: Callable[..., bool], n_scalars: int, latents_shape: tuple[int, ...
         latents = np.concatenate([np.asarray(a) for a in args[n_scalars:]]).reshape(latents_shape)
         return np.bool_(fn(*scalars, latents=latents))
 
+    call.on_step = fn  # what it calls, for `core.cache.callback_sites`
     return call
 
 
