@@ -361,3 +361,38 @@ def test_a_stopped_run_resumes_exactly(flux, schnell_cli_run, tmp_path):
     assert rest.start_step == 1 and first.losses + rest.losses == whole and len(whole) == 2
     a, b = load_file(str(whole_out)), load_file(str(tmp_path / "cut.safetensors"))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_transformer_file_with_its_config_folder_trains_as_the_folder(flux, schnell_cli_run, tmp_path):
+    """The transformer as one file, as Flux is released (`--model flux1-schnell.safetensors --config <folder>`):
+    the folder run's losses and LoRA, bit for bit. Without `--config`, or with a `--t5` for a folder, the command
+    stops naming the option before anything loads (no run directory)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from sdjax.finetune import train_lora
+
+    _, folder, _, _ = flux["schnell"]
+    run, data, whole_out, cli = schnell_cli_run
+    assert run.exit_code == 0, run.output + str(run.exception)
+    whole = [json.loads(line)["loss"] for line in (whole_out.parent / "s-run" / "loss.jsonl").read_text().splitlines()]
+    (weights,) = (folder / "transformer").glob("*.safetensors")
+    single = tmp_path / "flux1-schnell.safetensors"
+    shutil.copy(weights, single)
+
+    model_at = cli.index("-m") + 1
+    no_config = cli[:model_at] + [str(single)] + cli[model_at + 1 :]
+    no_config[no_config.index("--out") + 1] = str(tmp_path / "refused.safetensors")
+    refused = CliRunner().invoke(app, no_config)
+    assert refused.exit_code == 2 and "Flux.1 transformer file" in refused.output and "--config" in refused.output
+    t5_for_a_folder = CliRunner().invoke(app, [*cli[:-2], "--t5", str(single), "--no-resume"])
+    assert t5_for_a_folder.exit_code == 2 and "t5 (--t5)" in t5_for_a_folder.output
+    assert not (tmp_path / "refused-run").exists()
+
+    options = {k: v for k, v in SCHNELL.items() if k != "validation_prompts"}  # (as the resume test: no validation)
+    got = train_lora(data, tmp_path / "file.safetensors", model=str(single), config=str(folder), **options)
+    assert got.losses == whole
+    a, b = load_file(str(whole_out)), load_file(str(tmp_path / "file.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

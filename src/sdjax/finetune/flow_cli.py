@@ -87,6 +87,26 @@ FLOW_CLI: dict[str, tuple[Any, Any]] = {
         Annotated[int | None, typer.Option(help="Flux / SD 3: denoising steps of drawn class images.")],
         None,
     ),
+    # a transformer file as --model (flux1-dev.safetensors): what it lacks
+    "config": (
+        Annotated[
+            Path | None,
+            typer.Option(help="Flux / SD 3 transformer file as --model: a diffusers folder of the family (the rest)."),
+        ],
+        None,
+    ),
+    "t5": (
+        Annotated[Path | None, typer.Option(help="Flux / SD 3 transformer file: a separate T5-XXL file.")],
+        None,
+    ),
+    "clip_l": (
+        Annotated[Path | None, typer.Option(help="Flux / SD 3 transformer file: a separate CLIP-L file.")],
+        None,
+    ),
+    "clip_g": (
+        Annotated[Path | None, typer.Option(help="SD 3 transformer file: a separate CLIP-G file.")],
+        None,
+    ),
 }
 FLOW_ORDER = " " + " ".join(FLOW_CLI)
 

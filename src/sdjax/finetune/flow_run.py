@@ -50,10 +50,14 @@ _SCRIPT_OPTIONS = (
 )
 # DreamBooth's (the scripts' names; for SD models they are `sdjax train dreambooth`'s).
 DREAMBOOTH_OPTIONS = tuple(f.name for f in dataclasses.fields(DreamBoothFields))
+# A transformer file as `model` (flux1-dev.safetensors, sd3.5_large.safetensors): the diffusers folder for what the
+# file lacks and the separate encoder files, as `sdjax.load_pipeline` takes them (`from_single_file`).
+MODEL_FILES = ("config", "t5", "clip_l", "clip_g")
 # The options only flow LoRA runs have (a CLI or API call naming one is a flow run, and refused for other models).
-FLOW_OPTIONS = (*_SCRIPT_OPTIONS, *DREAMBOOTH_OPTIONS)
+FLOW_OPTIONS = (*_SCRIPT_OPTIONS, *DREAMBOOTH_OPTIONS, *MODEL_FILES)
 _RESUME_KEYS = (
     "model",
+    *MODEL_FILES,
     "rank",
     "alpha",
     "batch_size",
@@ -116,6 +120,10 @@ class FlowLoraTrainConfig(DreamBoothFields, LoraTrainConfig):
     lora_layers: tuple[str, ...] | None = None  # PEFT target_modules; None: the script's default
     max_sequence_length: int | None = None  # T5 tokens; None: the pipeline's (Flux dev 512, schnell 256, SD 3 256)
     precondition_outputs: bool | None = None  # None: SD 3 yes (its script's default), Flux no
+    config: str | None = None  # with a transformer file as `model`: a diffusers folder of the family (the rest)
+    t5: str | None = None  # ... and separate encoder files (T5-XXL, CLIP-L, CLIP-G), else the folder's
+    clip_l: str | None = None
+    clip_g: str | None = None
 
     written: ClassVar[str] = "the LoRA (diffusers' transformer.<module>.lora_A/lora_B layout)"
     latent_cache: ClassVar[bool] = True  # `cache_latents` (`finetune.cache`) serves flow runs too
@@ -173,9 +181,46 @@ class FlowLoraTrainConfig(DreamBoothFields, LoraTrainConfig):
                 f"model={self.model!r} is {what}: the flow-matching options {given} (flow LoRA training) are for "
                 "Flux.1 and SD 3 / 3.5 models (SD 1.x / 2.x / XL DreamBooth: sdjax train dreambooth)"
             )
+        _check_model_files(self, family)
         _check_dreambooth(self)
         if self.lora_layers is not None:
-            _check_targets_from_config(self.model, family, self.lora_layers)
+            _check_targets_from_config(self.config or self.model, family, self.lora_layers)
+
+
+def _check_model_files(cfg: FlowLoraTrainConfig, family: str) -> None:
+    """A transformer file as `model` needs `config` (a folder); `config`, `t5`, `clip_l`, `clip_g` are only for
+    such a file, and each encoder file must be one the family takes and exist."""
+    from sdjax.families import FAMILIES
+    from sdjax.pipelines.auto import resolve_alias
+
+    given = {k: getattr(cfg, k) for k in MODEL_FILES if getattr(cfg, k) is not None}
+    flag = lambda k: f"{k} (--{k.replace('_', '-')})"
+    if not os.path.isfile(resolve_alias(str(cfg.model))):
+        if given:
+            k = next(iter(given))
+            raise ValueError(
+                f"{flag(k)}={given[k]!r}: only with a single transformer file as model; model={cfg.model!r} is a "
+                "folder or Hub id with every component"
+            )
+        return
+    title, parts = FAMILIES[family].title, FAMILIES[family].single_file_parts
+    if cfg.config is None:
+        raise ValueError(
+            f"model={cfg.model!r} is a {title} transformer file (a single file, without tokenizers and configs): "
+            f"give {flag('config')} a diffusers {title} folder for what the file lacks"
+        )
+    if not Path(cfg.config).expanduser().is_dir():
+        raise ValueError(f"{flag('config')}={cfg.config!r} is not a folder (a diffusers {title} folder)")
+    for k in ("t5", "clip_l", "clip_g"):
+        if k not in given:
+            continue
+        if k not in parts:
+            raise ValueError(
+                f"{flag(k)}={given[k]!r}: a {title} model has no such encoder file (it takes "
+                f"{', '.join(flag(p) for p in parts)})"
+            )
+        if not Path(given[k]).expanduser().is_file():
+            raise ValueError(f"{flag(k)}={given[k]!r} is not a file")
 
 
 def _check_dreambooth(cfg: FlowLoraTrainConfig) -> None:
@@ -289,7 +334,8 @@ def _load(cfg: FlowLoraTrainConfig):
     from sdjax.pipelines import load_pipeline
 
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
-    pipe, params = load_pipeline(cfg.model, dtype=dtype)
+    files = {k: getattr(cfg, k) for k in MODEL_FILES if getattr(cfg, k) is not None}
+    pipe, params = load_pipeline(cfg.model, dtype=dtype, **files)
     if cfg.max_sequence_length is not None:
         pipe.max_sequence_length = cfg.max_sequence_length
     return pipe, params, dtype
