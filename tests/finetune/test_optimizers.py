@@ -10,6 +10,9 @@
 - An unknown name is refused before anything is loaded, naming `--optimizer`.
 """
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -103,3 +106,122 @@ def test_unknown_optimizer_is_refused_before_loading(tmp_path):
     )
     assert result.exit_code == 2 and "--optimizer" in result.output
     assert not (tmp_path / "o-run").exists()
+
+
+def _adamw_numpy(params: dict, grads: list[dict], *, lr, b1, b2, eps, wd, clip) -> dict:
+    """AdamW (bias-corrected, decoupled decay `lr * wd * p`) after global-norm clipping, in float64."""
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    m = {k: 0.0 for k in p}
+    v = {k: 0.0 for k in p}
+    for t, g in enumerate(grads, 1):
+        g = {k: x.astype(np.float64) for k, x in g.items()}
+        norm = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+        if clip is not None and norm > clip:
+            g = {k: x * clip / norm for k, x in g.items()}
+        for k in p:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+            mh, vh = m[k] / (1 - b1**t), v[k] / (1 - b2**t)
+            p[k] = p[k] - lr * (mh / (np.sqrt(vh) + eps) + wd * p[k])
+    return p
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(adam_beta1=0.5, adam_beta2=0.9, adam_epsilon=0.05, weight_decay=0.3, max_grad_norm=2.0),
+        dict(max_grad_norm=None, weight_decay=0.0),
+    ],
+)
+def test_the_optimizer_settings_reach_adamw(tmp_path, settings):
+    """`--adam-beta1/2`, `--adam-epsilon`, `--weight-decay`, `--max-grad-norm` (a trainer's config ->
+    `run._optimizer`): two AdamW updates equal numpy's with those settings (the second update is where the betas
+    show)."""
+    import jax
+    import optax
+
+    from sdjax.finetune import run as run_lib
+
+    cfg = run_lib.LoraTrainConfig(data=str(tmp_path), out="x.safetensors", lr=LR, steps=10, **settings)
+    cfg._check_optimizer_settings()
+    _, tx = run_lib._optimizer(cfg)
+    params, grads = _problem()
+    second = {k: np.roll(g, 1) * 3 for k, g in grads.items()}
+    state, values = tx.init(params), params
+    for g in (grads, second):
+        updates, state = jax.jit(tx.update)(g, state, values)
+        values = optax.apply_updates(values, updates)
+    want = _adamw_numpy(
+        params,
+        [grads, second],
+        lr=LR,
+        b1=cfg.adam_beta1,
+        b2=cfg.adam_beta2,
+        eps=cfg.adam_epsilon,
+        wd=cfg.weight_decay,
+        clip=cfg.max_grad_norm,
+    )
+    for key in params:
+        err = np.linalg.norm(np.asarray(values[key], np.float64) - want[key]) / np.linalg.norm(want[key])
+        assert err < 1e-6, (key, err)
+    # the defaults give another trajectory (the settings are not ignored)
+    default = _adamw_numpy(params, [grads, second], lr=LR, b1=B1, b2=B2, eps=EPS, wd=1e-2, clip=1.0)
+    assert max(np.abs(want[k] - default[k]).max() for k in params) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(adam_beta1=1.0), r"adam_beta1 \(--adam-beta1\)=1.0 must be a number in \[0, 1\)"),
+        (dict(adam_beta2=-0.1), r"adam_beta2 \(--adam-beta2\)=-0.1"),
+        (dict(adam_epsilon=0.0), r"adam_epsilon \(--adam-epsilon\)=0.0 must be a positive number"),
+        (dict(weight_decay=float("nan")), r"weight_decay \(--weight-decay\)=nan"),
+        (dict(max_grad_norm=0.0), r"max_grad_norm \(--max-grad-norm\)=0.0 must be a positive number"),
+        (dict(optimizer="lion", adam_beta1=0.8), r"adam_beta1 \(--adam-beta1\)=0.8: optimizer='lion' has no such"),
+    ],
+)
+def test_bad_optimizer_settings_are_named_before_loading(tmp_path, settings, named):
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (32, 32)).save(data / "a.png")
+    with pytest.raises(ValueError, match=named):
+        train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "no-model"), **settings)
+    assert not (tmp_path / "x-run").exists()
+
+
+def test_cli_optimizer_settings_and_the_trainers_defaults(tmp_path, monkeypatch):
+    """Given, the options reach the trainer (`--max-grad-norm 0`: no clipping); not given, each trainer keeps its
+    own default (textual inversion does not clip, as diffusers' script); a bad one exits 2 naming it; resuming a
+    run with other optimiser settings is refused."""
+    from sdjax.finetune import run as run_lib
+    from sdjax.finetune import textual_inversion
+
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (32, 32)).save(data / "a.png")
+    seen = {}
+
+    def fake_train(data, out, **options):
+        seen.update(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(textual_inversion, "train_textual_inversion", fake_train)
+    ti = ["train", "textual-inversion", "--data", str(data), "--token", "<t>", "--init-word", "cat"]
+    ti += ["--out", str(tmp_path / "t.safetensors")]
+    CliRunner().invoke(app, ti)
+    assert "steps" in seen and not {"max_grad_norm", "weight_decay", "adam_beta1"} & set(seen)  # config defaults
+    default = textual_inversion.TextualInversionConfig(data="d", out="t.safetensors", token="<t>", init_word="cat")
+    assert default.max_grad_norm is None
+    seen.clear()
+    CliRunner().invoke(app, [*ti, "--max-grad-norm", "0", "--adam-beta2", "0.99", "--weight-decay", "0"])
+    assert (seen["max_grad_norm"], seen["adam_beta2"], seen["weight_decay"]) == (None, 0.99, 0.0)
+    bad = CliRunner().invoke(app, [*ti, "--optimizer", "adafactor", "--adam-epsilon", "1e-6"])
+    assert bad.exit_code == 2 and "--adam-epsilon" in bad.output and "adafactor" in bad.output
+
+    run_dir = tmp_path / "run"
+    cfg = run_lib.LoraTrainConfig(data=str(data), out=str(tmp_path / "x.safetensors"), run_dir=str(run_dir))
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    run_lib.Session.begin(cfg)  # the same settings resume
+    with pytest.raises(ValueError, match="adam_beta2: 0.999 -> 0.95"):
+        run_lib.Session.begin(dataclasses.replace(cfg, adam_beta2=0.95))

@@ -101,8 +101,14 @@ def _run(label: str, config_cls, train, data: Path, out: Path, options: dict) ->
     and skipped images go to stderr, the written file to stdout."""
     from sdjax.finetune import distributed
     from sdjax.finetune.data import DataError
+    from sdjax.finetune.run import OPTIMIZER_SETTINGS
 
     options = {k: _plain(v) for k, v in options.items()}
+    for name in OPTIMIZER_SETTINGS:  # not given: the trainer's default
+        if options.get(name, 0) is None:
+            del options[name]
+    if options.get("max_grad_norm") == 0:  # --max-grad-norm 0: the trainers' None (no clipping)
+        options["max_grad_norm"] = None
     hosts = {k: options.pop(k, None) for k in DISTRIBUTED}
     try:
         cfg = config_cls(data=str(data), out=str(out), **options)
@@ -154,11 +160,26 @@ SHARED: dict[str, tuple[Any, Any]] = {
             Optimizer,
             typer.Option(
                 help="adamw, adafactor (factored, no parameter scaling), prodigy (sets its own step size: --lr 1) "
-                "or lion (--lr 3-10x below AdamW's); decoupled weight decay 1e-2 in each."
+                "or lion (--lr 3-10x below AdamW's); decoupled weight decay (--weight-decay) in each."
             ),
         ],
         Optimizer.adamw,
     ),
+    # the optimiser's settings: None (not given) is the trainer's default
+    "weight_decay": (
+        Annotated[float | None, typer.Option(help="Decoupled weight decay, every optimiser. Default: 1e-2.")],
+        None,
+    ),
+    "max_grad_norm": (
+        Annotated[
+            float | None,
+            typer.Option(help="Clip gradients to this global norm; 0: none. Default: 1 (textual inversion: none)."),
+        ],
+        None,
+    ),
+    "adam_beta1": (Annotated[float | None, typer.Option(help="adamw / prodigy: beta1. Default: 0.9.")], None),
+    "adam_beta2": (Annotated[float | None, typer.Option(help="adamw / prodigy: beta2. Default: 0.999.")], None),
+    "adam_epsilon": (Annotated[float | None, typer.Option(help="adamw / prodigy: epsilon. Default: 1e-8.")], None),
     "lr_schedule": (Annotated[Schedule, typer.Option(help="After warm-up.")], Schedule.constant),
     "warmup": (Annotated[int, typer.Option(help="Linear warm-up updates.")], 0),
     "batch_size": (Annotated[int, typer.Option(help="Images per micro-batch (split over the devices).")], 1),
@@ -269,8 +290,8 @@ SHARED.update(
 )
 DISTRIBUTED = ("coordinator", "num_processes", "process_id", "distributed")
 EXTRAS = (
-    " optimizer ema_decay validation_prompts validation_every validation_seed validation_steps tensorboard "
-    + " ".join(DISTRIBUTED)
+    " optimizer weight_decay max_grad_norm adam_beta1 adam_beta2 adam_epsilon ema_decay validation_prompts "
+    "validation_every validation_seed validation_steps tensorboard " + " ".join(DISTRIBUTED)
 )
 SHARED.update(FLOW_CLI)  # `train lora`'s flow-matching options (Flux, SD 3): finetune.flow_cli
 LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]

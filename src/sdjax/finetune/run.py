@@ -26,6 +26,9 @@ from sdjax.finetune import lora as lora_lib
 
 OnStep = Callable[[int, int, float, float], None]  # (update, total updates, loss, seconds of the update)
 # Settings a resumed run must share with the run that wrote the checkpoint.
+# The optimiser's settings besides its name and learning rate (a resumed run of any trainer keeps them).
+ADAM_SETTINGS = ("adam_beta1", "adam_beta2", "adam_epsilon")
+OPTIMIZER_SETTINGS = ("weight_decay", "max_grad_norm", *ADAM_SETTINGS)
 _RESUME_KEYS = (
     "model",
     "rank",
@@ -52,8 +55,11 @@ class TrainConfig:
     lr_schedule: str = "constant"
     warmup: int = 0
     optimizer: str = "adamw"  # or "adafactor", "prodigy" (lr 1.0), "lion" (`step.update_rule`)
-    weight_decay: float = 1e-2
-    max_grad_norm: float | None = 1.0
+    weight_decay: float = 1e-2  # decoupled, in every optimiser (`step.update_rule`)
+    max_grad_norm: float | None = 1.0  # global-norm clipping before the optimiser; None: off
+    adam_beta1: float = 0.9  # AdamW's and Prodigy's betas and epsilon (diffusers' scripts' --adam_beta1, ...)
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
     batch_size: int = 1
     accumulation: int = 1
     resolution: int | None = None  # default: the model's sample size
@@ -106,6 +112,7 @@ class TrainConfig:
 
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} (--optimizer) must be one of {', '.join(OPTIMIZERS)}")
+        self._check_optimizer_settings()
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
         if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
@@ -125,6 +132,29 @@ class TrainConfig:
             cache_lib.check(self.data_config(self.resolution or 512))
         if not Path(self.data).expanduser().is_dir():
             raise data_lib.DataError(f"data folder {self.data} does not exist or is not a folder")
+
+    def _check_optimizer_settings(self) -> None:
+        """Weight decay, clipping, and the betas and epsilon of the optimisers that have them."""
+        number = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        flag = lambda name: f"{name} (--{name.replace('_', '-')})"
+        if not number(self.weight_decay) or self.weight_decay < 0:
+            raise ValueError(f"{flag('weight_decay')}={self.weight_decay!r} must be a number >= 0")
+        g = self.max_grad_norm
+        if g is not None and (not number(g) or g <= 0):
+            raise ValueError(f"{flag('max_grad_norm')}={g!r} must be a positive number (None: no clipping)")
+        for name in ("adam_beta1", "adam_beta2"):
+            b = getattr(self, name)
+            if not number(b) or not 0 <= b < 1:
+                raise ValueError(f"{flag(name)}={b!r} must be a number in [0, 1)")
+        if not number(self.adam_epsilon) or self.adam_epsilon <= 0:
+            raise ValueError(f"{flag('adam_epsilon')}={self.adam_epsilon!r} must be a positive number")
+        if self.optimizer not in ("adamw", "prodigy"):
+            for name in ADAM_SETTINGS:
+                if getattr(self, name) != getattr(TrainConfig, name):
+                    raise ValueError(
+                        f"{flag(name)}={getattr(self, name)!r}: optimizer={self.optimizer!r} has no such setting "
+                        "(AdamW's and Prodigy's)"
+                    )
 
     def _check_fsdp(self) -> None:
         """The layout settings (the device count is checked with the mesh, `_mesh`)."""
@@ -244,8 +274,8 @@ class Session:
         """Check `cfg`, refuse to resume a run directory written with other `resume_keys` settings (`what` names
         that run), scan the data folder."""
         cfg.check()
-        if cfg.resume:
-            _check_resume(cfg.run_path, cfg, resume_keys, what)
+        if cfg.resume:  # every trainer's optimiser settings, and its own
+            _check_resume(cfg.run_path, cfg, tuple(dict.fromkeys((*resume_keys, *OPTIMIZER_SETTINGS))), what)
         dataset = data_lib.scan(cfg.data, cfg.data_config(cfg.resolution or 512))  # bad data fails before loading
         return cls(cfg, dataset, on_step, log, stop_after)
 
@@ -427,6 +457,9 @@ def _optimizer(cfg: TrainConfig):
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
         accumulation=cfg.accumulation,
+        b1=cfg.adam_beta1,
+        b2=cfg.adam_beta2,
+        eps=cfg.adam_epsilon,
     )
     return schedule, optimizer
 
