@@ -225,3 +225,84 @@ def test_cli_optimizer_settings_and_the_trainers_defaults(tmp_path, monkeypatch)
     run_lib.Session.begin(cfg)  # the same settings resume
     with pytest.raises(ValueError, match="adam_beta2: 0.999 -> 0.95"):
         run_lib.Session.begin(dataclasses.replace(cfg, adam_beta2=0.95))
+
+
+def _lora_problem():
+    """A LoRA-shaped tree `{component: {layer: {down, up}}}` of a denoiser and two text encoders, and gradients."""
+    rng = np.random.default_rng(3)
+    tree, grads = {}, {}
+    for c in ("unet", "text_encoder", "text_encoder_2"):
+        tree[c] = {"layer": {"down": rng.standard_normal((4, 16)).astype(np.float32)}}
+        grads[c] = {"layer": {"down": rng.standard_normal((4, 16)).astype(np.float32)}}
+    return tree, grads
+
+
+def _flat(tree: dict) -> dict:
+    return {c: v["layer"]["down"] for c, v in tree.items()}
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_text_encoder_lr_moves_only_the_text_encoders_at_their_rate(tmp_path, name, monkeypatch):
+    """`--text-encoder-lr` (`text_encoder_lr`): two updates of a LoRA tree, the text encoders' values at their
+    learning rate and the denoiser's at `lr`, gradients clipped together (numpy's AdamW; Lion: the same run with
+    each part's own rate); their optimiser state survives an orbax round trip (`run._checkpoints`)."""
+    import jax
+    import optax
+
+    from sdjax.finetune import run as run_lib
+
+    te_lr = LR / 7
+    cfg = run_lib.LoraTrainConfig(
+        data=str(tmp_path), out="x.safetensors", lr=LR, steps=10, train_text_encoder=True, text_encoder_lr=te_lr,
+        optimizer=name,
+    )  # fmt: skip
+    _, tx = run_lib._optimizer(cfg)
+    params, grads = _lora_problem()
+    second = jax.tree_util.tree_map(lambda g: np.roll(g, 1) * 3, grads)
+
+    def run(tx, state=None):
+        state, values = (tx.init(params) if state is None else state), params
+        for g in (grads, second):
+            updates, state = jax.jit(tx.update)(g, state, values)
+            values = optax.apply_updates(values, updates)
+        return _flat(values), state
+
+    got, state = run(tx)
+    if name == "adamw":
+        fp, fg, fs = _flat(params), _flat(grads), _flat(second)
+        want = {lr: _adamw_numpy(fp, [fg, fs], lr=lr, b1=B1, b2=B2, eps=EPS, wd=1e-2, clip=1.0) for lr in (LR, te_lr)}
+        want = {c: want[te_lr if c.startswith("text") else LR][c] for c in fp}
+    else:  # each part as its own optimiser at its own rate, after the clipping of the whole tree
+        one = {lr: run(step_lib.make_optimizer(step_lib.lr_schedule(lr, 10, 0, "constant"), optimizer=name))[0]
+               for lr in (LR, te_lr)}  # fmt: skip
+        want = {c: one[te_lr if c.startswith("text") else LR][c] for c in got}
+    for c in got:
+        err = np.linalg.norm(np.asarray(got[c], np.float64) - want[c]) / np.linalg.norm(want[c])
+        assert err < 1e-6, (c, err)
+    moved = {c: np.abs(got[c] - _flat(params)[c]).mean() for c in got}
+    assert moved["text_encoder"] < 0.5 * moved["unet"] and moved["text_encoder_2"] < 0.5 * moved["unet"]
+
+    manager = run_lib._checkpoints(tmp_path / "run")
+    manager.save(2, args=run_lib._save_args({"lora": params, "opt_state": state}))
+    manager.wait_until_finished()
+    restored, step = run_lib._restore(manager, {"lora": params, "opt_state": tx.init(params)})
+    assert step == 2
+    flat_state, flat_restored = jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored["opt_state"])
+    assert len(flat_state) == len(flat_restored)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(flat_state, flat_restored, strict=True))
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(text_encoder_lr=1e-5), r"text_encoder_lr=1e-05 \(--text-encoder-lr\) applies to the text encoders"),
+        (dict(text_encoder_lr=0.0, train_text_encoder=True), r"text_encoder_lr=0.0 \(--text-encoder-lr\) must be"),
+        (dict(text_encoder_lr=1.0, train_text_encoder=True, optimizer="prodigy", lr=1.0), "optimizer='prodigy'"),
+    ],
+)
+def test_bad_text_encoder_lr_is_named(tmp_path, settings, named):
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (32, 32)).save(data / "a.png")
+    with pytest.raises(ValueError, match=named):
+        train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "no-model"), **settings)

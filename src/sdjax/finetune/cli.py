@@ -190,6 +190,10 @@ SHARED: dict[str, tuple[Any, Any]] = {
     "flip": (Annotated[bool, typer.Option(help="Random horizontal flips.")], False),
     "on_bad_image": (Annotated[OnBad, typer.Option(help="Unreadable images: skip (named) or stop.")], OnBad.skip),
     "train_text_encoder": (Annotated[bool, typer.Option(help="LoRA on the text encoder(s) too.")], False),
+    "text_encoder_lr": (
+        Annotated[float | None, typer.Option(help="The text encoders' LoRA's learning rate. Default: --lr.")],
+        None,
+    ),
     "prediction_type": (Annotated[Prediction | None, typer.Option(help="Default: the scheduler config's.")], None),
     "min_snr_gamma": (Annotated[float | None, typer.Option(help="Min-SNR-gamma weighting (e.g. 5).")], None),
     "noise_offset": (Annotated[float, typer.Option(help="Noise offset (e.g. 0.05).")], 0.0),
@@ -323,8 +327,8 @@ def _options(order: str):
 @_options(
     "data out model steps rank alpha lora_dropout lr lr_schedule warmup batch_size accumulation resolution bucketing "
     "bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image train_text_encoder "
-    "prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft cache_latents fsdp fsdp_min_size" + EXTRAS + FLOW_ORDER
+    "text_encoder_lr prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision "
+    "gradient_checkpointing seed run_dir save_every resume peft cache_latents fsdp fsdp_min_size" + EXTRAS + FLOW_ORDER
 )
 def lora(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
@@ -375,8 +379,8 @@ def textual_inversion(
 _DREAMBOOTH_ORDER = (
     "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
     "prior_loss_weight class_steps steps rank alpha lr lr_schedule warmup batch_size accumulation resolution "
-    "random_crop flip train_text_encoder prediction_type min_snr_gamma mixed_precision gradient_checkpointing seed "
-    "run_dir save_every resume peft fsdp fsdp_min_size" + EXTRAS
+    "random_crop flip train_text_encoder text_encoder_lr prediction_type min_snr_gamma mixed_precision "
+    "gradient_checkpointing seed run_dir save_every resume peft fsdp fsdp_min_size" + EXTRAS
 )
 # the flow-matching options (Flux, SD 3) that DreamBooth does not state itself
 _DREAMBOOTH_FLOW = tuple(k for k in FLOW_CLI if k not in _DREAMBOOTH_ORDER.split())

@@ -67,6 +67,7 @@ _RESUME_KEYS = (
     "optimizer",
     "ema_decay",
     "train_text_encoder",
+    "text_encoder_lr",
     *_SCRIPT_OPTIONS,
     "instance_prompt",
     "with_prior_preservation",

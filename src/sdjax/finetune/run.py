@@ -25,15 +25,16 @@ from sdjax.finetune import data as data_lib
 from sdjax.finetune import lora as lora_lib
 
 OnStep = Callable[[int, int, float, float], None]  # (update, total updates, loss, seconds of the update)
-# Settings a resumed run must share with the run that wrote the checkpoint.
 # The optimiser's settings besides its name and learning rate (a resumed run of any trainer keeps them).
 ADAM_SETTINGS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 OPTIMIZER_SETTINGS = ("weight_decay", "max_grad_norm", *ADAM_SETTINGS)
+# Settings a resumed LoRA run must share with the run that wrote the checkpoint.
 _RESUME_KEYS = (
     "model",
     "rank",
     "alpha",
     "train_text_encoder",
+    "text_encoder_lr",
     "batch_size",
     "accumulation",
     "seed",
@@ -211,6 +212,7 @@ class LoraTrainConfig(TrainConfig):
     rank: int = 8
     alpha: float | None = None  # default: rank (scale 1)
     train_text_encoder: bool = False
+    text_encoder_lr: float | None = None  # the text encoders' LoRA's learning rate (same schedule); None: lr
     lora_dropout: float = 0.0  # dropout on the UNet LoRA's input (PEFT's lora_dropout)
     caption_dropout: float = 0.0
     peft: bool = False  # also write diffusers' pytorch_lora_weights.safetensors into the run directory
@@ -227,6 +229,20 @@ class LoraTrainConfig(TrainConfig):
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        t = self.text_encoder_lr
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0):
+                raise ValueError(f"text_encoder_lr={t!r} (--text-encoder-lr) must be a positive number")
+            if self.train_text_encoder is not True:
+                raise ValueError(
+                    f"text_encoder_lr={t} (--text-encoder-lr) applies to the text encoders' LoRA: it needs "
+                    "train_text_encoder=True (--train-text-encoder)"
+                )
+            if self.optimizer == "prodigy":
+                raise ValueError(
+                    f"text_encoder_lr={t} (--text-encoder-lr) with optimizer='prodigy': Prodigy estimates one step "
+                    "size, which lr multiplies for every weight (diffusers' scripts use lr for the text encoders too)"
+                )
         super().check()
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
@@ -451,8 +467,11 @@ def _optimizer(cfg: TrainConfig):
     from sdjax.finetune import step as step_lib
 
     schedule = step_lib.lr_schedule(cfg.lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
+    text_lr = getattr(cfg, "text_encoder_lr", None)
+    text_schedule = None if text_lr is None else step_lib.lr_schedule(text_lr, cfg.steps, cfg.warmup, cfg.lr_schedule)
     optimizer = step_lib.make_optimizer(
         schedule,
+        text_schedule=text_schedule,
         optimizer=cfg.optimizer,
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,

@@ -261,15 +261,29 @@ def make_optimizer(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    text_schedule: optax.Schedule | None = None,
 ):
-    """`update_rule(optimizer)` (default AdamW, diffusers' defaults) after global-norm clipping at `max_grad_norm`;
-    `accumulation` micro-batches per update (`optax.MultiSteps`)."""
+    """`update_rule(optimizer)` (default AdamW, diffusers' defaults) after global-norm clipping at `max_grad_norm`
+    (over every trained value together); `accumulation` micro-batches per update (`optax.MultiSteps`). With
+    `text_schedule`, the values of a LoRA's text-encoder components (`text_encoder*` at the top of the trained
+    tree) get their own copy of the rule at those learning rates (`optax.multi_transform`)."""
     rule = update_rule(optimizer, schedule, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps)
+    if text_schedule is not None:
+        text_rule = update_rule(optimizer, text_schedule, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps)
+        rule = optax.multi_transform({"denoiser": rule, "text": text_rule}, param_labels=_text_labels)
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
     tx = optax.chain(*parts, rule)
     if accumulation > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accumulation)
     return tx
+
+
+def _text_labels(trained: dict) -> dict:
+    """`multi_transform`'s labels of a LoRA tree `{component: ...}`: "text" under the text encoders."""
+    return {
+        c: jax.tree_util.tree_map(lambda _, c=c: "text" if c.startswith("text_encoder") else "denoiser", tree)
+        for c, tree in trained.items()
+    }
 
 
 def make_train_step(models: Models, objective: Objective, alphas_cumprod: np.ndarray, optimizer) -> Callable:
