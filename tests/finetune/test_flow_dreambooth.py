@@ -93,6 +93,7 @@ def test_cli_dreambooth_with_text_encoder_lora(models, tmp_path, family):
     cli += ["--resolution", str(SIZE), "--train-text-encoder", "--instance-prompt", "a sks square"]
     cli += ["--class-prompt", "a square", "--class-data", str(classes), "--num-class-images", "2", "--class-steps", "2"]
     cli += ["--prior-loss-weight", "0.5", "--max-sequence-length", str(MAX_SEQ), "--lr", "3e-2"]
+    cli += ["--text-encoder-lr", "1e-2"]  # the text encoders' LoRA at its own rate (its own optimiser state)
     run = CliRunner().invoke(app, cli)
     assert run.exit_code == 0, run.output + str(run.exception)
     assert sorted(p.name for p in classes.iterdir()) == ["sdjax-class-00000.png", "sdjax-class-00001.png"]
@@ -105,6 +106,7 @@ def test_cli_dreambooth_with_text_encoder_lora(models, tmp_path, family):
         assert meta[f"{c}.target_modules"] == ["k_proj", "out_proj", "q_proj", "v_proj"] and meta[f"{c}.r"] == 2
     saved = json.loads((tmp_path / "sks-run" / "config.json").read_text())
     assert saved["train_text_encoder"] and saved["class_prompt"] == "a square" and saved["prior_loss_weight"] == 0.5
+    assert saved["text_encoder_lr"] == 1e-2
 
     ids = pipe.generator.models.conditioning.text_inputs(["a sks square"], [""])
     before = _clip_torch(torch_pipe, family, ids)
