@@ -32,6 +32,12 @@ class Precision(str, enum.Enum):
     bf16 = "bf16"
 
 
+class SavePrecision(str, enum.Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
 class Schedule(str, enum.Enum):
     constant = "constant"
     cosine = "cosine"
@@ -426,10 +432,10 @@ def dreambooth(
 
 @train_app.command("finetune")
 @_options(
-    "data out model single_file steps lr lr_schedule warmup batch_size accumulation resolution bucketing bucket_step "
-    "random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image prediction_type min_snr_gamma "
-    "noise_offset input_perturbation mixed_precision gradient_checkpointing cache_latents seed run_dir save_every "
-    "resume fsdp fsdp_min_size" + EXTRAS
+    "data out model single_file save_precision steps lr lr_schedule warmup batch_size accumulation resolution "
+    "bucketing bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image prediction_type "
+    "min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing cache_latents seed run_dir "
+    "save_every resume fsdp fsdp_min_size" + EXTRAS
 )
 def finetune(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],
@@ -437,6 +443,10 @@ def finetune(
     single_file: Annotated[
         Path | None, typer.Option(help="Also write the model as one A1111 / original-layout .safetensors file.")
     ] = None,
+    save_precision: Annotated[
+        SavePrecision,
+        typer.Option(help="The written weights: fp32, fp16 or bf16 (the UNet in OUT, every model in --single-file)."),
+    ] = SavePrecision.fp32,
     lr: Annotated[float, typer.Option("--lr", "--learning-rate", help="Learning rate (prodigy: use 1).")] = 1e-5,
     mixed_precision: Annotated[
         Precision, typer.Option(help="bf16: bfloat16 compute, float32 master weights and optimiser.")

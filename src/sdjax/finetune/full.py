@@ -42,6 +42,14 @@ from sdjax.finetune import run as run_lib
 # Settings a resumed fine-tune must share with the run that wrote its checkpoints.
 _RESUME_KEYS = ("model", "batch_size", "accumulation", "seed", "lr", "optimizer", "ema_decay", "cache_latents")
 WEIGHTS = "diffusion_pytorch_model.safetensors"
+SAVE_PRECISIONS = ("fp32", "fp16", "bf16")  # kohya's --save_precision (float, fp16, bf16)
+
+
+def save_dtype(precision: str):
+    """The numpy dtype of a `save_precision` (bfloat16: ml_dtypes', which safetensors writes as BF16)."""
+    import ml_dtypes
+
+    return {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}[precision]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +59,7 @@ class FinetuneConfig(run_lib.TrainConfig):
     lr: float = 1e-5  # diffusers' README command for train_text_to_image.py (its argparse default is 1e-4)
     caption_dropout: float = 0.0
     single_file: str | None = None  # also write the pipeline as one original-layout (A1111) .safetensors file
+    save_precision: str = "fp32"  # the written weights: "fp32", "fp16" or "bf16" (`SAVE_PRECISIONS`)
 
     written: ClassVar[str] = "the fine-tuned model"
     out_suffix: ClassVar[str] = ""  # a diffusers folder
@@ -72,6 +81,10 @@ class FinetuneConfig(run_lib.TrainConfig):
             raise ValueError(f"single_file={self.single_file} (--single-file) must name a .safetensors file")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout={self.caption_dropout} (--caption-dropout) must be in [0, 1]")
+        if self.save_precision not in SAVE_PRECISIONS:
+            raise ValueError(
+                f"save_precision={self.save_precision!r} (--save-precision) must be one of {', '.join(SAVE_PRECISIONS)}"
+            )
         super().check()
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
@@ -165,9 +178,10 @@ def master_unet(cfg: FinetuneConfig, params: dict, dtype, components: tuple[str,
 
 
 # ------------------------------------------------------------------------------------------------ outputs
-def write_folder(out: str | Path, model: str | None, unet_params) -> Path:
-    """The base model's diffusers folder at `out` with the UNet weights replaced by `unet_params` (float32); built
-    next to `out` and moved in when complete (the entries it writes replace those of an existing `out`)."""
+def write_folder(out: str | Path, model: str | None, unet_params, dtype=np.float32) -> Path:
+    """The base model's diffusers folder at `out` with the UNet weights replaced by `unet_params` (as `dtype`);
+    built next to `out` and moved in when complete (the entries it writes replace those of an existing `out`).
+    The other components are the base model's files as they are."""
     from safetensors.numpy import save_file
 
     from sdjax.loading.files import resolve_model_dir
@@ -195,7 +209,7 @@ def write_folder(out: str | Path, model: str | None, unet_params) -> Path:
                     shutil.copytree(entry, partial / entry.name)
                 elif entry.name != ".gitattributes":
                     shutil.copyfile(entry, partial / entry.name)
-        state = params_to_state_dict(unet_params, dtype=np.float32)
+        state = params_to_state_dict(unet_params, dtype=dtype)
         save_file(state, str(partial / "unet" / WEIGHTS), metadata={"format": "pt"})
         out.mkdir(parents=True, exist_ok=True)
         for entry in partial.iterdir():
@@ -210,15 +224,18 @@ def write_folder(out: str | Path, model: str | None, unet_params) -> Path:
     return out
 
 
-def write_single_file(path: str | Path, folder: Path, prediction_type: str, metadata: dict[str, str]) -> Path:
-    """The written diffusers `folder` (read back in float32) as one original-layout file at `path`."""
+def write_single_file(
+    path: str | Path, folder: Path, prediction_type: str, metadata: dict[str, str], dtype=np.float32
+) -> Path:
+    """The written diffusers `folder` (read back in float32) as one original-layout file at `path`, every
+    component's weights as `dtype`."""
     import jax.numpy as jnp
 
     from sdjax.finetune import ldm_file
     from sdjax.loading.components import load_pipeline_components
 
     components, params, _ = load_pipeline_components(folder, dtype=jnp.float32)
-    return ldm_file.write(path, components, params, prediction_type, metadata=metadata)
+    return ldm_file.write(path, components, params, prediction_type, dtype=dtype, metadata=metadata)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -267,11 +284,13 @@ def train_finetune(
 
     def finish(state: dict) -> None:
         unet = jax.device_get(state["unet"])
-        folder = write_folder(cfg.out, cfg.model, unet)
+        dtype = save_dtype(cfg.save_precision)
+        folder = write_folder(cfg.out, cfg.model, unet, dtype)
         log(f"diffusers folder: {folder}")
         if cfg.single_file:
             meta = {"sdjax_steps": str(cfg.steps), "sdjax_model": str(cfg.model or "embedded")}
-            log(f"single file: {write_single_file(cfg.single_file, folder, objective.prediction_type, meta)}")
+            written_file = write_single_file(cfg.single_file, folder, objective.prediction_type, meta, dtype)
+            log(f"single file: {written_file}")
         written["unet"] = unet
 
     validate = validation_lib.make_validator(cfg, pipe, with_unet, (resolution, resolution), log)
