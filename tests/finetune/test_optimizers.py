@@ -25,6 +25,14 @@ from sdjax.finetune import train_lora
 LR, WD, B1, B2, EPS = 0.01, 0.1, 0.9, 0.999, 1e-8
 
 
+def _one_image(tmp_path):
+    """A data folder of one black image (enough for the settings to be checked)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (32, 32)).save(data / "a.png")
+    return data
+
+
 def _problem():
     """Params and gradients: a (128, 256) kernel (Adafactor factors its second moment) and a bias; the gradients'
     global norm is well above the clipping threshold 1."""
@@ -94,9 +102,7 @@ def test_first_update_is_the_hand_computed_one(name):
 
 def test_unknown_optimizer_is_refused_before_loading(tmp_path):
     nowhere = str(tmp_path / "no-model")
-    data = tmp_path / "data"
-    data.mkdir()
-    Image.new("RGB", (32, 32)).save(data / "a.png")
+    data = _one_image(tmp_path)
     with pytest.raises(ValueError, match=r"optimizer='sgd' \(--optimizer\) must be one of adamw, adafactor, prodigy"):
         train_lora(data, tmp_path / "x.safetensors", model=nowhere, optimizer="sgd")
     with pytest.raises(ValueError, match=r"optimizer='adam' \(--optimizer\)"):
@@ -181,9 +187,7 @@ def test_the_optimizer_settings_reach_adamw(tmp_path, settings):
     ],
 )
 def test_bad_optimizer_settings_are_named_before_loading(tmp_path, settings, named):
-    data = tmp_path / "data"
-    data.mkdir()
-    Image.new("RGB", (32, 32)).save(data / "a.png")
+    data = _one_image(tmp_path)
     with pytest.raises(ValueError, match=named):
         train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "no-model"), **settings)
     assert not (tmp_path / "x-run").exists()
@@ -196,9 +200,7 @@ def test_cli_optimizer_settings_and_the_trainers_defaults(tmp_path, monkeypatch)
     from sdjax.finetune import run as run_lib
     from sdjax.finetune import textual_inversion
 
-    data = tmp_path / "data"
-    data.mkdir()
-    Image.new("RGB", (32, 32)).save(data / "a.png")
+    data = _one_image(tmp_path)
     seen = {}
 
     def fake_train(data, out, **options):
@@ -301,8 +303,6 @@ def test_text_encoder_lr_moves_only_the_text_encoders_at_their_rate(tmp_path, na
     ],
 )
 def test_bad_text_encoder_lr_is_named(tmp_path, settings, named):
-    data = tmp_path / "data"
-    data.mkdir()
-    Image.new("RGB", (32, 32)).save(data / "a.png")
+    data = _one_image(tmp_path)
     with pytest.raises(ValueError, match=named):
         train_lora(data, tmp_path / "x.safetensors", model=str(tmp_path / "no-model"), **settings)
