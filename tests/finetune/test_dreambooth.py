@@ -98,12 +98,18 @@ def test_class_images_drawn_when_missing_then_reused(sd1_dir, sd1, tmp_path):
     assert len(dreambooth.class_images(classes)) == 3
     pixels = [np.asarray(Image.open(classes / name)) for name in drawn]
     assert all(p.shape == (64, 64, 3) for p in pixels) and not np.array_equal(*pixels)  # seeds 0 and 1
+    # drawn in one batch of `sample_batch_size` (4: two kept), each the image its seed gives alone
+    pipe, _ = sd1
+    for seed, got in enumerate(pixels):
+        alone = np.asarray(pipe.generate("a photo of dog", seed=seed, steps=2, height=64, width=64)[0])
+        assert np.abs(got.astype(int) - alone).max() <= 1, seed
+    with pytest.raises(ValueError, match=r"seed=\[1, 2\]: expected one int, or a list of one int per image \(3\)"):
+        pipe.generate("a photo of dog", num_images=3, seed=[1, 2])
     assert len(result.losses) == 2 and all(np.isfinite(result.losses))
     trained = load_file(str(result.out))
     assert any(k.startswith("lora_unet_") and k.endswith("lora_up.weight") for k in trained)
 
     # the batch: the instance examples with the instance prompt, then the class examples with the class prompt
-    pipe, _ = sd1
     cfg = dreambooth.DreamBoothConfig(data=str(instance), out="x.safetensors", **options)
     data_cfg = cfg.data_config(64)
     samplers = [

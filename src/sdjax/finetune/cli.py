@@ -384,8 +384,8 @@ def textual_inversion(
 
 _DREAMBOOTH_ORDER = (
     "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
-    "prior_loss_weight class_steps steps rank alpha lr lr_schedule warmup batch_size accumulation resolution "
-    "random_crop flip train_text_encoder text_encoder_lr prediction_type min_snr_gamma mixed_precision "
+    "prior_loss_weight class_steps sample_batch_size steps rank alpha lr lr_schedule warmup batch_size accumulation "
+    "resolution random_crop flip train_text_encoder text_encoder_lr prediction_type min_snr_gamma mixed_precision "
     "gradient_checkpointing seed run_dir save_every resume peft fsdp fsdp_min_size" + EXTRAS
 )
 # the flow-matching options (Flux, SD 3) that DreamBooth does not state itself
@@ -406,6 +406,7 @@ def dreambooth(
     num_class_images: Annotated[int, typer.Option(help="Class images wanted (missing ones are generated).")] = 100,
     prior_loss_weight: Annotated[float, typer.Option(help="Weight of the class images' loss.")] = 1.0,
     class_steps: Annotated[int | None, typer.Option(help="Denoising steps of generated class images.")] = None,
+    sample_batch_size: Annotated[int, typer.Option(help="Class images generated per batch.")] = 4,
     batch_size: Annotated[int, typer.Option(help="Instance images per micro-batch (as many class images).")] = 1,
     min_snr_gamma: Annotated[float | None, typer.Option(help="Min-SNR-gamma (not with prior preservation).")] = None,
     **shared: Any,

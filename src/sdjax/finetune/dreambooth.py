@@ -56,6 +56,7 @@ class DreamBoothFields:
     class_steps: int | None = None  # denoising steps of drawn class images (default: the pipeline's)
     class_guidance_scale: float | None = None  # default: the pipeline's
     class_seed: int = 0
+    sample_batch_size: int = 4  # class images drawn per generate call (the scripts' --sample_batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +89,17 @@ class DreamBoothConfig(DreamBoothFields, run_lib.LoraTrainConfig):
                 )
             if self.class_steps is not None and self.class_steps < 1:
                 raise ValueError(f"class_steps={self.class_steps} must be at least 1")
+            check_sample_batch_size(self.sample_batch_size)
             if Path(self.class_data).expanduser().exists() and not Path(self.class_data).expanduser().is_dir():
                 raise data_lib.DataError(f"class_data {self.class_data} is not a folder")
         if self.caption_dropout or self.shuffle_tags:
             raise ValueError("caption_dropout / shuffle_tags: DreamBooth trains fixed instance and class prompts")
         super().check()
+
+
+def check_sample_batch_size(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sample_batch_size={n!r} (--sample-batch-size) must be a positive integer")
 
 
 # ------------------------------------------------------------------------------------------------ class images
@@ -119,24 +126,34 @@ def fill_class_images(
                 f"{folder} lacks {missing} class images, and generating them is not supported over several "
                 "processes: generate them first on one process (or give a full class folder)"
             )
-    written: list[Path] = []
+    todo: list[tuple[int, Path]] = []  # (number, path) of the images to draw: the first free names
     i = 0
-    while len(written) < missing:
+    while len(todo) < max(missing, 0):
         path = folder / f"{CLASS_PREFIX}{i:05d}.png"
         if not path.exists():
-            image = pipe.generate(
-                cfg.class_prompt,
-                seed=cfg.class_seed + i,
-                steps=cfg.class_steps,
-                guidance_scale=cfg.class_guidance_scale,
-                height=resolution,
-                width=resolution,
-                params=params,
-            )[0]
+            todo.append((i, path))
+        i += 1
+    written: list[Path] = []
+    n = cfg.sample_batch_size
+    for start in range(0, len(todo), n):
+        chunk = todo[start : start + n]
+        # Image number i is seed class_seed + i alone (per-image seeds), in whatever batch it is drawn. The last
+        # batch is filled up with images that are not kept: one compiled program draws every batch.
+        seeds = [cfg.class_seed + i for i, _ in chunk]
+        seeds += [seeds[-1] + k for k in range(1, n - len(chunk) + 1)]
+        images = pipe.generate(
+            [cfg.class_prompt] * n,
+            seed=seeds,
+            steps=cfg.class_steps,
+            guidance_scale=cfg.class_guidance_scale,
+            height=resolution,
+            width=resolution,
+            params=params,
+        )
+        for (_, path), image in zip(chunk, images, strict=False):
             image.save(path)
             written.append(path)
             log(f"class image {len(written)}/{missing}: {path}")
-        i += 1
     return written
 
 

@@ -87,6 +87,10 @@ FLOW_CLI: dict[str, tuple[Any, Any]] = {
         Annotated[int | None, typer.Option(help="Flux / SD 3: denoising steps of drawn class images.")],
         None,
     ),
+    "sample_batch_size": (
+        Annotated[int | None, typer.Option(help="Flux / SD 3: class images drawn per batch (4).")],
+        None,
+    ),
     # a transformer file as --model (flux1-dev.safetensors): what it lacks
     "config": (
         Annotated[

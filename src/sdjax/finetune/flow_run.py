@@ -254,6 +254,9 @@ def _check_dreambooth(cfg: FlowLoraTrainConfig) -> None:
         raise ValueError(f"prior_loss_weight={w!r} (--prior-loss-weight) must be a finite number >= 0")
     if cfg.class_steps is not None and (not isinstance(cfg.class_steps, int) or cfg.class_steps < 1):
         raise ValueError(f"class_steps={cfg.class_steps!r} (--class-steps) must be a positive integer")
+    from sdjax.finetune.dreambooth import check_sample_batch_size
+
+    check_sample_batch_size(cfg.sample_batch_size)
     if cfg.bucketing:
         raise ValueError(
             "bucketing with prior preservation (--with-prior-preservation): instance and class examples share a "

@@ -313,7 +313,7 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         prompt: str | Sequence[str],
         negative_prompt: str | Sequence[str] | None = None,
         num_images: int = 1,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         steps: int | None = None,
         guidance_scale: float | None = None,
         height: int | None = None,
@@ -345,7 +345,9 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
     ):
         """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives float32 arrays
         `(N, H, W, 3)` in [0, 1] (as diffusers), `"latent"` the final latents `(N, C, h, w)`. Image `i` of the
-        call uses `fold_in(PRNGKey(seed), i)`, whatever the device count.
+        call uses `fold_in(PRNGKey(seed), i)`, whatever the device count; `seed` a list of one int per image:
+        image `i` is the image `seed=seed[i]` gives alone (`fold_in(PRNGKey(seed[i]), 0)`; AUTOMATIC1111's
+        per-image seeds).
 
         - image-to-image: `image` (PIL, numpy HWC, a path, or a list of one per image) and `strength` (default:
           the class's `default_strength`, diffusers' own: SD 0.8, SDXL 0.3, Flux and SD 3 0.6);
@@ -417,11 +419,12 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
             )
         elif controlnet is not None or controlnet_conditioning_scale is not None:
             raise ValueError("controlnet= and controlnet_conditioning_scale= need control_image= (the control map)")
+        seeds, indices = per_image_seeds(seed, count)
         out = self.generate_arrays(
             all_prompts,
             all_negs,
-            [seed] * count,
-            list(range(count)),
+            seeds,
+            indices,
             [guidance_scale] * count,
             steps=steps,
             height=height,
@@ -440,6 +443,21 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         if output_type != "pil":
             return out
         return numpy_to_pil(out)
+
+
+def per_image_seeds(seed: int | Sequence[int], count: int) -> tuple[list[int], list[int]]:
+    """`generate`'s `seed` as `(seeds, image indices)` of its `count` images: one seed for the call (indices
+    0, 1, ...), or one seed per image (each index 0)."""
+
+    def is_int(x) -> bool:
+        return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+    if is_int(seed):
+        return [int(seed)] * count, list(range(count))
+    seeds = list(seed) if isinstance(seed, Sequence | np.ndarray) and not isinstance(seed, str) else None
+    if seeds is None or len(seeds) != count or not all(is_int(s) for s in seeds):
+        raise ValueError(f"seed={seed!r}: expected one int, or a list of one int per image ({count})")
+    return [int(s) for s in seeds], [0] * count
 
 
 def seed_keys(seeds: Sequence[int], indices: Sequence[int]) -> np.ndarray:

@@ -189,7 +189,7 @@ class StableDiffusion3Pipeline(FlowTransformerPipeline):
         prompt: str | Sequence[str],
         negative_prompt: str | Sequence[str] | None = None,
         num_images: int = 1,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         steps: int | None = None,
         guidance_scale: float | None = None,
         height: int | None = None,
