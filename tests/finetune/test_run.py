@@ -31,6 +31,7 @@ OPTIONS = dict(
     accumulation=2,
     resolution=64,
     train_text_encoder=True,
+    text_encoder_lr=5e-4,  # the text encoders' LoRA at its own rate: its own optimiser state, resumed too
     min_snr_gamma=5.0,
     noise_offset=0.05,
     input_perturbation=0.1,
