@@ -57,8 +57,8 @@ def test_a1111_txt2img_gets_flux_defaults_and_the_library_image(flux_dev, models
     h, w = flux_dev.default_size
     serve = dict(model_name="flux-tiny", default_steps=STEPS, max_batch=1, models_dir=str(models_dir))
     with counting_compiles() as compiles, live_server(flux_dev, **serve) as server:
-        warm = len(compiles)
-        assert warm > 0
+        warm = len(compiles)  # (none when another pipeline of the model in this process compiled them:
+        assert len(flux_dev.generator.cache) > 0  # the warm-up's programs are shared, `core.cache.compile_shared`)
         with client(server.url, timeout=300) as http:
             config = http.get("/v1/config").json()
             r = http.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "seed": 3})

@@ -40,8 +40,8 @@ def test_a1111_and_openai_give_the_library_image_with_sd3_defaults(sd3):
         counting_compiles() as compiles,
         live_server(sd3, model_name="sd3-tiny", default_steps=STEPS, max_batch=1) as server,
     ):
-        warm = len(compiles)
-        assert warm > 0
+        warm = len(compiles)  # (none when another pipeline of the model in this process compiled them:
+        assert len(sd3.generator.cache) > 0  # the warm-up's programs are shared, `core.cache.compile_shared`)
         with client(server.url, timeout=300) as http:
             config = http.get("/v1/config").json()
             body = {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 3}
