@@ -1,6 +1,7 @@
-"""`sdjax train finetune --save-precision fp16|bf16` (`FinetuneConfig.save_precision`): the written UNet of the
-diffusers folder, and every model of the `--single-file`, are the float32 weights cast to that precision (no
-training needed: `full.write_folder` and `full.write_single_file` are what the run's end calls)."""
+"""`sdjax train ... --save-precision fp16|bf16` (`TrainConfig.save_precision`): the written files hold the float32
+trained values cast to that precision: a fine-tune's UNet in the diffusers folder and every model of its
+`--single-file`, a LoRA (kohya's file and diffusers' `--peft` file), a textual-inversion embedding (no training
+needed: the writers are what each run's end calls)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from sdjax.finetune import full
+from sdjax.finetune import run as run_lib
 
 
 def _tensors(path) -> dict[str, np.ndarray]:
@@ -31,7 +33,7 @@ def test_written_weights_are_the_float32_ones_cast(sd1_dir, tmp_path, precision)
     unet = jax.tree_util.tree_map(
         lambda x: (np.asarray(x) + rng.normal(0, 1e-3, np.shape(x))).astype(np.float32), params["unet"]
     )
-    dtype = full.save_dtype(precision)
+    dtype = run_lib.save_dtype(precision)
     ref32 = params_to_state_dict(unet, dtype=np.float32)
 
     folder = full.write_folder(tmp_path / precision, str(sd1_dir), unet, dtype)
@@ -66,3 +68,41 @@ def test_a_bad_precision_is_named_before_loading(tmp_path):
         app, ["train", "finetune", "--data", str(data), "--out", str(tmp_path / "o"), "--save-precision", "fp8"]
     )
     assert r.exit_code == 2 and "--save-precision" in r.output and not (tmp_path / "o-run").exists()
+
+
+def test_lora_and_embedding_files_at_the_save_precision(sd1_dir, tmp_path):
+    import jax
+
+    from sdjax.finetune import lora as lora_lib
+    from sdjax.finetune import textual_inversion
+    from sdjax.pipelines import load_pipeline
+
+    pipe, params = load_pipeline(str(sd1_dir))
+    rng = np.random.default_rng(1)
+    lora = lora_lib.init_lora(jax.random.PRNGKey(0), params, {"unet": lora_lib.UNET_TARGETS}, 2)
+    lora = jax.tree_util.tree_map(lambda x: (x + rng.normal(0, 0.1, x.shape)).astype(np.float32), lora)  # "trained"
+    files = {}
+    for precision in ("fp32", "fp16"):
+        out = tmp_path / f"{precision}.safetensors"
+        cfg = run_lib.LoraTrainConfig(data="d", out=str(out), rank=2, peft=True, save_precision=precision)
+        run_dir = tmp_path / f"{precision}-run"
+        run_dir.mkdir()
+        run_lib.write_lora(cfg, lora, pipe.unet.config, "epsilon", run_dir)
+        files[precision] = (_tensors(out), _tensors(run_dir / "pytorch_lora_weights.safetensors"))
+    for full32, half in zip(files["fp32"], files["fp16"], strict=True):
+        assert half.keys() == full32.keys()
+        assert all(v.dtype == np.float16 and np.array_equal(v, full32[k].astype(np.float16)) for k, v in half.items())
+    before = pipe.generate("a cat", steps=2, seed=0, width=32, height=32, output_type="np")
+    pipe.load_lora(str(tmp_path / "fp16.safetensors"))  # sdjax reads the half-precision file
+    try:
+        after = pipe.generate("a cat", steps=2, seed=0, width=32, height=32, output_type="np")
+    finally:
+        pipe.unload_loras()
+    assert np.abs(np.asarray(after) - np.asarray(before)).max() > 1e-3
+
+    rows = {"text_encoder": rng.normal(size=(2, 32)).astype(np.float32)}
+    bf16 = run_lib.save_dtype("bf16")
+    textual_inversion.write_a1111(tmp_path / "emb.safetensors", rows, {}, bf16)
+    (path,) = textual_inversion.write_diffusers(tmp_path, "<t>", rows, bf16)
+    for got in (_tensors(tmp_path / "emb.safetensors")["emb_params"], _tensors(path)["<t>"]):
+        assert got.dtype == bf16 and np.array_equal(got, rows["text_encoder"].astype(bf16))

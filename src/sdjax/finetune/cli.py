@@ -172,6 +172,16 @@ SHARED: dict[str, tuple[Any, Any]] = {
         Optimizer.adamw,
     ),
     # the optimiser's settings: None (not given) is the trainer's default
+    "save_precision": (
+        Annotated[
+            SavePrecision,
+            typer.Option(
+                help="The written files' weights: fp32, fp16 or bf16 (the LoRA, embedding, or the fine-tune's UNet "
+                "and every model of --single-file)."
+            ),
+        ],
+        SavePrecision.fp32,
+    ),
     "weight_decay": (
         Annotated[float | None, typer.Option(help="Decoupled weight decay, every optimiser. Default: 1e-2.")],
         None,
@@ -300,8 +310,8 @@ SHARED.update(
 )
 DISTRIBUTED = ("coordinator", "num_processes", "process_id", "distributed")
 EXTRAS = (
-    " optimizer weight_decay max_grad_norm adam_beta1 adam_beta2 adam_epsilon ema_decay validation_prompts "
-    "validation_every validation_seed validation_steps tensorboard " + " ".join(DISTRIBUTED)
+    " save_precision optimizer weight_decay max_grad_norm adam_beta1 adam_beta2 adam_epsilon ema_decay "
+    "validation_prompts validation_every validation_seed validation_steps tensorboard " + " ".join(DISTRIBUTED)
 )
 SHARED.update(FLOW_CLI)  # `train lora`'s flow-matching options (Flux, SD 3): finetune.flow_cli
 LoraOut = Annotated[Path, typer.Option(help="The LoRA to write (.safetensors, kohya/A1111 layout).")]
@@ -433,7 +443,7 @@ def dreambooth(
 
 @train_app.command("finetune")
 @_options(
-    "data out model single_file save_precision steps lr lr_schedule warmup batch_size accumulation resolution "
+    "data out model single_file steps lr lr_schedule warmup batch_size accumulation resolution "
     "bucketing bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image prediction_type "
     "min_snr_gamma noise_offset input_perturbation mixed_precision gradient_checkpointing cache_latents seed run_dir "
     "save_every resume fsdp fsdp_min_size" + EXTRAS
@@ -444,10 +454,6 @@ def finetune(
     single_file: Annotated[
         Path | None, typer.Option(help="Also write the model as one A1111 / original-layout .safetensors file.")
     ] = None,
-    save_precision: Annotated[
-        SavePrecision,
-        typer.Option(help="The written weights: fp32, fp16 or bf16 (the UNet in OUT, every model in --single-file)."),
-    ] = SavePrecision.fp32,
     lr: Annotated[float, typer.Option("--lr", "--learning-rate", help="Learning rate (prodigy: use 1).")] = 1e-5,
     mixed_precision: Annotated[
         Precision, typer.Option(help="bf16: bfloat16 compute, float32 master weights and optimiser.")

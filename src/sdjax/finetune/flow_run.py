@@ -329,7 +329,7 @@ def write_flow_lora(cfg: FlowLoraTrainConfig, lora: dict, targets, family: str, 
         "sdjax_comment": cfg.comment,
     }
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    lora_lib.save_safetensors(cfg.out, tensors, meta)
+    lora_lib.save_safetensors(cfg.out, tensors, meta, run_lib.save_dtype(cfg.save_precision))
 
 
 def _load(cfg: FlowLoraTrainConfig):

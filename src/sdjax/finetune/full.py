@@ -42,14 +42,6 @@ from sdjax.finetune import run as run_lib
 # Settings a resumed fine-tune must share with the run that wrote its checkpoints.
 _RESUME_KEYS = ("model", "batch_size", "accumulation", "seed", "lr", "optimizer", "ema_decay", "cache_latents")
 WEIGHTS = "diffusion_pytorch_model.safetensors"
-SAVE_PRECISIONS = ("fp32", "fp16", "bf16")  # kohya's --save_precision (float, fp16, bf16)
-
-
-def save_dtype(precision: str):
-    """The numpy dtype of a `save_precision` (bfloat16: ml_dtypes', which safetensors writes as BF16)."""
-    import ml_dtypes
-
-    return {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}[precision]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +51,6 @@ class FinetuneConfig(run_lib.TrainConfig):
     lr: float = 1e-5  # diffusers' README command for train_text_to_image.py (its argparse default is 1e-4)
     caption_dropout: float = 0.0
     single_file: str | None = None  # also write the pipeline as one original-layout (A1111) .safetensors file
-    save_precision: str = "fp32"  # the written weights: "fp32", "fp16" or "bf16" (`SAVE_PRECISIONS`)
 
     written: ClassVar[str] = "the fine-tuned model"
     out_suffix: ClassVar[str] = ""  # a diffusers folder
@@ -81,10 +72,6 @@ class FinetuneConfig(run_lib.TrainConfig):
             raise ValueError(f"single_file={self.single_file} (--single-file) must name a .safetensors file")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout={self.caption_dropout} (--caption-dropout) must be in [0, 1]")
-        if self.save_precision not in SAVE_PRECISIONS:
-            raise ValueError(
-                f"save_precision={self.save_precision!r} (--save-precision) must be one of {', '.join(SAVE_PRECISIONS)}"
-            )
         super().check()
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
@@ -284,7 +271,7 @@ def train_finetune(
 
     def finish(state: dict) -> None:
         unet = jax.device_get(state["unet"])
-        dtype = save_dtype(cfg.save_precision)
+        dtype = run_lib.save_dtype(cfg.save_precision)
         folder = write_folder(cfg.out, cfg.model, unet, dtype)
         log(f"diffusers folder: {folder}")
         if cfg.single_file:

@@ -187,9 +187,17 @@ def peft_state_dict(
     return tensors, {METADATA_KEY: json.dumps(meta), "format": "pt"}
 
 
-def save_safetensors(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+def save_safetensors(path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], dtype=None) -> None:
+    """`tensors` to `path`, the floating ones cast to `dtype` when given (`run.save_dtype`)."""
     from safetensors.numpy import save_file
 
+    if dtype is not None:
+        tensors = {
+            k: np.ascontiguousarray(np.asarray(v).astype(dtype))
+            if np.issubdtype(np.asarray(v).dtype, np.floating)
+            else v
+            for k, v in tensors.items()
+        }
     save_file(dict(tensors), str(path), metadata=dict(metadata))
 
 

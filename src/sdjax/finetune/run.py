@@ -25,6 +25,17 @@ from sdjax.finetune import data as data_lib
 from sdjax.finetune import lora as lora_lib
 
 OnStep = Callable[[int, int, float, float], None]  # (update, total updates, loss, seconds of the update)
+# The written files' float precision (`save_precision`; kohya's --save_precision float / fp16 / bf16).
+SAVE_PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def save_dtype(precision: str):
+    """The numpy dtype of a `save_precision` (bfloat16: ml_dtypes', which safetensors writes as BF16)."""
+    import ml_dtypes
+
+    return {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}[precision]
+
+
 # The optimiser's settings besides its name and learning rate (a resumed run of any trainer keeps them).
 ADAM_SETTINGS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 OPTIMIZER_SETTINGS = ("weight_decay", "max_grad_norm", *ADAM_SETTINGS)
@@ -92,6 +103,7 @@ class TrainConfig:
     validation_steps: int | None = None  # denoising steps of validation images (default: the pipeline's)
     cache_latents: bool = False  # encode every image once before training (`finetune.cache`); trainers opt in
     tensorboard: bool = False  # TensorBoard event files of the loss and learning rate in RUN_DIR/tensorboard/
+    save_precision: str = "fp32"  # the written files' weights: "fp32", "fp16" or "bf16" (`SAVE_PRECISIONS`)
 
     written: ClassVar[str] = "the LoRA"  # what `out` holds (in the error of a wrong suffix)
     out_suffix: ClassVar[str] = ".safetensors"  # "": `out` is a folder
@@ -116,6 +128,10 @@ class TrainConfig:
         self._check_optimizer_settings()
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'")
+        if self.save_precision not in SAVE_PRECISIONS:
+            raise ValueError(
+                f"save_precision={self.save_precision!r} (--save-precision) must be one of {', '.join(SAVE_PRECISIONS)}"
+            )
         if self.resolution is not None and (self.resolution < 8 or self.resolution % 8):
             raise ValueError(f"resolution={self.resolution} must be a positive multiple of 8")
         if self.out_suffix and not str(self.out).endswith(self.out_suffix):
@@ -587,10 +603,11 @@ def write_lora(
         },
     )
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    lora_lib.save_safetensors(cfg.out, lora_lib.kohya_state_dict(host, alpha, unet_config), meta)
+    dtype = save_dtype(cfg.save_precision)
+    lora_lib.save_safetensors(cfg.out, lora_lib.kohya_state_dict(host, alpha, unet_config), meta, dtype)
     if cfg.peft:
         tensors, peft_meta = lora_lib.peft_state_dict(host, alpha, cfg.rank)
-        lora_lib.save_safetensors(run_dir / "pytorch_lora_weights.safetensors", tensors, peft_meta)
+        lora_lib.save_safetensors(run_dir / "pytorch_lora_weights.safetensors", tensors, peft_meta, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ the run

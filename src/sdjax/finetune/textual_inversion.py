@@ -236,8 +236,8 @@ def row_batches(cfg: TextualInversionConfig, sampler: data_lib.Sampler, conditio
 
 
 # ------------------------------------------------------------------------------------------------ files
-def write_a1111(path: str | Path, rows: dict, metadata: dict[str, str]) -> None:
-    """A1111 / kohya: `emb_params` (one text encoder) or `clip_l` + `clip_g` (SDXL)."""
+def write_a1111(path: str | Path, rows: dict, metadata: dict[str, str], dtype=np.float32) -> None:
+    """A1111 / kohya: `emb_params` (one text encoder) or `clip_l` + `clip_g` (SDXL), as `dtype`."""
     from sdjax.finetune.lora import save_safetensors
 
     host = {c: np.ascontiguousarray(np.asarray(v, np.float32)) for c, v in rows.items()}
@@ -245,17 +245,18 @@ def write_a1111(path: str | Path, rows: dict, metadata: dict[str, str]) -> None:
         {A1111_SDXL_KEYS[c]: v for c, v in host.items()} if len(host) > 1 else {"emb_params": host[next(iter(host))]}
     )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_safetensors(path, tensors, metadata)
+    save_safetensors(path, tensors, metadata, dtype)
 
 
-def write_diffusers(run_dir: Path, token: str, rows: dict) -> list[Path]:
-    """diffusers' `learned_embeds.safetensors` `{token: (n, D)}` (SDXL: and `learned_embeds_2.safetensors`)."""
+def write_diffusers(run_dir: Path, token: str, rows: dict, dtype=np.float32) -> list[Path]:
+    """diffusers' `learned_embeds.safetensors` `{token: (n, D)}` (SDXL: and `learned_embeds_2.safetensors`), as
+    `dtype`."""
     from sdjax.finetune.lora import save_safetensors
 
     paths = []
     for c, v in rows.items():
         path = run_dir / DIFFUSERS_FILES[c]
-        save_safetensors(path, {token: np.ascontiguousarray(np.asarray(v, np.float32))}, {"format": "pt"})
+        save_safetensors(path, {token: np.ascontiguousarray(np.asarray(v, np.float32))}, {"format": "pt"}, dtype)
         paths.append(path)
     return paths
 
@@ -269,8 +270,9 @@ def write_files(cfg: TextualInversionConfig, rows: dict) -> None:
         "sdjax_steps": str(cfg.steps),
         "sdjax_model": str(cfg.model or "embedded"),
     }
-    write_a1111(cfg.out, trained, meta)
-    write_diffusers(cfg.run_path, cfg.token, trained)
+    dtype = run_lib.save_dtype(cfg.save_precision)
+    write_a1111(cfg.out, trained, meta, dtype)
+    write_diffusers(cfg.run_path, cfg.token, trained, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ the run
