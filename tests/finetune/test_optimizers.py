@@ -247,11 +247,12 @@ def _flat(tree: dict) -> dict:
 def test_text_encoder_lr_moves_only_the_text_encoders_at_their_rate(tmp_path, name, monkeypatch):
     """`--text-encoder-lr` (`text_encoder_lr`): two updates of a LoRA tree, the text encoders' values at their
     learning rate and the denoiser's at `lr`, gradients clipped together (numpy's AdamW; Lion: the same run with
-    each part's own rate); their optimiser state survives an orbax round trip (`run._checkpoints`)."""
+    each part's own rate); their optimiser state survives an orbax round trip (`run_dir.checkpoints`)."""
     import jax
     import optax
 
     from sdjax.finetune import run as run_lib
+    from sdjax.finetune import run_dir
 
     te_lr = LR / 7
     cfg = run_lib.LoraTrainConfig(
@@ -284,10 +285,10 @@ def test_text_encoder_lr_moves_only_the_text_encoders_at_their_rate(tmp_path, na
     moved = {c: np.abs(got[c] - _flat(params)[c]).mean() for c in got}
     assert moved["text_encoder"] < 0.5 * moved["unet"] and moved["text_encoder_2"] < 0.5 * moved["unet"]
 
-    manager = run_lib._checkpoints(tmp_path / "run")
-    manager.save(2, args=run_lib._save_args({"lora": params, "opt_state": state}))
+    manager = run_dir.checkpoints(tmp_path / "run")
+    manager.save(2, args=run_dir.save_args({"lora": params, "opt_state": state}))
     manager.wait_until_finished()
-    restored, step = run_lib._restore(manager, {"lora": params, "opt_state": tx.init(params)})
+    restored, step = run_dir.restore(manager, {"lora": params, "opt_state": tx.init(params)})
     assert step == 2
     flat_state, flat_restored = jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored["opt_state"])
     assert len(flat_state) == len(flat_restored)
