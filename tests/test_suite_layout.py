@@ -15,18 +15,36 @@ def test_test_module_basenames_are_unique():
     )
 
 
-def test_the_longest_first_files_exist():
-    """conftest's LONGEST_FIRST orders the full run: a moved file silently lost its place (it happened with
-    tests/core/test_controlnet_parity.py, now in tests/families/)."""
+def _conftest_tuple(name: str) -> tuple:
+    """A literal tuple of tests/conftest.py, read from the file: `import conftest` may give another folder's conftest
+    (tests/server/conftest.py)."""
     import ast
 
-    # read from the file: `import conftest` may give another folder's conftest (tests/server/conftest.py)
     tree = ast.parse((TESTS / "conftest.py").read_text())
-    (longest,) = [
+    (value,) = [
         ast.literal_eval(node.value)
         for node in tree.body
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["LONGEST_FIRST"]
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
     ]
+    return value
+
+
+def test_the_longest_first_files_exist():
+    """conftest's LONGEST_FIRST orders the full run: a moved file silently lost its place (it happened with
+    tests/core/test_controlnet_parity.py, now in tests/families/); QUICK_FIRST orders `--quick`."""
     root = TESTS.parent
-    assert len(longest) > 10 and [p for p in longest if not (root / p).is_file()] == []
-    assert len(set(longest)) == len(longest)
+    for name in ("LONGEST_FIRST", "QUICK_FIRST"):
+        files = _conftest_tuple(name)
+        assert len(files) >= 10 and [p for p in files if not (root / p).is_file()] == [], name
+        assert len(set(files)) == len(files), name
+
+
+def test_the_tests_quick_leaves_out_exist():
+    """QUICK_SKIP_TESTS names single tests: a renamed test would silently come back into `--quick`."""
+    import re
+
+    root = TESTS.parent
+    for node in _conftest_tuple("QUICK_SKIP_TESTS"):
+        path, name = node.split("::")
+        assert (root / path).is_file(), node
+        assert re.search(rf"^def {re.escape(name)}\(", (root / path).read_text(), re.M), node
