@@ -1,28 +1,33 @@
 """The launcher of the multi-host training tests (test_multihost_training.py: SD; test_flow_multihost.py: Flux;
 imported by this unique name, as tests/server's helpers are), one copy so that both compare runs made the same way:
-`sdjax train COMMAND` on one process of 4 simulated devices, then on two processes of 2 devices each
-(`jax.distributed` on 127.0.0.1, gloo on CPU), each process logging the images it decodes; and what the tests read
-back of the two runs."""
+one or more `sdjax train COMMAND` runs, one after the other, on one process of 4 simulated devices, then the same
+runs on two processes of 2 devices each (`jax.distributed` on 127.0.0.1, gloo on CPU), each process logging the
+images it decodes; and what the tests read back of the two launches."""
 
 import json
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where conftest.py is
 
-# `sdjax train ...` with every decode of a training example (`data.crop_example`: the sampler's, a latent cache's)
-# written to the file $SDJAX_TEST_LOADS, one image name a line, in call order. The process first imports
-# tests/conftest.py for the suite's settings (no Flax re-trace of each parameter's initializer at every `apply`, the
-# GC thresholds), as the test process has them, and draws no loss.png (matplotlib's import and a plot: about 2 s of
-# CPU in each writing process; tests/finetune/test_run.py checks that plot).
+# `sdjax train ...` for each run of the JSON list argv[1] ([loads file, arguments] a run), one after the other in
+# this process (its start and the imports of JAX and sdjax paid once for all of them), with every decode of a
+# training example (`data.crop_example`: the sampler's, a latent cache's) written to the run's loads file, one image
+# name a line, in call order. The process first imports tests/conftest.py for the suite's settings (no Flax re-trace
+# of each parameter's initializer at every `apply`, the GC thresholds), as the test process has them, and draws no
+# loss.png (matplotlib's import and a plot: about 2 s of CPU in each writing process; tests/finetune/test_run.py
+# checks that plot). `jax.distributed` starts once, at the first run (every run names the same coordinator and
+# process id: a later run's start is checked to be the same one, then skipped).
 _COUNTED_CLI = f"""
-import os, sys
+import json, os, sys
 sys.path.insert(0, {_TESTS!r})
 import conftest
+import jax
 from sdjax.finetune import data, run
 run.plot_losses = lambda log, png: False
 crop = data.crop_example
@@ -31,16 +36,32 @@ def counted(item, *args):
         f.write(item.path.name + "\\n")
     return crop(item, *args)
 data.crop_example = counted
+start, started = jax.distributed.initialize, []
+def once(*args, **kwargs):
+    assert started in ([], [(args, kwargs)]), (started, args, kwargs)
+    if not started:
+        start(*args, **kwargs)
+        started.append((args, kwargs))
+jax.distributed.initialize = once
 from sdjax.cli import main
-sys.exit(main())
+for loads, argv in json.loads(sys.argv[1]):
+    os.environ["SDJAX_TEST_LOADS"] = loads
+    sys.argv = ["sdjax", "train", *argv]
+    print("=== sdjax train", *argv, flush=True)
+    try:
+        main()
+    except SystemExit as e:
+        if e.code:
+            raise
 """
 
 
-def _train(devices: int, argv: list[str], loads, command: str) -> subprocess.Popen:
+def _train(devices: int, runs: list[tuple[str, list[str]]]) -> subprocess.Popen:
+    """One process of `devices` simulated devices running `runs` (`(loads file, train arguments)` each)."""
     flags = f"--xla_force_host_platform_device_count={devices} {os.environ.get('SDJAX_TEST_COMPILE_FLAGS', '')}"
-    env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu", "SDJAX_TEST_LOADS": str(loads)}
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
     env["SDJAX_DEVICES"] = "all"  # one program over every process's devices
-    cmd = [sys.executable, "-c", _COUNTED_CLI, "train", command, *argv]
+    cmd = [sys.executable, "-c", _COUNTED_CLI, json.dumps(runs)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -48,7 +69,8 @@ def _wait(procs: list[subprocess.Popen]) -> None:
     try:
         for p in procs:
             out, _ = p.communicate(timeout=600)
-            assert p.returncode == 0, out[-3000:]
+            runs = [line for line in out.splitlines() if line.startswith("=== sdjax train")]  # the run that failed
+            assert p.returncode == 0, f"{runs[-1] if runs else 'before any run'}\n{out[-3000:]}"
     finally:  # a failed or hung process leaves no other waiting for it at the coordinator
         for p in procs:
             if p.poll() is None:
@@ -62,23 +84,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_and_two(command: str, common: list[str], tmp_path, suffix: str = ".safetensors") -> None:
-    """`sdjax train COMMAND` on one process of 4 devices (out `one`, its decodes in loads-one.txt), then on two
-    processes of 2 devices each on 127.0.0.1 (out `two`, decodes in loads-0.txt and loads-1.txt)."""
-    one = _train(4, [*common, "--out", str(tmp_path / f"one{suffix}")], tmp_path / "loads-one.txt", command)
-    _wait([one])
-    port = str(_free_port())
-    hosts = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    two = [
-        _train(
-            2,
-            [*common, "--out", str(tmp_path / f"two{suffix}"), *hosts, "--process-id", str(i)],
-            tmp_path / f"loads-{i}.txt",
-            command,
-        )
-        for i in range(2)
-    ]
-    _wait(two)
+def one_and_two(runs: list[tuple[str, list[str], Path]], suffix: str = ".safetensors") -> None:
+    """Each `(COMMAND, arguments, folder)` of `runs`, in order, as `sdjax train COMMAND arguments`: on one process of
+    4 devices (out `folder/one`, its decodes in folder/loads-one.txt), then on two processes of 2 devices each on
+    127.0.0.1 (out `folder/two`, decodes in folder/loads-0.txt and folder/loads-1.txt). Each process runs every run
+    of `runs` (its start, its imports and `jax.distributed`'s start paid once, not once a run)."""
+
+    def launch(devices: int, name: str, loads: str, hosts: list[str]) -> subprocess.Popen:
+        out = [
+            (folder, [command, *args, "--out", str(folder / f"{name}{suffix}"), *hosts])
+            for command, args, folder in runs
+        ]
+        return _train(devices, [(str(folder / loads), argv) for folder, argv in out])
+
+    _wait([launch(4, "one", "loads-one.txt", [])])
+    hosts = ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
+    _wait([launch(2, "two", f"loads-{i}.txt", [*hosts, "--process-id", str(i)]) for i in range(2)])
 
 
 def read_loads(path) -> list[str]:

@@ -44,7 +44,7 @@ def test_two_processes_train_a_flow_dreambooth_lora_as_one(flux_dev, tmp_path):
     common += ["--batch-size", str(BATCH), "--resolution", str(SIZE), "--no-bucketing", "--max-sequence-length", "16"]
     common += ["--train-text-encoder", "--instance-prompt", "a sks square", "--class-prompt", "a square"]
     common += ["--class-data", classes, "--num-class-images", "3", "--seed", "3"]
-    one_and_two("lora", common, tmp_path)
+    one_and_two([("lora", common, tmp_path)])
 
     loaded = read_loads(tmp_path / "loads-one.txt")  # per step: 2 instance rows, then 2 class rows
     rows = 2 * BATCH
