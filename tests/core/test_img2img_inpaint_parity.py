@@ -144,11 +144,12 @@ def test_img2img_matches_diffusers(name, cls_name, extra, sd, torch_img2img, sd1
 def test_img2img_strength_changes_the_image_without_recompiling(sd):
     pipe, _ = sd
     images = _images(1)
-    # DDIM at STEPS on a batch padded to the 8 devices: the program test_img2img_matches_diffusers[ddim] compiled.
+    # DDIM at STEPS on a batch of 2 padded to the 8 devices: the program test_img2img_matches_diffusers[ddim] compiled.
+    prompts = ["a cat", "a dog"]
     before = pipe.generator.cache.stats.compiles
-    a = pipe.generate("a cat", image=images[0], strength=0.3, steps=STEPS, sampler="ddim", output_type="np")
+    a = pipe.generate(prompts, image=images, strength=0.3, steps=STEPS, sampler="ddim", output_type="np")
     compiles = pipe.generator.cache.stats.compiles
-    b = pipe.generate("a cat", image=images[0], strength=0.9, steps=STEPS, sampler="ddim", output_type="np")
+    b = pipe.generate(prompts, image=images, strength=0.9, steps=STEPS, sampler="ddim", output_type="np")
     assert pipe.generator.cache.stats.compiles == compiles <= before + 1
     assert np.abs(a - b).max() > 1e-2
 
