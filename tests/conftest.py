@@ -115,7 +115,6 @@ LONGEST_FIRST = (
     "tests/finetune/test_full_finetune.py",
     "tests/families/test_controlnet_parity.py",
     "tests/training/test_train.py",
-    "tests/finetune/test_train_sharding.py",
     "tests/finetune/test_train_tpu_compile.py",
     "tests/evaluation/test_quality.py",
     "tests/finetune/test_flux_lora_train.py",
@@ -148,6 +147,7 @@ LONGEST_FIRST = (
     "tests/families/test_sd3_pipeline.py",
     "tests/server/test_sd3_controlnet_file_server.py",
     "tests/finetune/test_step_parity.py",
+    "tests/finetune/test_train_sharding.py",
     "tests/server/test_sd3_controlnet_server.py",
 )
 
