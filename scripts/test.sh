@@ -2,7 +2,7 @@
 # Set up a virtual environment with the test extras and run the whole test suite.
 # Used by the README and by CI (.ci/run). Exits non-zero if any test fails or if no test ran.
 # `bash scripts/test.sh --quick`: the same without the longest files (tests/conftest.py's LONGEST_FIRST) and the
-# `slow` tests and the model-comparison folders, for iterating (1359 tests, 6.5 minutes of pytest on 2 cores);
+# `slow` tests and the model-comparison folders, for iterating (1352 tests, 4.7 minutes of pytest on 2 cores);
 # other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
