@@ -264,7 +264,8 @@ def compile_for(
     the transformer's and T5's matmul kernels in that dtype, computed in `dtype`; `dtype="fp8"` is short for
     `dtype="bfloat16", weights_dtype="float8_e4m3fn"`. `fsdp` also splits the large weights over the data axis
     (`sdjax.parallel.sharding.fsdp`). `quantize` ("int8", "fp8"; `sdjax.quant`, as `from_pretrained(quantize=)`)
-    stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program.
+    stores the denoiser's kernels quantized with per-channel scales, dequantized inside the program (and the
+    ControlNets' kernels, weight-only, as a quantized pipeline loads them: `quant.params.controlnet_policy`).
     `quant_compute` ("int8", "fp8"; needs `quantize` of the same scheme) multiplies its Dense layers and 2-D convs
     8-bit x 8-bit (`QuantPolicy(quantize, components=(denoiser,), compute=quant_compute)`, per-call input scales);
     their FLOPs are counted apart (`Report.quant_flops`) and timed at the chip's int8 rate in the roofline.
@@ -315,6 +316,10 @@ def compile_for(
     control = None
     if controlnets:
         control, params["controlnet"] = _abstract_controlnets(arch, jdtype, controlnets)
+        if quantize:  # as a quantized pipeline loads them: weight-only, the denoiser's scheme
+            from sdjax.quant.params import controlnet_policy, quantize_params
+
+            params = quantize_params(params, controlnet_policy(pipe.quantization, pipe.denoiser.component))
         weights = _nbytes({k: v for k, v in params.items() if k != "scheduler"})
     dh, dw = pipe.default_size
     height, width = (size, size) if isinstance(size, int) else (size or (dh, dw))

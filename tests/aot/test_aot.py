@@ -196,10 +196,13 @@ def test_an_attention_choice_reaches_the_tpu_program(monkeypatch):
 
 
 @needs_libtpu
-def test_controlnets_are_in_the_program(monkeypatch):
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_controlnets_are_in_the_program(monkeypatch, quantize):
     """`sdjax compile --controlnets 1` lowers the generation with the net (the model's own ControlNet architecture)
     in every model call: its abstract params beside the UNet's and a control image per image among the inputs.
-    Stopped before the TPU compile (the table's ControlNet rows are the compiled ones, docs/benchmarks.md)."""
+    Stopped before the TPU compile (the table's ControlNet rows are the compiled ones, docs/benchmarks.md). With
+    `--quantize int8` the net's large kernels are int8 (with float32 scales) as the UNet's, the rest bfloat16."""
+    from sdjax.quant import params as P
     from sdjax.core.generator import Generator
     from sdjax.models.controlnet import ControlNetModel
 
@@ -216,15 +219,26 @@ def test_controlnets_are_in_the_program(monkeypatch):
     r = runner.invoke(
         cli.app,
         ["compile", "--target", "v5e-4", "-m", "tiny", "--size", "32", "--batch", "4", "--steps", "2"]
-        + ["--controlnets", "1", "--no-unet-cost", "--in-process"],
+        + ["--controlnets", "1", "--no-unet-cost", "--in-process"]
+        + (["--quantize", quantize] if quantize else []),
     )
     assert isinstance(r.exception, Stop), r.output
     ((spec, params, inputs),) = seen
     (net,) = spec.control.nets
     want = jax.tree_util.tree_map(lambda x: tuple(x.shape), ControlNetModel.init_params_shape(net.config))
     (tree,) = params["controlnet"]
-    assert jax.tree_util.tree_map(lambda x: tuple(x.shape), tree) == want
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(tree))
+    kernels = P.quantized_kernels(tree)
+    assert bool(kernels) == bool(quantize) and bool(P.quantized_kernels(params["unet"])) == bool(quantize)
+    for q, scale in kernels.values():
+        assert q.dtype == jnp.int8 and scale.dtype == jnp.float32 and scale.shape == q.shape[-1:]
+
+    def unscaled(t):  # the tree without the quantized kernels' scales
+        return {k: unscaled(v) for k, v in t.items() if k != P.SCALE} if isinstance(t, dict) else t
+
+    assert jax.tree_util.tree_map(lambda x: tuple(x.shape), unscaled(tree)) == want
+    in_kernels = {id(q) for q, _ in kernels.values()}
+    rest = [x for x in jax.tree_util.tree_leaves(unscaled(tree)) if id(x) not in in_kernels]
+    assert rest and all(x.dtype == jnp.bfloat16 for x in rest)
     assert inputs["control_image"].shape == (4, 1, 3, 32, 32)  # one control image per image, at the image size
 
 

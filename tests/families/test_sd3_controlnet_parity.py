@@ -166,6 +166,32 @@ def test_controlnet_pipeline_matches_diffusers(models, kind):
     assert pipe.generator.cache.stats.compiles == before
 
 
+def test_quantized_transformer_and_net(models):
+    """A pipeline loaded with int8 kernels (those of 256 or more weights, so the tiny model's patch embedding is
+    among them) quantizes the SD 3.5 large-like net it loads by path as well; that net runs the transformer's
+    quantized patch embedding. The image equals the float pipeline's on the same quantized weights dequantized on
+    the host (both the transformer's and the net's)."""
+    from sdjax.families.sd3.pipeline import StableDiffusion3Pipeline
+    from sdjax.loading.controlnet import load_controlnet
+    from sdjax.quant import params as P
+
+    _, pipe, nets = models
+    _, folder = nets["sd35-large"]
+    policy = P.QuantPolicy("int8", components=("transformer",), min_size=256)
+    qpipe, qparams = StableDiffusion3Pipeline.from_pretrained(pipe.name, quantize=policy)
+    assert "pos_embed/proj/kernel" in P.quantized_kernels(qparams["transformer"])
+    images = control_images(3)
+    out = _sdjax(qpipe, 6, control_image=images, controlnet=str(folder), **WINDOW)
+    module, net_params = load_controlnet(folder, quantize=P.controlnet_policy(policy, "transformer"))
+    assert P.quantized_kernels(net_params)
+    host = {**pipe.params, "transformer": P.dequantize_tree(qparams["transformer"], jnp.float32)}
+    pair = (module, P.dequantize_tree(net_params, jnp.float32))
+    ref = _sdjax(pipe, 6, control_image=images, controlnet=pair, params=host, **WINDOW)
+    err = float(np.abs(out - ref).max())
+    print(f"int8 transformer and net: max abs difference to the host-dequantized weights {err:.2e}")
+    assert err < 1e-4
+
+
 def test_two_nets_match_sd3_multicontrolnet(models):
     """Two nets (diffusers: a list, `SD3MultiControlNetModel`), each with its own image, scale and window."""
     components, pipe, nets = models

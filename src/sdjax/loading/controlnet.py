@@ -24,6 +24,7 @@ from sdjax.loading.components import (
 from sdjax.loading.controlnet_file import load_controlnet_file
 from sdjax.models.controlnet import ControlNetModel
 
+CONTROLNET_KEY = "controlnet"  # the component name of a ControlNet's params (`quant.params.CONTROLNET`)
 CONTROLNET_CLASSES = {"ControlNetModel": CONTROLNET, "SD3ControlNetModel": SD3_CONTROLNET}  # config `_class_name`
 
 
@@ -40,6 +41,7 @@ def load_controlnet(
     from_pt: bool = False,
     config: Any = None,
     allow_pickle: bool = False,
+    quantize: Any = None,
 ) -> tuple[Any, dict]:
     """A diffusers ControlNet folder or Hub repo id (`config.json` + `diffusion_pytorch_model[.V].safetensors`,
     shards, old Flax msgpack) -> `(module, params)`, params cast to `dtype`. `from_pt` is accepted for the old
@@ -48,10 +50,19 @@ def load_controlnet(
     `models.sd3_controlnet.SD3ControlNetModel`. A FILE is read by `controlnet_file.load_controlnet_file` (`config`,
     `allow_pickle` apply there): SD 1.x/2.x and SDXL nets in the original or diffusers layout
     (`control_v11p_sd15_canny.safetensors`), SD 3.5 nets as Stability AI released them
-    (`sd3.5_large_controlnet_canny.safetensors`, `sd3_controlnet_file`)."""
+    (`sd3.5_large_controlnet_canny.safetensors`, `sd3_controlnet_file`).
+
+    `quantize` ("int8", "fp8" or a `sdjax.quant.QuantPolicy` naming "controlnet"; docs/quantization.md): the net's
+    kernels stored quantized (weight-only), each quantized as it is converted, so the float net is never held
+    whole; pipelines dequantize them where the net runs. A pipeline loaded with `quantize=` quantizes the nets it
+    loads by name or path itself (`quant.params.controlnet_policy`)."""
     del from_pt
+    policy = _quant_policy(quantize)
     if Path(os.fspath(path_or_repo_id)).expanduser().is_file():
-        return load_controlnet_file(path_or_repo_id, dtype=dtype, config=config, allow_pickle=allow_pickle)
+        module, params = load_controlnet_file(
+            path_or_repo_id, dtype=dtype, config=config, allow_pickle=allow_pickle, quantize=policy
+        )
+        return module, _quantized_rest(params, policy)
     if config is not None or allow_pickle:
         raise ValueError("config= and allow_pickle= apply to a ControlNet single file; a folder has its config.json")
     dtype = jnp.dtype(dtype)
@@ -67,7 +78,33 @@ def load_controlnet(
         token=token,
     )
     spec = _spec_of(folder)
-    return load_model(spec, LoadRequest(Path(subfolder).name if subfolder else spec.model, folder, variant, dtype))
+    module, params = load_model(spec, LoadRequest(CONTROLNET_KEY, folder, variant, dtype, quantize=policy))
+    return module, _quantized_rest(params, policy)
+
+
+def _quant_policy(quantize: Any):
+    """`quantize=` of `load_controlnet` as a policy over the "controlnet" params (checked before anything loads)."""
+    if quantize is None:
+        return None
+    from sdjax.quant.params import resolve_policy
+
+    policy = resolve_policy(quantize, CONTROLNET_KEY)
+    if CONTROLNET_KEY not in policy.components:
+        raise ValueError(
+            f"quantize=QuantPolicy(components={policy.components!r}): a ControlNet's params are "
+            f"{CONTROLNET_KEY!r}; name it in components (or pass 'int8' / 'fp8')"
+        )
+    return policy
+
+
+def _quantized_rest(params: dict, policy: Any) -> dict:
+    """`params` with the selected kernels a loader read whole (old Flax msgpack weights, no per-tensor hook)
+    quantized too; kernels quantized while converting are kept as they are."""
+    if policy is None:
+        return params
+    from sdjax.quant.params import quantize_tree
+
+    return quantize_tree(params, policy, CONTROLNET_KEY)
 
 
 def _spec_of(folder: Path) -> ModelSpec:

@@ -126,14 +126,22 @@ def _config_dict(config: Any) -> tuple[dict[str, Any], str]:
 
 
 def load_controlnet_file(
-    path: str | os.PathLike, *, dtype: Any = jnp.float32, config: Any = None, allow_pickle: bool = False
+    path: str | os.PathLike,
+    *,
+    dtype: Any = jnp.float32,
+    config: Any = None,
+    allow_pickle: bool = False,
+    quantize: Any = None,
 ) -> tuple[Any, dict]:
-    """One ControlNet file -> `(module, params)` (see the module docstring for the layouts)."""
+    """One ControlNet file -> `(module, params)` (see the module docstring for the layouts). `quantize`: a
+    `sdjax.quant.QuantPolicy` over the "controlnet" params (`loading.controlnet.load_controlnet` resolves
+    "int8" / "fp8"), its kernels quantized as they are converted."""
     with open_checkpoint(path, allow_pickle=allow_pickle) as ckpt:
-        return _from_checkpoint(ckpt, jnp.dtype(dtype), config)
+        return _from_checkpoint(ckpt, jnp.dtype(dtype), config, quantize)
 
 
-def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, dict]:
+def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any, quantize: Any = None) -> tuple[Any, dict]:
+    hook = {"quantize": quantize, "params_key": "controlnet"}  # model_from_state_dict's per-tensor quantization
     keys = list(ckpt)
     where = str(ckpt.path)
     prefix = ldm_keys.CONTROLNET_PREFIX if _has_prefix(keys, ldm_keys.CONTROLNET_PREFIX + "input_hint_block.") else ""
@@ -144,9 +152,11 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, di
         else:
             raw, source = _config_dict(config)
         cfg = comp.model_config(comp.CONTROLNET, raw, source=source)
-        return load_component(ckpt, "controlnet", comp.CONTROLNET, cfg, "controlnet", prefix, dtype=dtype)
+        return load_component(
+            ckpt, "controlnet", comp.CONTROLNET, cfg, "controlnet", prefix, dtype=dtype, quantize=quantize
+        )
     if sai.is_sai_layout(keys):
-        return _sd3_sai(ckpt, dtype, config)
+        return _sd3_sai(ckpt, dtype, config, hook)
     if _has_prefix(keys, "controlnet_cond_embedding."):
         if config is None:
             raise ValueError(
@@ -157,7 +167,7 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, di
         _check_class(raw, "ControlNetModel", source, where)
         cfg = comp.model_config(comp.CONTROLNET, raw, source=source)
         return comp.model_from_state_dict(
-            comp.CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})"
+            comp.CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})", **hook
         )
     if "pos_embed_input.proj.weight" in ckpt and _has_prefix(keys, "controlnet_blocks."):
         if config is None:
@@ -170,7 +180,7 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, di
         _check_class(raw, "SD3ControlNetModel", source, where)
         cfg = comp.model_config(comp.SD3_CONTROLNET, raw, source=source)
         return comp.model_from_state_dict(
-            comp.SD3_CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})"
+            comp.SD3_CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})", **hook
         )
     raise UnknownArchitectureError(
         f"{where}: not a ControlNet sdjax loads (SD 1.x/2.x and SDXL: input_hint_block.* with or without "
@@ -210,7 +220,7 @@ def _check_class(raw: Mapping[str, Any], want: str, source: str, where: str) -> 
         raise ValueError(f"{source}: config for a {name}, but {where} holds {want} weights")
 
 
-def _sd3_sai(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, dict]:
+def _sd3_sai(ckpt: Checkpoint, dtype: Any, config: Any, hook: dict) -> tuple[Any, dict]:
     """A Stability AI SD 3.5 ControlNet file -> `(SD3ControlNetModel, params)` (`sd3_controlnet_file`)."""
     where = str(ckpt.path)
     component = f"controlnet ({where}, Stability AI SD 3.5 layout)"
@@ -228,5 +238,5 @@ def _sd3_sai(ckpt: Checkpoint, dtype: Any, config: Any) -> tuple[Any, dict]:
         )
     sai.check_keys(shapes, cfg, component=component)
     return comp.model_from_state_dict(
-        comp.SD3_CONTROLNET, cfg, sai.diffusers_state_dict(ckpt), dtype=dtype, component=component
+        comp.SD3_CONTROLNET, cfg, sai.diffusers_state_dict(ckpt), dtype=dtype, component=component, **hook
     )

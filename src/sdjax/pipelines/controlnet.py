@@ -104,14 +104,29 @@ def resolve_nets(pipe, controlnet: Any, params: dict | None) -> list[tuple[Contr
 
 
 def _load(pipe, path: str):
+    """The net at `path` in the pipeline's dtype, quantized as its denoiser is (`quant.params.controlnet_policy`);
+    the last four loaded are kept."""
     cache = pipe.__dict__.setdefault("_controlnet_cache", {})
-    if path not in cache:
+    policy = quant_policy(pipe, getattr(pipe, "quantization", None))
+    key = (path, policy)
+    if key not in cache:
         from sdjax.loading.controlnet import load_controlnet
 
         if len(cache) >= 4:
             cache.pop(next(iter(cache)))
-        cache[path] = load_controlnet(path, dtype=pipe.dtype)
-    return cache[path]
+        cache[key] = load_controlnet(path, dtype=pipe.dtype, quantize=policy)
+    return cache[key]
+
+
+def quant_policy(pipe, quantize: Any):
+    """The weight-only policy of the ControlNets `pipe` loads by name or path when it is quantized with `quantize`
+    (a scheme name, a `QuantPolicy` or None), or None."""
+    if quantize is None:
+        return None
+    from sdjax.quant.params import controlnet_policy, resolve_policy
+
+    component = pipe.denoiser.component
+    return controlnet_policy(resolve_policy(quantize, component), component)
 
 
 def per_net(name: str, value: Any, k: int, *, lo: float | None = None, hi: float | None = None) -> list[float]:

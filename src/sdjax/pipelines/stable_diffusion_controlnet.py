@@ -36,7 +36,7 @@ from sdjax.core.tasks.txt2img import Txt2Img
 from sdjax.families.sd.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.models.controlnet import ControlNetModel
 from sdjax.pipelines import common
-from sdjax.pipelines.controlnet import is_pair
+from sdjax.pipelines.controlnet import is_pair, quant_policy
 from sdjax.pipelines.flax_api import GuideCall
 from sdjax.pipelines.stable_diffusion import SD_CLASSES, StableDiffusionPipeline
 
@@ -64,7 +64,8 @@ class StableDiffusionControlNetPipeline(StableDiffusionPipeline):
         if isinstance(controlnet, (str, os.PathLike)):
             from sdjax.loading.controlnet import load_controlnet
 
-            controlnet = load_controlnet(controlnet, dtype=kwargs.get("dtype", jnp.float32))
+            policy = quant_policy(pipe, kwargs.get("quantize"))  # quantized as the UNet, when it is
+            controlnet = load_controlnet(controlnet, dtype=kwargs.get("dtype", jnp.float32), quantize=policy)
         if is_pair(controlnet):
             module, params["controlnet"] = controlnet
         elif isinstance(controlnet, ControlNetModel) or controlnet is None:

@@ -103,6 +103,13 @@ def wrap(module: Any, dtype: Any, compute: str | None = None, **kwargs) -> Any:
     return DequantizingModule(module, dtype, compute, **kwargs)
 
 
+def apply_dequantized(module: Any, variables: Mapping[str, Any], *args, **kwargs):
+    """`module.apply(variables, ...)` on params that may hold quantized kernels (weight-only, dequantized to the
+    module's `dtype` inside the program, as `DequantizingModule` does); params without any run as they are. The
+    ControlNet families call their nets through it, so a quantized net's params work in any pipeline."""
+    return DequantizingModule(module, module.dtype).apply(variables, *args, **kwargs)
+
+
 def install(pipe: Any, policy: params_lib.QuantPolicy, observe: Callable[[str, str, Any], None] | None = None):
     """Wrap the modules of `policy.components` in `pipe` (its attributes `pipe.unet`, `pipe.text_encoder`, ...,
     the denoiser's module fields, named as the components) for `policy`: its compute mode, and the static input
@@ -119,6 +126,8 @@ def install(pipe: Any, policy: params_lib.QuantPolicy, observe: Callable[[str, s
         return {"convs": policy.compute_convs}
 
     for name in policy.components:
+        if name == params_lib.CONTROLNET:  # applied through `apply_dequantized` where the family runs the nets
+            continue
         if isinstance(getattr(pipe, name, None), (nn.Module, DequantizingModule)):
             setattr(pipe, name, wrap(getattr(pipe, name), dtype, policy.compute, **options(name)))
     denoiser = pipe.denoiser
@@ -149,7 +158,9 @@ def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantP
     A calibration is checked against the quantized params (`Calibration.check`: another model's file is refused,
     naming the file and the first layer that differs). The pipeline is changed in place: its params, its denoiser,
     its module attributes (`pipe.unet`, `pipe.text_encoder`, ...) and, when a text encoder is quantized, its
-    conditioning (rebuilt by the family's `_conditioning()` from the wrapped encoders)."""
+    conditioning (rebuilt by the family's `_conditioning()` from the wrapped encoders). The params' ControlNet(s)
+    ("controlnet", a folder's own), when the denoiser is quantized, are quantized weight-only with its scheme
+    (`params_lib.controlnet_policy`; a policy naming "controlnet" decides for them instead)."""
     policy = params_lib.resolve_policy(quantize, pipe.denoiser.component)
     if policy is None:
         return pipe, params
@@ -157,6 +168,9 @@ def quantize_pipeline(pipe: Any, params: dict, quantize: str | params_lib.QuantP
     if unknown:
         raise ValueError(f"QuantPolicy.components names {unknown}, which this model's params lack ({sorted(params)})")
     params = params_lib.quantize_params(params, policy)
+    follow = params_lib.controlnet_policy(policy, pipe.denoiser.component)
+    if follow is not None and params_lib.CONTROLNET in params and params_lib.CONTROLNET not in policy.components:
+        params = params_lib.quantize_params(params, follow)  # a folder's own ControlNet, as its denoiser
     if policy.calibration is not None:
         policy.calibration.check(params, policy)
     install(pipe, policy)

@@ -26,6 +26,9 @@ from sdjax.quant.scheme import KERNEL, SCALE, SCALE_SUFFIX, is_quantized_node, q
 # guidance projection; the memory they would save is negligible and the first and last layers are the most
 # sensitive ones.
 DEFAULT_MIN_SIZE = 16_384
+# The params key of a pipeline's ControlNets: one tree, or a list / tuple of trees (one per net). ControlNets run
+# weight-only (their families dequantize a net's kernels where it is applied; no module is wrapped for them).
+CONTROLNET = "controlnet"
 COMPUTE_MODES = ("int8", "fp8")  # QuantPolicy.compute besides None (weight-only); each needs its own scheme
 
 
@@ -76,6 +79,12 @@ class QuantPolicy:
             object.__setattr__(self, "calibration", calibration)
         if isinstance(self.components, str) or not all(isinstance(c, str) for c in self.components):
             raise TypeError(f"QuantPolicy.components={self.components!r} must be a tuple of params component names")
+        if self.compute is not None and CONTROLNET in self.components:
+            raise ValueError(
+                f"QuantPolicy(components={self.components!r}, compute={self.compute!r}): ControlNets run weight-only; "
+                f"leave {CONTROLNET!r} out of a compute policy (a pipeline's ControlNets loaded by name or path are "
+                "then quantized weight-only with its scheme) or quantize them with their own weight-only policy"
+            )
 
     def selects(self, path: str, kernel: Any) -> bool:
         shape = tuple(np.shape(kernel))
@@ -111,6 +120,17 @@ def resolve_policy(quantize: Any, denoiser_component: str) -> QuantPolicy | None
     return quantize
 
 
+def controlnet_policy(policy: QuantPolicy | None, denoiser_component: str) -> QuantPolicy | None:
+    """The weight-only policy of a ControlNet that a pipeline quantized with `policy` loads by name or path (or
+    `sdjax compile` adds): a ControlNet is quantized as the denoiser it steers (`policy` names the denoiser's
+    component or "controlnet"): the same scheme, `min_size` and `exclude` over the "controlnet" params; None when
+    `policy` is None or leaves the denoiser in full precision. A `(module, params)` pair the caller passes keeps
+    the params it has (`load_controlnet(..., quantize=)` quantizes one)."""
+    if policy is None or not ({denoiser_component, CONTROLNET} & set(policy.components)):
+        return None
+    return QuantPolicy(policy.scheme, components=(CONTROLNET,), min_size=policy.min_size, exclude=policy.exclude)
+
+
 def quantize_tree(tree: Any, policy: QuantPolicy, path: str = "") -> Any:
     """One component's params with the selected kernels quantized (a new tree; other leaves are the same objects)."""
     if not isinstance(tree, Mapping):
@@ -143,8 +163,17 @@ def quantize_selected(policy: QuantPolicy, path: str, kernel: Any) -> tuple[Any,
 
 
 def quantize_params(params: Mapping[str, Any], policy: QuantPolicy) -> dict[str, Any]:
-    """A pipeline's params (component -> tree) with the policy's components quantized; the others unchanged."""
-    return {k: quantize_tree(v, policy, k) if k in policy.components else v for k, v in params.items()}
+    """A pipeline's params (component -> tree) with the policy's components quantized; the others unchanged. A
+    component held as a list or tuple of trees (several ControlNets under "controlnet") has each tree quantized."""
+
+    def component(k: str, v: Any) -> Any:
+        if k not in policy.components:
+            return v
+        if isinstance(v, (list, tuple)):
+            return type(v)(quantize_tree(t, policy, k) for t in v)
+        return quantize_tree(v, policy, k)
+
+    return {k: component(k, v) for k, v in params.items()}
 
 
 def dequantize_tree(tree: Any, dtype: Any) -> Any:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdjax.core.loop import Hook
+from sdjax.quant.modules import apply_dequantized
 
 INPUTS = ("control_image", "control_scales")
 
@@ -139,7 +140,8 @@ def _run_net(net, params, sample, t, context, image, scale, guess_mode: bool, ad
     is 0."""
 
     def run(_):
-        down, mid = net.apply(
+        down, mid = apply_dequantized(  # a quantized net's kernels dequantized here (weight-only)
+            net,
             {"params": params},
             sample.astype(net.dtype),
             t,

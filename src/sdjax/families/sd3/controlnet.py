@@ -46,6 +46,7 @@ from sdjax import rng
 from sdjax.core.loop import Hook
 from sdjax.models.sd3_controlnet import SD3ControlNetModel
 from sdjax.pipelines.controlnet import resolve_nets
+from sdjax.quant.modules import apply_dequantized
 
 INPUTS = ("control_image", "control_scales")
 SAMPLES = "controlnet_block_samples"  # the denoiser's keyword for the summed samples (`families.sd3.denoiser`)
@@ -153,7 +154,8 @@ def _run_net(net, params, x_in, latents, text, pooled, timestep, scale):
     scale is 0."""
 
     def run(_):
-        return net.apply({"params": params}, x_in, latents, text, pooled, timestep, scale)
+        # weight-only: a quantized net's kernels (and those of the transformer's patch embedding it borrows) here
+        return apply_dequantized(net, {"params": params}, x_in, latents, text, pooled, timestep, scale)
 
     shapes = jax.eval_shape(run, None)
     zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
