@@ -202,9 +202,9 @@ def test_controlnets_are_in_the_program(monkeypatch, quantize):
     in every model call: its abstract params beside the UNet's and a control image per image among the inputs.
     Stopped before the TPU compile (the table's ControlNet rows are the compiled ones, docs/benchmarks.md). With
     `--quantize int8` the net's large kernels are int8 (with float32 scales) as the UNet's, the rest bfloat16."""
-    from sdjax.quant import params as P
     from sdjax.core.generator import Generator
     from sdjax.models.controlnet import ControlNetModel
+    from sdjax.quant import params as P
 
     seen = []
 

@@ -101,6 +101,21 @@ def test_quantize_pipeline_quantizes_every_net_in_params(quantized_pipe, net_dir
         P.QuantPolicy("int8", components=("unet", "controlnet"), compute="int8")
 
 
+def test_a_folders_own_controlnet_follows_the_unet(sd1_dir, net_dir):
+    """`quantize_pipeline` (what `from_pretrained(quantize=)` calls after loading) quantizes the params' own
+    ControlNet as the UNet, with the policy's `min_size`; a policy that leaves the UNet float leaves the net too."""
+    _, tree = load_controlnet(net_dir)
+    pipe, params = load_pipeline(str(sd1_dir))
+    policy = P.QuantPolicy("int8", components=("unet",), min_size=4096)
+    _, out = quant.quantize_pipeline(pipe, {**params, "controlnet": tree}, policy)
+    want = P.quantize_tree(tree, P.QuantPolicy("int8", components=("controlnet",), min_size=4096), "controlnet")
+    _same_tree(out["controlnet"], want)
+    pipe, params = load_pipeline(str(sd1_dir))
+    text_only = P.QuantPolicy("int8", components=("text_encoder",), min_size=64)
+    _, out = quant.quantize_pipeline(pipe, {**params, "controlnet": tree}, text_only)
+    assert out["controlnet"] is tree and P.has_quantized(out["text_encoder"])
+
+
 @pytest.mark.parametrize(
     "quantize,match",
     [
