@@ -102,3 +102,36 @@ def worst_grad_error(grads: dict, tensors: dict, tol: float | None = 1e-4) -> fl
             worst = max(worst, err)
             assert tol is None or err <= tol, f"{module}.{theirs}: gradient relative error {err:.2e}"
     return worst
+
+
+def board_events(folder) -> list[tuple[str, object]]:
+    """Every event of the TensorBoard event files in `folder`, in file order, as (file name, tensorboardX `Event`
+    protobuf). The files are TFRecords: per record a little-endian u64 length, a u32 CRC of it, the data, a u32 CRC
+    of the data."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            events.append((path.name, event_pb2.Event.FromString(data[at + 12 : at + 12 + length])))
+            at += 16 + length
+        assert at == len(data), path  # whole records only
+    return events
+
+
+def board_images(folder) -> list[dict]:
+    """The image summaries of `board_events(folder)`: file, step, tag and the decoded image (a PIL image)."""
+    import io
+
+    from PIL import Image
+
+    return [
+        {"file": name, "step": e.step, "tag": v.tag, "image": Image.open(io.BytesIO(v.image.encoded_image_string))}
+        for name, e in board_events(folder)
+        for v in e.summary.value
+        if v.HasField("image")
+    ]

@@ -239,6 +239,28 @@ SHARED: dict[str, tuple[Any, Any]] = {
         ],
         None,
     ),
+    # diffusers' EMAModel options (its defaults), with --ema-decay only
+    "ema_warmup": (
+        Annotated[
+            bool,
+            typer.Option(
+                "--ema-warmup",
+                help="EMA decay 1 - (1 + s / INV_GAMMA) ** -POWER (diffusers' use_ema_warmup) instead of "
+                "(1 + s) / (10 + s), s counting the averaging updates.",
+            ),
+        ],
+        False,
+    ),
+    "ema_inv_gamma": (Annotated[float, typer.Option(help="With --ema-warmup: its INV_GAMMA.")], 1.0),
+    "ema_power": (
+        Annotated[float, typer.Option(help="With --ema-warmup: its POWER (e.g. 3/4 for shorter runs).")],
+        2 / 3,
+    ),
+    "ema_update_after_step": (
+        Annotated[int, typer.Option(help="EMA: copy the values for the first N + 1 updates, then average.")],
+        0,
+    ),
+    "ema_min_decay": (Annotated[float, typer.Option(help="EMA: the decay's floor once averaging.")], 0.0),
     "validation_prompts": (
         Annotated[
             list[str] | None,
@@ -311,6 +333,7 @@ SHARED.update(
 DISTRIBUTED = ("coordinator", "num_processes", "process_id", "distributed")
 EXTRAS = (
     " save_precision optimizer weight_decay max_grad_norm adam_beta1 adam_beta2 adam_epsilon ema_decay "
+    "ema_warmup ema_inv_gamma ema_power ema_update_after_step ema_min_decay "
     "validation_prompts validation_every validation_seed validation_steps tensorboard " + " ".join(DISTRIBUTED)
 )
 SHARED.update(FLOW_CLI)  # `train lora`'s flow-matching options (Flux, SD 3): finetune.flow_cli

@@ -65,7 +65,7 @@ _RESUME_KEYS = (
     "seed",
     "lr",
     "optimizer",
-    "ema_decay",
+    *run_lib.EMA_SETTINGS,
     "train_text_encoder",
     "text_encoder_lr",
     *_SCRIPT_OPTIONS,

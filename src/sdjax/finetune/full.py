@@ -40,7 +40,16 @@ from sdjax.finetune import data as data_lib
 from sdjax.finetune import run as run_lib
 
 # Settings a resumed fine-tune must share with the run that wrote its checkpoints.
-_RESUME_KEYS = ("model", "batch_size", "accumulation", "seed", "lr", "optimizer", "ema_decay", "cache_latents")
+_RESUME_KEYS = (
+    "model",
+    "batch_size",
+    "accumulation",
+    "seed",
+    "lr",
+    "optimizer",
+    *run_lib.EMA_SETTINGS,
+    "cache_latents",
+)
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 

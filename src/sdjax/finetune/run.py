@@ -45,6 +45,9 @@ def save_dtype(precision: str):
 # The optimiser's settings besides its name and learning rate (a resumed run of any trainer keeps them).
 ADAM_SETTINGS = ("adam_beta1", "adam_beta2", "adam_epsilon")
 OPTIMIZER_SETTINGS = ("weight_decay", "max_grad_norm", *ADAM_SETTINGS)
+# The EMA's settings (`finetune.ema.EmaSchedule`): the ones after `ema_decay` apply with it only.
+EMA_OPTIONS = ("ema_warmup", "ema_inv_gamma", "ema_power", "ema_update_after_step", "ema_min_decay")
+EMA_SETTINGS = ("ema_decay", *EMA_OPTIONS)
 # Settings a resumed LoRA run must share with the run that wrote the checkpoint.
 _RESUME_KEYS = (
     "model",
@@ -57,7 +60,7 @@ _RESUME_KEYS = (
     "seed",
     "lr",
     "optimizer",
-    "ema_decay",
+    *EMA_SETTINGS,
 )
 
 
@@ -103,6 +106,12 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N updates (0: only at the end)
     resume: bool = True  # continue from the run directory's latest checkpoint
     ema_decay: float | None = None  # EMA of the trained values (diffusers' EMAModel rule, `finetune.ema`); None: off
+    # diffusers' EMAModel options (use_ema_warmup, inv_gamma, power, update_after_step, min_decay; its defaults)
+    ema_warmup: bool = False  # decay 1 - (1 + s / ema_inv_gamma) ** -ema_power instead of (1 + s) / (10 + s)
+    ema_inv_gamma: float = 1.0
+    ema_power: float = 2 / 3
+    ema_update_after_step: int = 0  # updates whose EMA is a copy of the values before the averaging starts
+    ema_min_decay: float = 0.0  # the decay's floor once averaging (after the copies)
     validation_prompts: tuple[str, ...] = ()  # images drawn with the current values (`finetune.validation`)
     validation_every: int = 0  # updates between validation images (0: before the first update and at the end only)
     validation_seed: int = 0
@@ -192,9 +201,7 @@ class TrainConfig:
 
     def _check_extras(self) -> None:
         """EMA and validation images (the CLI flag is named beside the setting)."""
-        d = self.ema_decay
-        if d is not None and not (isinstance(d, int | float) and 0.0 < d < 1.0):
-            raise ValueError(f"ema_decay={d!r} (--ema-decay) must be a number in (0, 1), e.g. 0.999 (None: no EMA)")
+        self._check_ema()
         if not all(isinstance(p, str) for p in self.validation_prompts):
             raise ValueError(f"validation_prompts={self.validation_prompts!r} (--validation-prompt) must be strings")
         every = self.validation_every
@@ -209,6 +216,33 @@ class TrainConfig:
             raise ValueError(f"validation_steps={steps!r} (--validation-steps) must be a positive integer")
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
             raise ValueError("tensorboard=True (--tensorboard) needs tensorboardX: pip install 'sdjax[train]'")
+
+    def _check_ema(self) -> None:
+        """`ema_decay` and diffusers' EMAModel options (`EMA_OPTIONS`), which need it."""
+        number = lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        flag = lambda name: f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')})"
+        d = self.ema_decay
+        if d is not None and not (number(d) and 0.0 < d < 1.0):
+            raise ValueError(f"{flag('ema_decay')} must be a number in (0, 1), e.g. 0.999 (None: no EMA)")
+        if d is None:
+            for name in EMA_OPTIONS:
+                if getattr(self, name) != getattr(TrainConfig, name):
+                    raise ValueError(f"{flag(name)} applies to the EMA: it needs ema_decay (--ema-decay)")
+            return
+        if not isinstance(self.ema_warmup, bool):
+            raise ValueError(f"{flag('ema_warmup')} must be True or False")
+        for name in ("ema_inv_gamma", "ema_power"):
+            value = getattr(self, name)
+            if not number(value) or value <= 0:
+                raise ValueError(f"{flag(name)} must be a positive number")
+            if not self.ema_warmup and value != getattr(TrainConfig, name):
+                raise ValueError(f"{flag(name)} shapes the warm-up: it needs ema_warmup=True (--ema-warmup)")
+        n = self.ema_update_after_step
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{flag('ema_update_after_step')} must be an integer >= 0 (optimiser updates)")
+        m = self.ema_min_decay
+        if not number(m) or not 0.0 <= m <= d:
+            raise ValueError(f"{flag('ema_min_decay')} must be a number in [0, ema_decay={d}]")
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
         return data_lib.DataConfig(
@@ -335,7 +369,7 @@ class Session:
         schedule: Callable,
         finish: Callable[[dict], None],
         *,
-        validate: Callable[[Any, int], Any] | None = None,
+        validate: Callable[[Any, int], Sequence[Path]] | None = None,
         trained: str = "lora",
     ) -> TrainResult:
         """`run_loop` with this call's settings, mesh and hooks -> the call's `TrainResult`."""
@@ -599,16 +633,16 @@ def run_loop(
     log: Callable[[str], None] = lambda s: None,
     stop_after: int | None = None,
     trained: str = "lora",
-    validate: Callable[[Any, int], Any] | None = None,
+    validate: Callable[[Any, int], Sequence[Path]] | None = None,
 ) -> tuple[list[float], int, int]:
     """The run loop every trainer shares: restore the run directory's latest checkpoint into `state` (with
     `cfg.resume`), write config.json, then per update `cfg.accumulation` micro-batches `batches(micro)` (host
     arrays; of `RowBatches`, each process's own rows) through `train_step(state, frozen, batch, key)`, the EMA of
     `state[trained]` (with `cfg.ema_decay`; checkpointed as `ema` beside the state), the loss log, checkpoints,
-    `validate(values, update)` (before the first update, every `cfg.validation_every` and at the last; the EMA
-    values when on) and `on_step`; a finished run (not cut short by `stop_after`) ends with `finish(state)`
-    (`state[trained]` the EMA values when on) and `loss.png`. Returns the losses of this call, the first update and
-    the end."""
+    `validate(values, update) -> PNG paths` (before the first update, every `cfg.validation_every` and at the last;
+    the EMA values when on; with `cfg.tensorboard` the images go on the board too, `_board_images`) and `on_step`;
+    a finished run (not cut short by `stop_after`) ends with `finish(state)` (`state[trained]` the EMA values when
+    on) and `loss.png`. Returns the losses of this call, the first update and the end."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -622,7 +656,8 @@ def run_loop(
     run_dir = cfg.run_path
     run_dir.mkdir(parents=True, exist_ok=True)
     manager = _checkpoints(run_dir)
-    ema = ema_lib.init(state[trained]) if cfg.ema_decay else None
+    ema_schedule = ema_lib.EmaSchedule.of(cfg)
+    ema = ema_lib.init(state[trained]) if ema_schedule is not None else None
     start = 0
     if cfg.resume:
         saved, micro = _restore(manager, _with_ema(state, ema))
@@ -636,6 +671,17 @@ def run_loop(
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
         _log_lines(loss_log, start)
         board = _board(run_dir, start) if cfg.tensorboard else None
+    if board is not None and validate is not None and start:
+        # the resumed file's purge from update `start` on drops that update's images too, and they are not drawn
+        # again: put the earlier run's files of it (when it drew them) back on the board
+        drawn = [validation_lib.image_path(run_dir, start, i) for i in range(len(cfg.validation_prompts))]
+        _board_images(board, drawn, start)
+
+    def validated(values: Any, update: int) -> None:
+        paths = validate(values, update)
+        if board is not None:  # the primary process's, beside its scalars
+            _board_images(board, paths or (), update)
+
     if cfg.fsdp:
         state, frozen, ema, train_step = _fsdp_layout(cfg, mesh, state, frozen, ema, train_step, trained, log)
     else:  # data parallel: every weight on every device
@@ -646,7 +692,7 @@ def run_loop(
     losses: list[float] = []
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     if validate is not None and start == 0:
-        validate(state[trained] if ema is None else ema, 0)
+        validated(state[trained] if ema is None else ema, 0)
     for update in range(start, end):
         t0 = time.perf_counter()
         micro_losses = []
@@ -656,7 +702,7 @@ def run_loop(
             micro_losses.append(loss)
         done = update + 1
         if ema is not None:  # once per optimiser update, as diffusers' examples step their EMAModel
-            ema = ema_lib.update(ema, state[trained], done, cfg.ema_decay)
+            ema = ema_lib.update(ema, state[trained], done, ema_schedule)
         loss = float(np.mean([float(v) for v in micro_losses]))
         seconds = time.perf_counter() - t0
         losses.append(loss)
@@ -674,7 +720,7 @@ def run_loop(
             if board is not None:
                 board.flush()
         if validate is not None and validation_lib.due(done, cfg.validation_every, cfg.steps):
-            validate(state[trained] if ema is None else ema, done)
+            validated(state[trained] if ema is None else ema, done)
         if on_step is not None:
             on_step(done, cfg.steps, loss, seconds)
     manager.wait_until_finished()
@@ -768,10 +814,26 @@ def _nbytes(tree: Any) -> int:
 
 def _board(run_dir: Path, start: int):
     """A tensorboardX writer into `run_dir/tensorboard/` (scalars `train/loss`, `train/lr` per update, the
-    loss.jsonl steps); a resumed run's file purges the older files' events from update `start` on."""
+    loss.jsonl steps; validation images, `_board_images`); a resumed run's file purges the older files' events from
+    update `start` on. tensorboardX names a file by the second it was opened (and truncates a file of that name), so
+    the name ends in the first update too: a run resumed within the second of its start keeps the earlier file, and
+    the files sort in the order TensorBoard must read them."""
     from tensorboardX import SummaryWriter
 
-    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start or None, flush_secs=30)
+    suffix = f".from-{start:08d}"
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start or None, flush_secs=30, filename_suffix=suffix)
+
+
+def _board_images(board: Any, paths: Sequence[Path], update: int) -> None:
+    """The validation images `paths` (prompt i's at `paths[i]`; a missing file is skipped) on the board as
+    `validation/i` at step `update` (the update count of their file names), pixel for pixel (uint8 RGB)."""
+    from PIL import Image
+
+    for i, path in enumerate(paths):
+        if Path(path).is_file():
+            with Image.open(path) as image:
+                board.add_image(f"validation/{i}", np.asarray(image.convert("RGB")), update, dataformats="HWC")
+    board.flush()
 
 
 def _with_ema(state: dict, ema: Any) -> dict:

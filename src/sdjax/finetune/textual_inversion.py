@@ -83,7 +83,7 @@ _RESUME_KEYS = (
     "seed",
     "lr",
     "optimizer",
-    "ema_decay",
+    *run_lib.EMA_SETTINGS,
 )
 
 
