@@ -10,6 +10,9 @@ ratio is robust to the machine's load:
 
     python benchmarks/flux_cpu.py [--reps 3] [--json out.json]
 
+Then each side's end to end once more, each in a fresh process of its own, for its peak resident memory
+(`side_by_side.own_process_peaks`).
+
 Prints a table and the load average and (with --json) writes the numbers. Run it on a quiet machine; the ratio is
 the result, the absolute times are this CPU's.
 """
@@ -20,7 +23,20 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from side_by_side import MAX_SEQ, SIZE, STEPS, T5_WIDTH, alternate, load_average, parse_args, report, t5_parts, vae
+from side_by_side import (
+    MAX_SEQ,
+    SIZE,
+    STEPS,
+    T5_WIDTH,
+    alternate,
+    load_average,
+    own_process_peaks,
+    parse_args,
+    report,
+    serve_memory_child,
+    t5_parts,
+    vae,
+)
 
 POOLED = 256  # the shrunk CLIP-L's width
 
@@ -97,31 +113,55 @@ def transformer_row(pipe, params, torch_pipe, reps: int):
     return ("transformer call (512x512, 1024+128 tokens)", *alternate(sdjax_call, torch_call, reps))
 
 
+COMMON = dict(height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, output_type="np")
+
+
+def load_sdjax(folder):
+    """sdjax's FluxPipeline from the saved folder: `(pipeline, params)`."""
+    from sdjax.families.flux.pipeline import FluxPipeline
+
+    return FluxPipeline.from_pretrained(str(folder))
+
+
+def load_torch(folder):
+    """diffusers' FluxPipeline from the saved folder (the memory child's torch side; the timing uses `build`'s)."""
+    import torch
+    from diffusers import FluxPipeline
+
+    return FluxPipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+
+
+def sdjax_e2e(pipe):
+    return lambda: pipe.generate("a red circle", steps=STEPS, **COMMON)
+
+
+def torch_e2e(torch_pipe):
+    return lambda: torch_pipe("a red circle", num_inference_steps=STEPS, **COMMON)
+
+
 def end_to_end_row(pipe, torch_pipe, reps: int):
-    common = dict(height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, output_type="np")
-
-    def sdjax_e2e():
-        pipe.generate("a red circle", steps=STEPS, **common)
-
-    def torch_e2e():
-        torch_pipe("a red circle", num_inference_steps=STEPS, **common)
-
-    return (f"end to end ({STEPS} steps, 512x512, decode)", *alternate(sdjax_e2e, torch_e2e, reps))
+    row = alternate(sdjax_e2e(pipe), torch_e2e(torch_pipe), reps)
+    return (f"end to end ({STEPS} steps, 512x512, decode)", *row)
 
 
 def main() -> None:
     args = parse_args(__doc__)
+    if serve_memory_child(
+        args,
+        sdjax=lambda folder: sdjax_e2e(load_sdjax(folder)[0]),
+        torch=lambda folder: torch_e2e(load_torch(folder)),
+    ):
+        return
     import torch
-
-    from sdjax.families.flux.pipeline import FluxPipeline
 
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         torch_pipe, folder = build(Path(tmp))
-        pipe, params = FluxPipeline.from_pretrained(str(folder))
+        pipe, params = load_sdjax(folder)
         before = load_average()
         rows = [transformer_row(pipe, params, torch_pipe, args.reps), end_to_end_row(pipe, torch_pipe, args.reps)]
-        report(rows, args, (before, load_average()))
+        load = (before, load_average())
+        report(rows, args, load, peaks=own_process_peaks(folder))
 
 
 if __name__ == "__main__":

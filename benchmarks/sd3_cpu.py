@@ -12,7 +12,9 @@ of each excluded, medians of `--reps`):
 - end to end: prompt -> text encoders -> 4 steps -> decoded image (sdjax's compiled program vs diffusers' eager
   pipeline).
 
-Then a sanity line: sdjax is handed diffusers' initial noise and the two end-to-end images are compared.
+Then a sanity line: sdjax is handed diffusers' initial noise and the two end-to-end images are compared; and each
+side's end to end once more, each in a fresh process of its own, for its peak resident memory
+(`side_by_side.own_process_peaks`).
 
     python benchmarks/sd3_cpu.py [--reps 3] [--json out.json]
 
@@ -26,7 +28,20 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from side_by_side import MAX_SEQ, SIZE, STEPS, T5_WIDTH, alternate, load_average, parse_args, report, t5_parts, vae
+from side_by_side import (
+    MAX_SEQ,
+    SIZE,
+    STEPS,
+    T5_WIDTH,
+    alternate,
+    load_average,
+    own_process_peaks,
+    parse_args,
+    report,
+    serve_memory_child,
+    t5_parts,
+    vae,
+)
 
 GUIDANCE = 7.0
 PROMPT = "a red circle on a blue background"
@@ -104,23 +119,56 @@ def transformer_row(pipe, params, torch_pipe, reps: int):
     return ("transformer call (CFG batch 2, 1024+205 tokens)", *alternate(sdjax_call, torch_call, reps))
 
 
-def end_to_end_row(pipe, torch_pipe, reps: int):
-    """End to end, and the max abs difference of the two images: sdjax starts from diffusers' noise."""
+COMMON = dict(height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, guidance_scale=GUIDANCE, output_type="np")
+LATENTS = (1, 16, SIZE // 8, SIZE // 8)
+
+
+def torch_noise():
+    """diffusers' initial latents: one torch-seeded draw (sdjax gets the same values as `noise=`)."""
     import torch
 
-    noise = torch.randn((1, 16, SIZE // 8, SIZE // 8), generator=torch.Generator().manual_seed(0))
-    common = dict(height=SIZE, width=SIZE, max_sequence_length=MAX_SEQ, guidance_scale=GUIDANCE)
+    return torch.randn(LATENTS, generator=torch.Generator().manual_seed(0))
+
+
+def load_sdjax(folder):
+    """sdjax's StableDiffusion3Pipeline from the saved folder: `(pipeline, params)`."""
+    from sdjax.families.sd3.pipeline import StableDiffusion3Pipeline
+
+    return StableDiffusion3Pipeline.from_pretrained(str(folder))
+
+
+def load_torch(folder):
+    """diffusers' StableDiffusion3Pipeline from the saved folder (the memory child's torch side; the timing uses
+    `build`'s)."""
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+
+    return StableDiffusion3Pipeline.from_pretrained(str(folder), torch_dtype=torch.float32)
+
+
+def sdjax_e2e(pipe, noise: np.ndarray):
+    """sdjax's end-to-end call from the given initial noise; returns the images."""
+    return lambda: pipe.generate(PROMPT, steps=STEPS, noise=noise, **COMMON)
+
+
+def torch_e2e(torch_pipe, noise):
+    """diffusers' end-to-end call from the given latents (a torch tensor, cloned per call); returns the images."""
+    return lambda: torch_pipe(PROMPT, num_inference_steps=STEPS, latents=noise.clone(), **COMMON).images
+
+
+def end_to_end_row(pipe, torch_pipe, reps: int):
+    """End to end, and the max abs difference of the two images: sdjax starts from diffusers' noise."""
+    noise = torch_noise()
+    calls = {"sdjax": sdjax_e2e(pipe, noise.numpy()), "torch": torch_e2e(torch_pipe, noise)}
     images = {}
 
-    def sdjax_e2e():
-        images["sdjax"] = pipe.generate(PROMPT, steps=STEPS, noise=noise.numpy(), output_type="np", **common)
+    def sdjax_call():
+        images["sdjax"] = calls["sdjax"]()
 
-    def torch_e2e():
-        images["torch"] = torch_pipe(
-            PROMPT, num_inference_steps=STEPS, latents=noise.clone(), output_type="np", **common
-        ).images
+    def torch_call():
+        images["torch"] = calls["torch"]()
 
-    row = (f"end to end ({STEPS} steps, CFG, 512x512, decode)", *alternate(sdjax_e2e, torch_e2e, reps))
+    row = (f"end to end ({STEPS} steps, CFG, 512x512, decode)", *alternate(sdjax_call, torch_call, reps))
     a, b = np.asarray(images["sdjax"], np.float32), np.asarray(images["torch"], np.float32)
     diff = float(np.abs(a - b).max()) if a.shape == b.shape else float("nan")
     return (
@@ -132,19 +180,27 @@ def end_to_end_row(pipe, torch_pipe, reps: int):
 
 def main() -> None:
     args = parse_args(__doc__)
+    # The sdjax memory child draws its noise with numpy (same shape and dtype): torch's import would count in its
+    # memory; the values do not change what a generation holds.
+    numpy_noise = np.random.default_rng(0).standard_normal(LATENTS).astype(np.float32)
+    if serve_memory_child(
+        args,
+        sdjax=lambda folder: sdjax_e2e(load_sdjax(folder)[0], numpy_noise),
+        torch=lambda folder: torch_e2e(load_torch(folder), torch_noise()),
+    ):
+        return
     import torch
-
-    from sdjax.families.sd3.pipeline import StableDiffusion3Pipeline
 
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         torch_pipe, folder = build(Path(tmp))
-        pipe, params = StableDiffusion3Pipeline.from_pretrained(str(folder))
+        pipe, params = load_sdjax(folder)
         before = load_average()
         rows = [transformer_row(pipe, params, torch_pipe, args.reps)]
         e2e, sanity, diff = end_to_end_row(pipe, torch_pipe, args.reps)
         rows.append(e2e)
-        report(rows, args, (before, load_average()), [sanity], image_max_abs_diff=diff)
+        load = (before, load_average())
+        report(rows, args, load, [sanity], peaks=own_process_peaks(folder), image_max_abs_diff=diff)
 
 
 if __name__ == "__main__":
