@@ -12,16 +12,36 @@ from sdjax.models.convert import path_to_torch_key
 TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 
 
-def peft_unet(torch_unet, rank: int, alpha: float):
+def kohya_conv_config(torch_unet, conv_rank: int, conv_alpha: float) -> dict:
+    """peft `LoraConfig` arguments adding kohya's `conv_dim` layers to `TARGETS`, found on the PyTorch UNet by
+    sd-scripts' rule: every Linear and Conv2d inside a ResnetBlock2D, Downsample2D or Upsample2D module, the convs
+    wider than 1x1 at (`conv_rank`, `conv_alpha`) through `rank_pattern` / `alpha_pattern`, the rest at `r`."""
+    import torch
+
+    targets, ranks, alphas = list(TARGETS), {}, {}
+    for name, module in torch_unet.named_modules():
+        if type(module).__name__ not in ("ResnetBlock2D", "Downsample2D", "Upsample2D"):
+            continue
+        for child_name, child in module.named_modules():
+            if isinstance(child, torch.nn.Linear | torch.nn.Conv2d):
+                full = f"{name}.{child_name}"
+                targets.append(full)
+                if isinstance(child, torch.nn.Conv2d) and tuple(child.kernel_size) != (1, 1):
+                    ranks[full], alphas[full] = conv_rank, conv_alpha
+    return {"target_modules": targets, "rank_pattern": ranks, "alpha_pattern": alphas}
+
+
+def peft_unet(torch_unet, rank: int, alpha: float, **config):
     """A frozen copy of `torch_unet` with a peft LoRA (gaussian A factors, nonzero B factors: the gradients of
-    both factors are then meaningful) on the attention projections."""
+    both factors are then meaningful) on the attention projections (or `config`'s `target_modules`, ...)."""
     import torch
     from peft import LoraConfig
 
     unet = copy.deepcopy(torch_unet)
     unet.requires_grad_(False)
     torch.manual_seed(0)  # peft's gaussian init of the A factors
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=TARGETS))
+    config = {"target_modules": TARGETS, **config}
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", **config))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in unet.named_parameters():
@@ -45,12 +65,12 @@ def ddpm_forward(unet, scheduler_config, prediction_type: str, batch: dict, cont
     return pred, target, sched, t
 
 
-def peft_forward(torch_unet, scheduler_config, prediction_type: str, batch: dict, rank: int, alpha: float):
-    """`ddpm_forward` of `peft_unet` on `batch` -> (unet, prediction, target, scheduler, timesteps) (the loss and
-    its backward pass are the caller's)."""
+def peft_forward(torch_unet, scheduler_config, prediction_type: str, batch: dict, rank: int, alpha: float, **config):
+    """`ddpm_forward` of `peft_unet` (`config`: more `LoraConfig` arguments) on `batch` -> (unet, prediction, target,
+    scheduler, timesteps) (the loss and its backward pass are the caller's)."""
     import torch
 
-    unet = peft_unet(torch_unet, rank, alpha)
+    unet = peft_unet(torch_unet, rank, alpha, **config)
     context = torch.from_numpy(batch["context"])
     return (unet, *ddpm_forward(unet, scheduler_config, prediction_type, batch, context))
 
@@ -79,25 +99,31 @@ def parity_batch(seed: int, timesteps: list[int]) -> dict:
     }
 
 
-def lora_from_peft(params, tensors: dict, rank: int) -> dict:
-    """The sdjax UNet LoRA holding the peft LoRA `tensors`' weights."""
-    lora = lora_lib.init_lora(jax.random.PRNGKey(0), params, {"unet": lora_lib.UNET_TARGETS}, rank)
-    for name in lora["unet"]:
+def lora_from_peft(params, tensors: dict, rank: int, conv_rank: int | None = None) -> dict:
+    """The sdjax UNet LoRA (LoCon with `conv_rank`) holding the peft LoRA `tensors`' weights (sdjax's own init has
+    peft's shapes: the same ranks and layouts)."""
+    lora = lora_lib.init_lora(jax.random.PRNGKey(0), params, {"unet": lora_lib.UNET_TARGETS}, rank, conv_rank)
+    for name, init in lora["unet"].items():
         module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
-        lora["unet"][name] = {
-            "down": tensors[f"{module}.lora_A.default.weight"].detach().numpy(),
-            "up": tensors[f"{module}.lora_B.default.weight"].detach().numpy(),
-        }
+        down = tensors[f"{module}.lora_A.default.weight"].detach().numpy()
+        up = tensors[f"{module}.lora_B.default.weight"].detach().numpy()
+        assert (init["down"].shape, init["up"].shape) == (down.shape, up.shape), name
+        lora["unet"][name] = {"down": down, "up": up}
     return lora
 
 
-def worst_grad_error(grads: dict, tensors: dict, tol: float | None = 1e-4) -> float:
-    """The worst relative error of the sdjax LoRA gradients against peft's (each at most `tol` unless None)."""
+def worst_grad_error(grads: dict, tensors: dict, tol: float | None = 1e-4, zero: float | None = None) -> float:
+    """The worst relative error of the sdjax LoRA gradients against peft's (each at most `tol` unless None). With
+    `zero`, a peft gradient of L2 norm below it is one that is 0 in exact arithmetic (rounding noise: no relative
+    error to take), and sdjax's must be below `zero` too."""
     worst = 0.0
     for name, g in grads.items():
         module = path_to_torch_key(tuple(name.split("/"))).removesuffix(".weight")
         for ours, theirs in (("down", "lora_A"), ("up", "lora_B")):
             ref = tensors[f"{module}.{theirs}.default.weight"].grad.numpy()
+            if zero is not None and np.linalg.norm(ref) < zero:
+                assert np.linalg.norm(np.asarray(g[ours])) < zero, f"{module}.{theirs}: gradient not 0"
+                continue
             err = np.linalg.norm(np.asarray(g[ours]) - ref) / np.linalg.norm(ref)
             worst = max(worst, err)
             assert tol is None or err <= tol, f"{module}.{theirs}: gradient relative error {err:.2e}"

@@ -189,6 +189,7 @@ def test_a_process_rows_of_the_instance_and_class_batch(sd1, tmp_path):
         (dict(class_data=None), "needs a class_data folder"),
         (dict(bucketing=True), "bucketing with prior preservation"),
         (dict(instance_prompt=" "), "instance_prompt is empty"),
+        (dict(conv_rank=0), r"conv_rank=0 \(--conv-rank\)"),  # LoCon: `train lora`'s settings
     ],
 )
 def test_bad_settings_fail_before_loading(tmp_path, change, message):

@@ -243,6 +243,8 @@ def test_bad_settings_fail_before_loading(images, tmp_path):
         train_textual_inversion(images, tmp_path / "x.safetensors", token="two words", init_word=INIT)
     with pytest.raises(ValueError, match="vectors"):
         train_textual_inversion(images, tmp_path / "x.safetensors", token=TOKEN, init_word=INIT, vectors=0)
+    with pytest.raises(TypeError, match="conv_rank"):  # LoCon is a LoRA setting: no such option here
+        train_textual_inversion(images, tmp_path / "x.safetensors", token=TOKEN, init_word=INIT, conv_rank=4)
     result = CliRunner().invoke(
         app,
         ["train", "textual-inversion", "--data", str(tmp_path / "none"), "--token", TOKEN, "--init-word", INIT]

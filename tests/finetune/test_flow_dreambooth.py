@@ -195,6 +195,7 @@ def test_a_process_rows_are_its_rows_of_the_whole_batch(models, tmp_path, monkey
         (dict(with_prior_preservation=False, class_prompt="a dog"), "class_prompt .* is for prior preservation"),
         (dict(instance_prompt=" "), "instance_prompt=' ' (--instance-prompt) is empty"),
         (dict(train_text_encoder="yes"), "train_text_encoder='yes' (--train-text-encoder)"),
+        (dict(conv_rank=4), "conv_rank=4 (--conv-rank): flow-matching LoRA training"),  # LoCon: UNet models only
     ],
 )
 def test_bad_settings_fail_before_compiling(models, tmp_path, options, named):
@@ -221,6 +222,22 @@ def test_text_encoder_lora_needs_the_clip_params(models):
         flow_models.init_text_lora(
             jax.random.PRNGKey(0), {**params, "text_encoder_2": None}, ("text_encoder", "text_encoder_2"), 2
         )
+
+
+def test_locon_refused_for_flow_models_by_the_cli(models, tmp_path):
+    """`--conv-rank` / `--conv-alpha` (LoCon) reach the flow trainer for an SD 3 model (`train lora` and `train
+    dreambooth`) and are refused by name before anything is loaded."""
+    from sdjax.cli import app
+
+    _, folder, _, _ = models["sd3"]
+    data = _images(tmp_path / "data", 1)
+    out = ["--out", str(tmp_path / "x.safetensors"), "-m", str(folder)]
+    run = CliRunner().invoke(app, ["train", "lora", "--data", str(data), *out, "--conv-rank", "2"])
+    assert run.exit_code == 2 and "conv_rank=2 (--conv-rank): flow-matching" in run.output, run.output
+    dreambooth = ["train", "dreambooth", "--instance-data", str(data), "--instance-prompt", "sks", *out]
+    run = CliRunner().invoke(app, [*dreambooth, "--conv-rank", "2", "--conv-alpha", "1"])
+    assert run.exit_code == 2 and "conv_rank=2 (--conv-rank): flow-matching" in run.output, run.output
+    assert not (tmp_path / "x-run").exists()
 
 
 def test_dreambooth_options_refused_for_a_unet_model(sd1_dir, tmp_path):

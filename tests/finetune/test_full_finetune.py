@@ -284,6 +284,8 @@ def test_bad_settings_fail_before_loading(images, tmp_path):
         full.train_finetune(images, tmp_path / "o", model=nowhere, single_file=str(tmp_path / "o.ckpt"))
     with pytest.raises(ValueError, match="batch_size"):
         full.train_finetune(images, tmp_path / "o", model=nowhere, batch_size=0)
+    with pytest.raises(TypeError, match="conv_rank"):  # LoCon is a LoRA setting: no such option here
+        full.train_finetune(images, tmp_path / "o", model=nowhere, conv_rank=4)
     with pytest.raises(ValueError, match="random_crop"):
         full.train_finetune(images, tmp_path / "o", model=nowhere, cache_latents=True, random_crop=True)
     runner = CliRunner()
@@ -291,6 +293,8 @@ def test_bad_settings_fail_before_loading(images, tmp_path):
     assert result.exit_code == 2 and "lr=-1.0 must be a positive number" in result.output
     result = runner.invoke(app, ["train", "finetune", "--data", str(empty), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "holds no images" in result.output
+    result = runner.invoke(app, ["train", "finetune", "--data", str(images), "--out", "o", "--conv-rank", "4"])
+    assert result.exit_code == 2 and "--conv-rank" in result.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "o-run").exists()
 
 

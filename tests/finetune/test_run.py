@@ -1,7 +1,7 @@
 """`sdjax train lora` end to end on a tiny SD 1.x model, and resuming from an orbax checkpoint: a run stopped
 half-way and resumed gives the very losses and LoRA of the unbroken run (data parallel over 2 devices, gradient
-accumulation, bfloat16 compute, the text encoder trained too, every loss option on, the EMA restored too); SDXL's
-step.
+accumulation, bfloat16 compute, the text encoder trained too, LoCon (`--conv-rank`: the ResNet blocks' and samplers'
+layers, written as sd-scripts writes them), every loss option on, the EMA restored too); SDXL's step.
 
 `ema_decay`: the same run keeps an EMA of the LoRA, which equals diffusers' `EMAModel` stepped by hand over the run's
 per-update LoRAs (read back from the orbax checkpoints); the written file holds the EMA values. (One run serves the
@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 from PIL import Image
+from safetensors import safe_open
 from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
@@ -27,6 +28,8 @@ OPTIONS = dict(
     steps=4,
     rank=2,
     alpha=4.0,
+    conv_rank=3,  # LoCon: the ResNet blocks' and samplers' layers too (their 3x3 convs at rank 3, alpha 1.5)
+    conv_alpha=1.5,
     batch_size=2,
     accumulation=2,
     resolution=64,
@@ -99,12 +102,20 @@ def test_cli_run_then_resume_repeats_the_losses(cli_run):
     rows = [json.loads(line) for line in (run / "loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == pytest.approx(1e-3)  # warm-up, then cosine
-    assert json.loads((run / "config.json").read_text())["rank"] == 2
+    config = json.loads((run / "config.json").read_text())
+    assert (config["rank"], config["conv_rank"], config["conv_alpha"]) == (2, 3, 1.5)
     assert (run / "loss.png").is_file() and (run / "pytorch_lora_weights.safetensors").is_file()
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [2, 4, 6, 8]  # micro-steps
     trained = load_file(str(out))
     assert any(k.startswith("lora_te_") for k in trained) and all(v.dtype == np.float32 for v in trained.values())
     assert any(np.abs(v).max() > 0 for k, v in trained.items() if k.endswith("lora_up.weight"))
+    conv = "lora_unet_up_blocks_0_upsamplers_0_conv"  # LoCon, as sd-scripts writes it (shapes, alpha, network args)
+    assert trained[f"{conv}.lora_down.weight"].shape == (3, 64, 3, 3) and trained[f"{conv}.alpha"] == 1.5
+    up = trained[f"{conv}.lora_up.weight"]
+    assert up.shape == (64, 3, 1, 1) and np.abs(up).max() > 0
+    assert trained["lora_unet_mid_block_resnets_0_time_emb_proj.alpha"] == 4.0
+    with safe_open(str(out), "np") as f:
+        assert json.loads(f.metadata()["ss_network_args"]) == {"conv_dim": "3", "conv_alpha": "1.5"}
 
     # resumed from update 2's checkpoint: the LoRA, the optimiser and the EMA restored
     assert resumed.start_step == 2
@@ -160,8 +171,8 @@ def test_ema_is_diffusers_ema(cli_run):
     assert all(np.array_equal(first[n], per_update[0][n]) for n in first)
 
     written = load_file(str(out))  # the EMA values, not the last update's
-    expected = lora_lib.kohya_state_dict(saved[-1]["ema"], OPTIONS["alpha"])
-    raw = lora_lib.kohya_state_dict(saved[-1]["lora"], OPTIONS["alpha"])
+    expected = lora_lib.kohya_state_dict(saved[-1]["ema"], OPTIONS["alpha"], conv_alpha=OPTIONS["conv_alpha"])
+    raw = lora_lib.kohya_state_dict(saved[-1]["lora"], OPTIONS["alpha"], conv_alpha=OPTIONS["conv_alpha"])
     assert written.keys() == expected.keys()
     for key in written:
         np.testing.assert_array_equal(written[key], expected[key], err_msg=key)
@@ -171,6 +182,23 @@ def test_ema_is_diffusers_ema(cli_run):
 def test_bad_settings_fail_before_loading(images, tmp_path):
     with pytest.raises(ValueError, match="rank"):
         train_lora(images, tmp_path / "x.safetensors", rank=0)
+    for conv, named in [  # LoCon's settings (the embedded model is never loaded)
+        (dict(conv_rank=0), "conv_rank=0 (--conv-rank) must be a positive integer"),
+        (dict(conv_rank=-1), "conv_rank=-1 (--conv-rank)"),
+        (dict(conv_rank=2.5), "conv_rank=2.5 (--conv-rank)"),
+        (dict(conv_rank=True), "conv_rank=True (--conv-rank)"),
+        (dict(conv_alpha=2.0), "conv_alpha=2.0 (--conv-alpha) .* needs conv_rank (--conv-rank)"),
+        (dict(conv_rank=2, conv_alpha=0.0), "conv_alpha=0.0 (--conv-alpha) must be a positive number"),
+    ]:
+        with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            train_lora(images, tmp_path / "x.safetensors", **conv)
+    cli = ["train", "lora", "--data", str(images), "--out", str(tmp_path / "x.safetensors")]
+    result = CliRunner().invoke(app, [*cli, "--conv-rank", "0"])
+    assert result.exit_code == 2 and "conv_rank=0 (--conv-rank)" in result.output
+    result = CliRunner().invoke(app, [*cli, "--conv-alpha", "4"])
+    assert result.exit_code == 2 and "needs conv_rank (--conv-rank)" in result.output
+    assert CliRunner().invoke(app, [*cli, "--conv-rank", "two"]).exit_code == 2
+    assert not (tmp_path / "x-run").exists()
     with pytest.raises(ValueError, match="broken.png"):  # the data is checked before any model is loaded
         train_lora(images, tmp_path / "x.safetensors", model=str(tmp_path / "no-model"), on_bad_image="error")
     with pytest.raises(ValueError, match="safetensors"):

@@ -160,6 +160,23 @@ SHARED: dict[str, tuple[Any, Any]] = {
     "steps": (Annotated[int, typer.Option(help="Optimiser updates.")], 300),
     "rank": (Annotated[int, typer.Option(help="LoRA rank (network dim).")], 8),
     "alpha": (Annotated[float | None, typer.Option(help="LoRA alpha (scale alpha/rank). Default: the rank.")], None),
+    "conv_rank": (
+        Annotated[
+            int | None,
+            typer.Option(
+                help="LoCon (kohya's conv_dim): also adapt the UNet's ResNet blocks and down/upsamplers, their 3x3 "
+                "convs at this rank (time_emb_proj and 1x1 conv_shortcut at --rank). SD 1.x / 2.x / XL. Default: off."
+            ),
+        ],
+        None,
+    ),
+    "conv_alpha": (
+        Annotated[
+            float | None,
+            typer.Option(help="With --conv-rank: the 3x3 conv LoRA's alpha (kohya's conv_alpha). Default: 1, kohya's."),
+        ],
+        None,
+    ),
     "lr": (Annotated[float, typer.Option(help="Learning rate (prodigy: a multiplier of its estimate, use 1).")], 1e-4),
     "optimizer": (
         Annotated[
@@ -364,9 +381,9 @@ def _options(order: str):
 # ------------------------------------------------------------------------------------------------ the commands
 @train_app.command("lora")
 @_options(
-    "data out model steps rank alpha lora_dropout lr lr_schedule warmup batch_size accumulation resolution bucketing "
-    "bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image train_text_encoder "
-    "text_encoder_lr prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision "
+    "data out model steps rank alpha conv_rank conv_alpha lora_dropout lr lr_schedule warmup batch_size accumulation "
+    "resolution bucketing bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image "
+    "train_text_encoder text_encoder_lr prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision "
     "gradient_checkpointing seed run_dir save_every resume peft cache_latents fsdp fsdp_min_size" + EXTRAS + FLOW_ORDER
 )
 def lora(
@@ -417,9 +434,10 @@ def textual_inversion(
 
 _DREAMBOOTH_ORDER = (
     "instance_data instance_prompt out model with_prior_preservation class_data class_prompt num_class_images "
-    "prior_loss_weight class_steps sample_batch_size steps rank alpha lr lr_schedule warmup batch_size accumulation "
-    "resolution random_crop flip train_text_encoder text_encoder_lr prediction_type min_snr_gamma mixed_precision "
-    "gradient_checkpointing seed run_dir save_every resume peft fsdp fsdp_min_size" + EXTRAS
+    "prior_loss_weight class_steps sample_batch_size steps rank alpha conv_rank conv_alpha lr lr_schedule warmup "
+    "batch_size accumulation resolution random_crop flip train_text_encoder text_encoder_lr prediction_type "
+    "min_snr_gamma mixed_precision gradient_checkpointing seed run_dir save_every resume peft fsdp "
+    "fsdp_min_size" + EXTRAS
 )
 # the flow-matching options (Flux, SD 3) that DreamBooth does not state itself
 _DREAMBOOTH_FLOW = tuple(k for k in FLOW_CLI if k not in _DREAMBOOTH_ORDER.split())

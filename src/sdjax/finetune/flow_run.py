@@ -82,6 +82,8 @@ _UNET_ONLY = {
     "input_perturbation": 0.0,
     "clip_skip": 1,
     "peft": False,
+    "conv_rank": None,  # LoCon: the UNet's ResNet convolutions (a transformer has none)
+    "conv_alpha": None,
 }
 
 
@@ -155,8 +157,8 @@ class FlowLoraTrainConfig(DreamBoothFields, LoraTrainConfig):
             if getattr(self, name) != default:
                 why = "out is already diffusers' file" if name == "peft" else "a UNet (SD 1.x / 2.x / XL) setting"
                 raise ValueError(
-                    f"{name}={getattr(self, name)!r}: flow-matching LoRA training (Flux, SD 3) has no such "
-                    f"option ({why})"
+                    f"{name}={getattr(self, name)!r} (--{name.replace('_', '-')}): flow-matching LoRA training "
+                    f"(Flux, SD 3) has no such option ({why})"
                 )
         flow.FlowObjective(
             weighting_scheme=self.weighting_scheme or "none",

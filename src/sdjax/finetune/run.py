@@ -53,6 +53,8 @@ _RESUME_KEYS = (
     "model",
     "rank",
     "alpha",
+    "conv_rank",
+    "conv_alpha",
     "train_text_encoder",
     "text_encoder_lr",
     "batch_size",
@@ -267,6 +269,10 @@ class LoraTrainConfig(TrainConfig):
 
     rank: int = 8
     alpha: float | None = None  # default: rank (scale 1)
+    # LoCon (kohya's --network_args conv_dim=R conv_alpha=A): the UNet's ResNet blocks and samplers adapted too, their
+    # 3x3 convolutions at conv_rank / conv_alpha (`lora.conv_paths`); None: attention only
+    conv_rank: int | None = None
+    conv_alpha: float | None = None  # default with conv_rank: kohya's 1.0 (`lora.KOHYA_CONV_ALPHA`), not conv_rank
     train_text_encoder: bool = False
     text_encoder_lr: float | None = None  # the text encoders' LoRA's learning rate (same schedule); None: lr
     lora_dropout: float = 0.0  # dropout on the UNet LoRA's input (PEFT's lora_dropout)
@@ -280,6 +286,7 @@ class LoraTrainConfig(TrainConfig):
         """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
         if int(self.rank) != self.rank or self.rank < 1:
             raise ValueError(f"rank={self.rank!r}: a LoRA rank must be a positive integer")
+        self._check_conv()
         for name in ("steps", "batch_size", "accumulation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
@@ -300,6 +307,37 @@ class LoraTrainConfig(TrainConfig):
                     "size, which lr multiplies for every weight (diffusers' scripts use lr for the text encoders too)"
                 )
         super().check()
+
+    def _check_conv(self) -> None:
+        """`conv_rank` / `conv_alpha` (LoCon), named with their flags."""
+        c, a = self.conv_rank, self.conv_alpha
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(
+                f"conv_rank={c!r} (--conv-rank) must be a positive integer (kohya's conv_dim; None: no conv LoRA)"
+            )
+        if a is None:
+            return
+        if c is None:
+            raise ValueError(
+                f"conv_alpha={a!r} (--conv-alpha) is the alpha of the conv LoRA: it needs conv_rank (--conv-rank)"
+            )
+        if isinstance(a, bool) or not isinstance(a, int | float) or not math.isfinite(a) or a <= 0:
+            raise ValueError(f"conv_alpha={a!r} (--conv-alpha) must be a positive number (default: kohya's 1)")
+
+    def lora_scales(self) -> tuple[float, float | None]:
+        """`(alpha / rank, conv_alpha / conv_rank or None)`: the scales of the LoRA's layers (the second for the
+        UNet's convolutions wider than 1x1 with LoCon)."""
+        scale = float(self.alpha if self.alpha is not None else self.rank) / self.rank
+        if self.conv_rank is None:
+            return scale, None
+        return scale, self.conv_alpha_value / self.conv_rank
+
+    @property
+    def conv_alpha_value(self) -> float | None:
+        """The conv LoRA's alpha as trained: `conv_alpha`, by default kohya's 1.0 (None without `conv_rank`)."""
+        if self.conv_rank is None:
+            return None
+        return float(self.conv_alpha if self.conv_alpha is not None else lora_lib.KOHYA_CONV_ALPHA)
 
     def data_config(self, resolution: int) -> data_lib.DataConfig:
         return dataclasses.replace(super().data_config(resolution), caption_dropout=self.caption_dropout)
@@ -480,7 +518,7 @@ def _lora_step(cfg: LoraTrainConfig, pipe, params, dtype, objective):
     from sdjax.finetune import step as step_lib
 
     conditioning = pipe.generator.models.conditioning
-    scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
+    scale, conv_scale = cfg.lora_scales()
     models = step_lib.Models(
         conditioning,
         pipe.unet,
@@ -490,12 +528,13 @@ def _lora_step(cfg: LoraTrainConfig, pipe, params, dtype, objective):
         text_scale=scale,
         remat=cfg.gradient_checkpointing,
         lora_dropout=cfg.lora_dropout,
+        unet_conv_scale=conv_scale,
     )
     targets = {"unet": lora_lib.UNET_TARGETS}
     if cfg.train_text_encoder:
         targets.update({c: lora_lib.TEXT_TARGETS for c in conditioning.components})
     frozen = {c: params[c] for c in ("unet", "vae", *conditioning.components)}
-    lora = lora_lib.init_lora(jax.random.PRNGKey(cfg.seed), frozen, targets, cfg.rank)
+    lora = lora_lib.init_lora(jax.random.PRNGKey(cfg.seed), frozen, targets, cfg.rank, conv_rank=cfg.conv_rank)
     schedule, optimizer = _optimizer(cfg)
     state = step_lib.init_state(lora, optimizer)
     train_step = step_lib.make_train_step(models, objective, pipe.scheduler.alphas_cumprod, optimizer)
@@ -507,9 +546,13 @@ def lora_validator(cfg: LoraTrainConfig, pipe, params: dict, resolution: int, lo
     validation prompts)."""
     from sdjax.finetune import validation as validation_lib
 
-    scale = float(cfg.alpha if cfg.alpha is not None else cfg.rank) / cfg.rank
+    scale, conv_scale = cfg.lora_scales()
     return validation_lib.make_validator(
-        cfg, pipe, lambda lora: validation_lib.lora_params(params, lora, scale), (resolution, resolution), log
+        cfg,
+        pipe,
+        lambda lora: validation_lib.lora_params(params, lora, scale, conv_scale),
+        (resolution, resolution),
+        log,
     )
 
 
@@ -562,9 +605,12 @@ def write_lora(
     """The kohya file at `cfg.out` (and diffusers' file in the run directory with `cfg.peft`)."""
     host = {c: {k: {n: np.asarray(v) for n, v in ab.items()} for k, ab in layers.items()} for c, layers in lora.items()}
     alpha = float(cfg.alpha if cfg.alpha is not None else cfg.rank)
+    conv_alpha = cfg.conv_alpha_value
     meta = lora_lib.kohya_metadata(
         rank=cfg.rank,
         alpha=alpha,
+        conv_rank=cfg.conv_rank,
+        conv_alpha=conv_alpha,
         base_model_version=lora_lib.base_model_version(unet_config, prediction_type),
         comment=cfg.comment,
         extra={
@@ -577,9 +623,10 @@ def write_lora(
     )
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     dtype = save_dtype(cfg.save_precision)
-    lora_lib.save_safetensors(cfg.out, lora_lib.kohya_state_dict(host, alpha, unet_config), meta, dtype)
+    tensors = lora_lib.kohya_state_dict(host, alpha, unet_config, conv_alpha=conv_alpha)
+    lora_lib.save_safetensors(cfg.out, tensors, meta, dtype)
     if cfg.peft:
-        tensors, peft_meta = lora_lib.peft_state_dict(host, alpha, cfg.rank)
+        tensors, peft_meta = lora_lib.peft_state_dict(host, alpha, cfg.rank, cfg.conv_rank, conv_alpha)
         lora_lib.save_safetensors(run_dir / "pytorch_lora_weights.safetensors", tensors, peft_meta, dtype)
 
 

@@ -71,7 +71,8 @@ class Objective:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Models:
     """The frozen modules a step runs: the family's conditioning (`encode(params, inputs, cfg=False)`), the UNet,
-    the VAE, and the scales `alpha / r` of the UNet and text-encoder LoRAs."""
+    the VAE, and the scales `alpha / r` of the UNet and text-encoder LoRAs (`unet_conv_scale`: conv_alpha /
+    conv_rank of the UNet LoRA's convolutions wider than 1x1, LoCon; None: `unet_scale`)."""
 
     conditioning: Any
     unet: Any
@@ -81,6 +82,7 @@ class Models:
     text_scale: float = 1.0
     remat: bool = False
     lora_dropout: float = 0.0  # > 0: PEFT's branch form with dropout (`lora.branch`) instead of the merge
+    unet_conv_scale: float | None = None
 
 
 def add_noise(latents, noise, timesteps, alphas_cumprod):
@@ -115,7 +117,8 @@ def unet_loss(lora_unet, unet_params, models: Models, objective: Objective, alph
     dropout)."""
     as_branch = bool(lora_unet) and models.lora_dropout > 0
     merged = bool(lora_unet) and not as_branch
-    params = lora_lib.merge(unet_params, lora_unet, models.unet_scale) if merged else unet_params
+    conv_scale = models.unet_conv_scale
+    params = lora_lib.merge(unet_params, lora_unet, models.unet_scale, conv_scale=conv_scale) if merged else unet_params
     noisy_from = batch["noise"] if batch.get("perturbation") is None else batch["noise"] + batch["perturbation"]
     noisy = add_noise(batch["latents"], noisy_from, batch["timesteps"], alphas_cumprod)
 
@@ -132,7 +135,7 @@ def unet_loss(lora_unet, unet_params, models: Models, objective: Objective, alph
 def _lora_branch(lora_c, scale: float, models: Models, key):
     if not lora_c:
         return contextlib.nullcontext()
-    return lora_lib.branch(lora_c, scale, models.lora_dropout, key)
+    return lora_lib.branch(lora_c, scale, models.lora_dropout, key, conv_scale=models.unet_conv_scale)
 
 
 def encode_text(lora, frozen, models: Models, inputs: dict):

@@ -31,8 +31,9 @@ def image_path(run_dir: Path, step: int, index: int) -> Path:
     return Path(run_dir) / FOLDER / f"step-{int(step):06d}-{int(index)}.png"
 
 
-def lora_params(params: dict, values: dict, scale: float) -> dict:
-    """`params` with each component's LoRA of `values` merged (a new dict; `params` is not changed)."""
+def lora_params(params: dict, values: dict, scale: float, conv_scale: float | None = None) -> dict:
+    """`params` with each component's LoRA of `values` merged (a new dict; `params` is not changed; `conv_scale`:
+    the UNet's convolutions wider than 1x1, LoCon)."""
     import jax
 
     from sdjax.finetune import lora as lora_lib
@@ -40,7 +41,7 @@ def lora_params(params: dict, values: dict, scale: float) -> dict:
     host = jax.device_get(values)  # the run's values live on its mesh; the pipeline's params may not
     out = dict(params)
     for component, layers in host.items():
-        out[component] = lora_lib.merge(params[component], layers, scale)
+        out[component] = lora_lib.merge(params[component], layers, scale, conv_scale=conv_scale)
     return out
 
 
