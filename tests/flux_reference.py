@@ -4,6 +4,10 @@ CLIP-L (the SD 1.x tiny text encoder: its hidden size is the transformer's `pool
 (`t5_reference`: `d_model` is the transformer's `joint_attention_dim`), a 16-channel VAE with Flux's shift and
 scaling factors and no quant convs, and a `FluxTransformer2DModel` with two double- and two single-stream blocks.
 "dev" has the guidance embedding and dynamic shifting (FLUX.1-dev's scheduler config); "schnell" neither.
+
+`randomized_controlnet`: a diffusers `FluxControlNetModel` (or transformer) with random weights where diffusers
+starts at zero (`controlnet_x_embedder`, `controlnet_blocks`, `controlnet_single_blocks`: else a net adds nothing and
+a comparison proves nothing) and non-trivial q/k RMSNorm scales.
 """
 
 from __future__ import annotations
@@ -92,3 +96,21 @@ def flux_pipeline(kind: str = "dev", seed: int = 0, tokenizer_dir=None):
         transformer=transformer,
         vae=vae,
     )
+
+
+CONTROLNET_ZERO_INIT = ("controlnet_x_embedder.", "controlnet_blocks.", "controlnet_single_blocks.")
+
+
+def randomized_controlnet(model, seed: int, *, scale: float = 0.3, norms: float = 0.1):
+    """`model` in eval mode with, drawn from `seed`, the layers diffusers starts at zero set to `scale` x N(0, 1)
+    and the q/k RMSNorm scales 1 + `norms` x N(0, 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(CONTROLNET_ZERO_INIT):
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+            elif norms and ("norm_q" in name or "norm_k" in name or "norm_added" in name):
+                p.copy_(1 + norms * torch.randn(p.shape, generator=g))
+    return model.eval()

@@ -79,6 +79,9 @@ CONTROLNET = ModelSpec(
 SD3_CONTROLNET = ModelSpec(
     "sdjax.models.sd3_controlnet", "SD3ControlNetConfig", "SD3ControlNetModel", "convert_sd3_controlnet", "sd3"
 )
+FLUX_CONTROLNET = ModelSpec(
+    "sdjax.models.flux_controlnet", "FluxControlNetConfig", "FluxControlNetModel", "convert_flux_controlnet", "flux"
+)
 SAFETY_CHECKER = ModelSpec(
     "sdjax.models.safety_checker",
     "SafetyCheckerConfig",

@@ -1,8 +1,9 @@
 """Loading a ControlNet on its own (a folder or Hub repo with `config.json` and weights, or a component folder of a
 pipeline repo) through the same loader as a pipeline's models: the guides' `FlaxControlNetModel.from_pretrained`.
 
-The `_class_name` of its `config.json` picks the model: `ControlNetModel` (SD 1.x/2.x, SDXL; the default) or
-`SD3ControlNetModel` (SD 3 / 3.5, `models.sd3_controlnet`). Single files: `controlnet_file`."""
+The `_class_name` of its `config.json` picks the model: `ControlNetModel` (SD 1.x/2.x, SDXL; the default),
+`SD3ControlNetModel` (SD 3 / 3.5, `models.sd3_controlnet`) or `FluxControlNetModel` (Flux.1,
+`models.flux_controlnet`). Single files: `controlnet_file`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from sdjax.config import read_json
 from sdjax.loading.components import (
     CONTROLNET,
+    FLUX_CONTROLNET,
     SD3_CONTROLNET,
     LoadRequest,
     ModelSpec,
@@ -25,7 +27,11 @@ from sdjax.loading.controlnet_file import load_controlnet_file
 from sdjax.models.controlnet import ControlNetModel
 
 CONTROLNET_KEY = "controlnet"  # the component name of a ControlNet's params (`quant.params.CONTROLNET`)
-CONTROLNET_CLASSES = {"ControlNetModel": CONTROLNET, "SD3ControlNetModel": SD3_CONTROLNET}  # config `_class_name`
+CONTROLNET_CLASSES = {  # config `_class_name`
+    "ControlNetModel": CONTROLNET,
+    "SD3ControlNetModel": SD3_CONTROLNET,
+    "FluxControlNetModel": FLUX_CONTROLNET,
+}
 
 
 def load_controlnet(
@@ -47,10 +53,12 @@ def load_controlnet(
     shards, old Flax msgpack) -> `(module, params)`, params cast to `dtype`. `from_pt` is accepted for the old
     guides and has no effect (PyTorch weights are always converted); `subfolder` reads a component folder of a
     pipeline repo (e.g. "controlnet"). The module is a `ControlNetModel` or, for an `SD3ControlNetModel` config, a
-    `models.sd3_controlnet.SD3ControlNetModel`. A FILE is read by `controlnet_file.load_controlnet_file` (`config`,
+    `models.sd3_controlnet.SD3ControlNetModel`, for a `FluxControlNetModel` config a
+    `models.flux_controlnet.FluxControlNetModel`. A FILE is read by `controlnet_file.load_controlnet_file` (`config`,
     `allow_pickle` apply there): SD 1.x/2.x and SDXL nets in the original or diffusers layout
     (`control_v11p_sd15_canny.safetensors`), SD 3.5 nets as Stability AI released them
-    (`sd3.5_large_controlnet_canny.safetensors`, `sd3_controlnet_file`).
+    (`sd3.5_large_controlnet_canny.safetensors`, `sd3_controlnet_file`), Flux nets in the diffusers layout with
+    `config`.
 
     `quantize` ("int8", "fp8" or a `sdjax.quant.QuantPolicy` naming "controlnet"; docs/quantization.md): the net's
     kernels stored quantized (weight-only), each quantized as it is converted, so the float net is never held

@@ -15,7 +15,11 @@
   `SD3ControlNetModel` with the config inferred from the shapes (`sd3_controlnet_file`); a `config` replaces it.
 - An SD 3 ControlNet in the diffusers layout in one file (`transformer_blocks.N.attn.to_q.*`,
   `pos_embed_input.*`): needs `config` (its `config.json`: no tensor tells e.g. `force_zeros_for_pooled_projection`).
-A file of another kind (a Flux ControlNet, a whole model, a LoRA) fails naming the file and what it looks like.
+- A Flux.1 ControlNet in the diffusers layout in one file (`controlnet_x_embedder.*`, `transformer_blocks.N.*`;
+  InstantX's and Shakker-Labs' `diffusion_pytorch_model.safetensors` on its own): needs `config` (its
+  `config.json`: the head count and rotary axes are in no tensor); without one it fails as a file of another kind.
+A file of another kind (an XLabs Flux ControlNet in Black Forest Labs' layout, a whole model, a LoRA) fails naming
+the file and what it looks like.
 
 `.safetensors` only, unless `allow_pickle` (the restricted unpickler of `single_file.open_checkpoint`).
 """
@@ -169,6 +173,14 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any, quantize: Any = 
         return comp.model_from_state_dict(
             comp.CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})", **hook
         )
+    if config is not None and "controlnet_x_embedder.weight" in ckpt and _has_prefix(keys, "transformer_blocks."):
+        # without config= it falls through to the error below, which names it and asks for the config
+        raw, source = _config_dict(config)
+        _check_class(raw, "FluxControlNetModel", source, where)
+        cfg = comp.model_config(comp.FLUX_CONTROLNET, raw, source=source)
+        return comp.model_from_state_dict(
+            comp.FLUX_CONTROLNET, cfg, _PrefixView(ckpt, ""), dtype=dtype, component=f"controlnet ({where})", **hook
+        )
     if "pos_embed_input.proj.weight" in ckpt and _has_prefix(keys, "controlnet_blocks."):
         if config is None:
             raise ValueError(
@@ -185,13 +197,18 @@ def _from_checkpoint(ckpt: Checkpoint, dtype: Any, config: Any, quantize: Any = 
     raise UnknownArchitectureError(
         f"{where}: not a ControlNet sdjax loads (SD 1.x/2.x and SDXL: input_hint_block.* with or without "
         f"{ldm_keys.CONTROLNET_PREFIX}, or controlnet_cond_embedding.*; SD 3 / 3.5: transformer_blocks.* with "
-        f"controlnet_blocks.* and pos_embed_input.*); it looks like {_looks_like(keys)}"
+        f"controlnet_blocks.* and pos_embed_input.*; Flux.1: transformer_blocks.* with controlnet_x_embedder.*); "
+        f"it looks like {_looks_like(keys)}"
     )
 
 
 # (a key that starts so, what a file holding it is), first match wins: for the error naming what a file is.
 _LOOKS_LIKE = (
-    ("controlnet_x_embedder.", "a Flux.1 ControlNet (InstantX / diffusers FluxControlNetModel layout)"),
+    (
+        "controlnet_x_embedder.",
+        "a Flux.1 ControlNet (InstantX / diffusers FluxControlNetModel layout: load it with config=, its "
+        "config.json or folder, or as a diffusers folder)",
+    ),
     ("controlnet_single_blocks.", "a Flux.1 ControlNet (diffusers FluxControlNetModel layout)"),
     ("double_blocks.", "a Flux.1 model or XLabs Flux ControlNet (Black Forest Labs layout)"),
     ("single_transformer_blocks.", "a Flux.1 transformer (diffusers layout)"),

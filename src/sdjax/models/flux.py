@@ -381,6 +381,11 @@ class FluxTransformer2DModel(nn.Module):
       Both are multiplied by 1000 inside, as diffusers does.
     - `img_ids_l3`, `txt_ids_t3`: positions `(L, 3)`, `(T, 3)` (`image_ids`, `text_ids`), shared by the batch;
       diffusers' deprecated batched `(B, N, 3)` ids are refused.
+    - `controlnet_block_samples`, `controlnet_single_block_samples`: a ControlNet's outputs
+      (`models.flux_controlnet`), each `(B, L, inner_dim)`, or None. After double block i the image stream gets
+      sample `i // ceil(num_layers / len(samples))`, and after single block j the image tokens get single sample
+      `j // ceil(num_single_layers / len(single samples))`, as diffusers (without its `controlnet_blocks_repeat`,
+      which only nets with a pixel-space hint block use).
 
     Runtime options (never the numbers, beyond float rounding): `dtype` (compute dtype; see Precision above),
     `attention` (a `sdjax.ops.attention` implementation), `remat` (recompute each block in the backward pass,
@@ -391,6 +396,16 @@ class FluxTransformer2DModel(nn.Module):
     dtype: Dtype = jnp.float32
     attention: str = "auto"
     remat: bool = False
+
+    def _check_samples(self, name: str, samples, x) -> tuple | None:
+        """A ControlNet's samples as a tuple of `(B, L, inner_dim)` arrays (None or empty: None)."""
+        if samples is None or len(samples) == 0:
+            return None
+        want = (*x.shape[:2], self.config.inner_dim)
+        for k, s in enumerate(samples):
+            if jnp.shape(s) != want:
+                raise ValueError(f"FluxTransformer2DModel: {name}[{k}] must be {want}; got shape {jnp.shape(s)}")
+        return tuple(samples)
 
     def _check_inputs(self, x, ctx, pooled, img_ids, txt_ids, guidance) -> None:
         cfg = self.config
@@ -423,12 +438,16 @@ class FluxTransformer2DModel(nn.Module):
         img_ids_l3,
         txt_ids_t3,
         guidance_b=None,
+        controlnet_block_samples=None,
+        controlnet_single_block_samples=None,
     ):
         cfg = self.config
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"Flux: unknown attention {self.attention!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
         x, ctx, pooled = hidden_states_bld, encoder_hidden_states_btd, pooled_projections_bd
         self._check_inputs(x, ctx, pooled, img_ids_l3, txt_ids_t3, guidance_b)
+        double_samples = self._check_samples("controlnet_block_samples", controlnet_block_samples, x)
+        single_samples = self._check_samples("controlnet_single_block_samples", controlnet_single_block_samples, x)
         b, t = x.shape[0], ctx.shape[1]
         inner, heads, head_dim = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim
 
@@ -447,11 +466,16 @@ class FluxTransformer2DModel(nn.Module):
         for i in range(cfg.num_layers):
             block = double(heads, head_dim, self.attention, self.dtype, name=f"transformer_blocks_{i}")
             x, ctx = block(x, ctx, temb, rope)
+            if double_samples is not None:
+                x = x + double_samples[i // _interval(cfg.num_layers, len(double_samples))].astype(jnp.float32)
         h = jnp.concatenate([ctx, x], axis=1)
         for i in range(cfg.num_single_layers):
             h = single(heads, head_dim, self.attention, self.dtype, name=f"single_transformer_blocks_{i}")(
                 h, temb, rope
             )
+            if single_samples is not None:
+                sample = single_samples[i // _interval(cfg.num_single_layers, len(single_samples))]
+                h = jnp.concatenate([h[:, :t], h[:, t:] + sample.astype(jnp.float32)], axis=1)
         x = AdaLayerNormContinuous(self.dtype, name="norm_out")(h[:, t:], temb)
         return nn.Dense(cfg.output_channels, dtype=self.dtype, name="proj_out")(x.astype(self.dtype))
 
@@ -463,6 +487,11 @@ class FluxTransformer2DModel(nn.Module):
         Traced once per config (`jax.eval_shape`: nothing is allocated; Flux.1 dev is 11.9e9 parameters) and kept
         on disk for the next process (`shapes_cache`)."""
         return jax.tree_util.tree_map(lambda x: x, _init_params_shape(config))  # a fresh tree per caller
+
+
+def _interval(blocks: int, samples: int) -> int:
+    """Blocks per ControlNet sample: diffusers' `int(np.ceil(blocks / samples))` (the last samples may go unused)."""
+    return max(1, -(-blocks // samples))
 
 
 @functools.lru_cache(maxsize=8)

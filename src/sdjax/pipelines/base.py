@@ -341,6 +341,7 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         control_guidance_start=0.0,
         control_guidance_end=1.0,
         guess_mode: bool = False,
+        control_mode=None,
         **conditioning,
     ):
         """Prompt(s) -> list of PIL images (`num_images` per prompt); `output_type="np"` gives float32 arrays
@@ -359,8 +360,9 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
         - `prompt_syntax="a1111"`: prompts read as AUTOMATIC1111 reads them (`(word:1.3)`, `[word]`, `BREAK`,
           longer than 75 tokens; `sdjax.text.prompt_syntax`);
         - ControlNet (with any task): `control_image`, `controlnet`, `controlnet_conditioning_scale`,
-          `control_guidance_start`/`_end`, `guess_mode` as diffusers' ControlNet pipelines
-          (`sdjax.pipelines.controlnet`); without an init image the output size defaults to the control image's.
+          `control_guidance_start`/`_end`, `guess_mode` (and, for Flux's union nets, `control_mode`) as diffusers'
+          ControlNet pipelines (`sdjax.pipelines.controlnet`); without an init image the output size defaults to the
+          control image's.
         The output size defaults to the init image's (else the model's); `resize_mode` ("resize", "crop", "fill")
         says how an init image of another size is fitted.
         """
@@ -416,9 +418,12 @@ class DiffusionPipeline(LoadingMixin, CompileMixin, FlaxGuideMixin, LoraMixin, T
                 control_guidance_start=control_guidance_start,
                 control_guidance_end=control_guidance_end,
                 guess_mode=guess_mode,
+                control_mode=control_mode,
             )
         elif controlnet is not None or controlnet_conditioning_scale is not None:
             raise ValueError("controlnet= and controlnet_conditioning_scale= need control_image= (the control map)")
+        elif control_mode is not None:
+            raise ValueError("control_mode= needs control_image= (the control map) and a ControlNet-Union net")
         seeds, indices = per_image_seeds(seed, count)
         out = self.generate_arrays(
             all_prompts,

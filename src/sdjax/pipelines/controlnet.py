@@ -14,12 +14,15 @@ Arguments as diffusers' ControlNet pipelines take them:
   The default scale is diffusers' per pipeline: 1.0 for text-to-image, 0.8 for image-to-image, 0.5 for SD
   inpainting and 1.0 for SDXL inpainting.
 - `guess_mode`: static; forced on when the first net has `global_pool_conditions`, as diffusers does.
+- `control_mode`: the mode of a ControlNet-Union net (Flux; an int, or one per net); families whose module has no
+  `with_control_mode` refuse it.
 
 A family with ControlNets of its own names their module in its pipeline class's `controlnet_module` (SD 3:
-`families.sd3.controlnet`). `control_spec` hands such a pipeline to the module's `control_spec` (same arguments);
-`control_request` asks it `check_task(task)` before any net is loaded and `check_size(pipe, spec, height, width)`
-after, and takes its `DEFAULT_SCALE`; the scales, windows and control images are read here for every family. The
-nets of the UNet families (SD 1.x/2.x, SDXL) are resolved here.
+`families.sd3.controlnet`, Flux: `families.flux.controlnet`). `control_spec` hands such a pipeline to the module's
+`control_spec` (same arguments); `control_request` asks it `check_task(task)` before any net is loaded and
+`check_size(pipe, spec, height, width)` after, takes its `DEFAULT_SCALE`, and lets its `with_control_mode` (where it
+has one) add the nets' control modes to the request; the scales, windows and control images are read here for every
+family. The nets of the UNet families (SD 1.x/2.x, SDXL) are resolved here.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 
 from sdjax.families.sd.controlnet import ControlRequest, ControlSpec, check_nets
 from sdjax.models.controlnet import ControlNetModel
+from sdjax.models.flux_controlnet import FluxControlNetModel
 from sdjax.models.sd3_controlnet import SD3ControlNetModel
 
 DEFAULT_SCALES = {"txt2img": 1.0, "img2img": 0.8, "inpaint": 0.5}  # SD; SDXL inpainting: 1.0
@@ -46,8 +50,9 @@ CONTROL_ARGS = (
 
 def is_pair(x: Any) -> bool:
     """Whether `x` is a `(module, params)` pair of a ControlNet (what `FlaxControlNetModel.from_pretrained` and
-    `load_controlnet` return: a `ControlNetModel` or an `SD3ControlNetModel`)."""
-    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], (ControlNetModel, SD3ControlNetModel))
+    `load_controlnet` return: a `ControlNetModel`, an `SD3ControlNetModel` or a `FluxControlNetModel`)."""
+    nets = (ControlNetModel, SD3ControlNetModel, FluxControlNetModel)
+    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], nets)
 
 
 def family_controlnet(pipe):
@@ -199,8 +204,9 @@ def control_spec(pipe, controlnet: Any, params: dict | None, guess_mode: bool = 
     for k, m in enumerate(modules):
         if not isinstance(m, ControlNetModel):
             label = "controlnet" if len(modules) == 1 else f"controlnet[{k}]"
+            family = "a Flux.1" if isinstance(m, FluxControlNetModel) else "a Stable Diffusion 3 / 3.5"
             raise ValueError(
-                f"{label} is a {type(m).__name__} (a Stable Diffusion 3 / 3.5 ControlNet) but the pipeline is "
+                f"{label} is a {type(m).__name__} ({family} ControlNet) but the pipeline is "
                 f"{type(pipe).__name__}: load a ControlNet made for it"
             )
     check_nets(modules, pipe.unet.config)
@@ -231,9 +237,16 @@ def control_request(
     control_guidance_start: Any = 0.0,
     control_guidance_end: Any = 1.0,
     guess_mode: bool = False,
+    control_mode: Any = None,
 ) -> ControlRequest:
     """The ControlNet conditioning of one `generate` call for `count` images of `height` x `width`."""
     family = family_controlnet(pipe)
+    modes = getattr(family, "with_control_mode", None)
+    if control_mode is not None and modes is None:
+        raise ValueError(
+            f"control_mode={control_mode!r}: only ControlNet-Union nets of Flux take a control mode, not the "
+            f"ControlNets of {type(pipe).__name__}"
+        )
     if family is not None:
         family.check_task(task)  # before any net is loaded
     spec, trees = control_spec(pipe, controlnet, params, guess_mode)
@@ -249,7 +262,7 @@ def control_request(
     for s, e in zip(starts, ends):
         if s >= e:
             raise ValueError(f"control_guidance_start={s} must be below control_guidance_end={e}")
-    return ControlRequest(
+    request = ControlRequest(
         spec=spec,
         params=trees,
         images=control_image_arrays(control_image, k, count, width, height),
@@ -257,6 +270,7 @@ def control_request(
         starts=np.tile(np.asarray(starts), (count, 1)),
         ends=np.tile(np.asarray(ends), (count, 1)),
     )
+    return request if modes is None else modes(request, control_mode)
 
 
 def default_scale(pipe, family, task: str) -> float:

@@ -6,6 +6,9 @@ image position ids of that grid and zero ids for the text tokens, the timestep a
 sampler's `t` = sigma * 1000, divided by 1000; the model multiplies again inside), dev's embedded guidance, and
 unpacks the predicted flow velocity. Packing is a permutation, so sampling unpacked latents is the same
 arithmetic as diffusers' sampling of packed ones.
+
+A ControlNet's hook (`families.flux.controlnet`) hands the model `controlnet_block_samples` and
+`controlnet_single_block_samples` (packed tokens), which the transformer adds to its image stream (`models.flux`).
 """
 
 from __future__ import annotations
@@ -51,14 +54,34 @@ class FluxDenoiser:
         txt_ids = jnp.zeros((text.shape[1], 3), jnp.float32)
         p = params[self.component]
 
-        def model(x_in, t, **kwargs):
+        def model(x_in, t, controlnet_block_samples=None, controlnet_single_block_samples=None, **kwargs):
             if kwargs:
-                raise TypeError(f"the Flux transformer takes no extra inputs, got {sorted(kwargs)}")
+                raise TypeError(
+                    f"the Flux transformer takes controlnet_block_samples and controlnet_single_block_samples only, "
+                    f"got {sorted(kwargs)}"
+                )
             rows, _, h, w = x_in.shape
             tokens = flux_model.pack_latents(x_in.astype(self.dtype))
             img_ids = jnp.asarray(flux_model.image_ids(h, w), jnp.float32)
-            timestep = jnp.broadcast_to(jnp.asarray(t, jnp.float32) / 1000.0, (rows,)).astype(self.dtype)
-            out = self.transformer.apply({"params": p}, tokens, text, pooled, timestep, img_ids, txt_ids, guidance)
+            timestep = model_timestep(t, rows, self.dtype)
+            out = self.transformer.apply(
+                {"params": p},
+                tokens,
+                text,
+                pooled,
+                timestep,
+                img_ids,
+                txt_ids,
+                guidance,
+                controlnet_block_samples,
+                controlnet_single_block_samples,
+            )
             return flux_model.unpack_latents(out.astype(jnp.float32), h, w)
 
         return model
+
+
+def model_timestep(t, rows: int, dtype) -> jax.Array:
+    """The sampler's `t` (sigma * 1000) as FluxPipeline hands it to the transformer and its ControlNets: divided
+    by 1000, one per row, in the compute dtype."""
+    return jnp.broadcast_to(jnp.asarray(t, jnp.float32) / 1000.0, (rows,)).astype(dtype)

@@ -11,7 +11,10 @@ included. `generate` takes diffusers' arguments:
 - `prompt_2` / `negative_prompt_2`: the T5 texts (default: the prompts); `max_sequence_length` (512; 256 for
   schnell, as its model card and diffusers' examples use);
 - `image` + `strength` (0.6): image-to-image; `image` + `mask_image` (+ `strength`): inpainting by latent blending;
-- `noise`: the initial noise `(N, 16, H/8, W/8)` unpacked (diffusers' `latents=` is the same packed 2x2).
+- `noise`: the initial noise `(N, 16, H/8, W/8)` unpacked (diffusers' `latents=` is the same packed 2x2);
+- `control_image` + `controlnet` (+ `controlnet_conditioning_scale`, 1.0; `control_guidance_start` / `_end`;
+  `control_mode` for union nets): FluxControlNetPipeline, text-to-image (`families.flux.controlnet`); the output
+  size defaults to the model's, not the control image's, as there.
 
 The sampler is flow-matching Euler with the model's shift (dev: dynamic, from the image's token count) on the
 sigma grid FluxPipeline passes (`np.linspace(1, 1/n, n)`).
@@ -66,6 +69,7 @@ class FluxPipeline(FlowTransformerPipeline):
     distilled_guidance_scale = 3.5
     sigma_grid = "flux"  # FluxPipeline's sigmas: linspace(1, 1/n, n), then the shift
     model_label = "a Flux model"
+    controlnet_module = "sdjax.families.flux.controlnet"  # its ControlNets (`pipelines.controlnet` hands them over)
 
     def __init__(
         self,
@@ -205,6 +209,9 @@ class FluxPipeline(FlowTransformerPipeline):
         true_cfg = negative_prompt is not None or negative_prompt_2 is not None
         if max_sequence_length is not None:
             self.max_sequence_length = max_sequence_length
+        if kwargs.get("control_image") is not None and image is None:
+            dh, dw = self.default_size  # FluxControlNetPipeline: the model's size, not the control image's
+            height, width = height or dh, width or dw
         conditioning = {"guidance": guidance}
         for key, texts in (("prompt_2", prompt_2), ("negative_prompt_2", negative_prompt_2)):
             if texts is not None:

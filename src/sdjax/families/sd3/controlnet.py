@@ -44,6 +44,7 @@ import numpy as np
 
 from sdjax import rng
 from sdjax.core.loop import Hook
+from sdjax.models.flux_controlnet import FluxControlNetModel
 from sdjax.models.sd3_controlnet import SD3ControlNetModel
 from sdjax.pipelines.controlnet import resolve_nets
 from sdjax.quant.modules import apply_dequantized
@@ -170,8 +171,11 @@ def check_nets(nets: Sequence[Any], transformer_config: Any, *, name: str = "con
     for k, net in enumerate(nets):
         label = name if len(nets) == 1 else f"{name}[{k}]"
         if not isinstance(net, SD3ControlNetModel):
+            kind = "a Stable Diffusion 1.x/2.x or SDXL ControlNet"
+            if isinstance(net, FluxControlNetModel):
+                kind = "a Flux.1 ControlNet"
             raise ValueError(
-                f"{label} is a {type(net).__name__} (a Stable Diffusion 1.x/2.x or SDXL ControlNet) but the pipeline "
+                f"{label} is a {type(net).__name__} ({kind}) but the pipeline "
                 f"is Stable Diffusion 3 / 3.5: load an SD3ControlNetModel (e.g. InstantX/SD3-Controlnet-Canny, "
                 f"stabilityai/stable-diffusion-3.5-large-controlnet-canny)"
             )
