@@ -19,6 +19,19 @@ diffusers' `train_text_to_image_sdxl.py` `compute_vae_encodings`).
 - Several processes (`finetune.distributed`): each process builds the whole cache (any view can fall in its rows at
   some step, and the views are not exchanged between hosts), then takes only its own rows of each micro-batch from
   it (`LatentCache.batch(..., rows)`).
+
+Cached text-encoder outputs (`cache_text_encoder_outputs=True`, `--cache-text-encoder-outputs`; kohya's
+`--cache_text_encoder_outputs`) of SD 1.x / 2.x / XL LoRA runs: `TextEncoderCache`, the form of the flow trainer's
+`flow_models.TextStates` for the UNet families.
+
+- Each distinct caption string (after caption dropout and tag shuffling, so shuffled tags make many entries) is
+  encoded the first time a micro-batch holds it, one caption per call of one compiled encoder, at the run's
+  `clip_skip`, and kept on the host in the compute dtype: the context `(77, D)` and, for SDXL, the pooled
+  `text_embeds` the UNet's added embedding takes (the time ids stay per view, from the data).
+- The step then gets `context` (and `text_embeds`) instead of token ids, and the text encoders leave its frozen
+  params: they are neither placed on the devices nor in the compiled step (`step.batch_text`).
+- Several processes: each encodes the captions of its own rows only (the rows `RowBatches` gives it).
+- Not with a text-encoder LoRA (the encoders then change at every step): refused.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sdjax.finetune import data as data_lib
+from sdjax.finetune.flow_models import TextStates
 
 SALT = 0x1A7E  # separates the cache's posterior noise from the step's draws
 
@@ -98,3 +112,25 @@ def build(
         time_ids[(i, flipped)] = ids
     log(f"cached the latents of {len(todo)} view(s) of {len(dataset.items)} image(s)")
     return LatentCache(latents, time_ids)
+
+
+class TextEncoderCache(TextStates):
+    """SD 1.x / 2.x / XL text-encoder outputs per caption (see the module docstring): `{"context": (77, D)}`, with
+    SDXL's `"text_embeds": (P,)` too, from the conditioning's `encode` of the caption's ids at `clip_skip`."""
+
+    def __init__(self, conditioning, params, dtype, clip_skip: int):
+        self.clip_skip = int(clip_skip)
+        super().__init__(conditioning, params, dtype)
+
+    @staticmethod
+    def _states(encoded):
+        context, unet_kwargs = encoded  # SDXL: text_embeds beside time_ids (the time ids are the batch's own)
+        pooled = {"text_embeds": unet_kwargs["text_embeds"]} if "text_embeds" in unet_kwargs else {}
+        return {"context": context, **pooled}
+
+    def _inputs(self, caption: str) -> dict[str, np.ndarray]:
+        return {  # as `run._inputs` gives the step, for one caption (the time ids only pass through `encode`)
+            "ids": np.asarray(self.conditioning.tokenize([caption]), np.int32),
+            "clip_skip": np.full((1,), self.clip_skip, np.int32),
+            "time_ids": np.zeros((1, 6), np.float32),
+        }

@@ -303,6 +303,17 @@ SHARED: dict[str, tuple[Any, Any]] = {
         Annotated[bool, typer.Option(help="Encode every image once with the VAE before training (no random crops).")],
         False,
     ),
+    "cache_text_encoder_outputs": (
+        Annotated[
+            bool,
+            typer.Option(
+                help="Encode each distinct caption once with the frozen text encoder(s) and train from the kept "
+                "states, without the encoders in the step (kohya's --cache_text_encoder_outputs; not with "
+                "--train-text-encoder; shuffled tags make one entry per order)."
+            ),
+        ],
+        False,
+    ),
     "fsdp": (
         Annotated[
             bool,
@@ -384,7 +395,8 @@ def _options(order: str):
     "data out model steps rank alpha conv_rank conv_alpha lora_dropout lr lr_schedule warmup batch_size accumulation "
     "resolution bucketing bucket_step random_crop flip caption_dropout shuffle_tags keep_tokens on_bad_image "
     "train_text_encoder text_encoder_lr prediction_type min_snr_gamma noise_offset input_perturbation mixed_precision "
-    "gradient_checkpointing seed run_dir save_every resume peft cache_latents fsdp fsdp_min_size" + EXTRAS + FLOW_ORDER
+    "gradient_checkpointing seed run_dir save_every resume peft cache_latents cache_text_encoder_outputs fsdp "
+    "fsdp_min_size" + EXTRAS + FLOW_ORDER
 )
 def lora(
     data: Annotated[Path, typer.Option(help="Images with same-name .txt captions (and/or kohya N_name folders).")],

@@ -254,15 +254,21 @@ def init_text_lora(key: jax.Array, params: Mapping[str, Any], components: Sequen
 
 # ------------------------------------------------------------------------------------------------ text
 class TextStates:
-    """The text states `{"text": (L, D), "pooled": (P,)}` of each caption, encoded once (the family's
-    conditioning under `jit`, one caption per call) and kept on the host in `dtype`."""
+    """The text states of each caption, `{"text": (L, D), "pooled": (P,)}` (`_states` names them), encoded once
+    (the family's conditioning under `jit`, one caption per call, so it compiles once) and kept on the host in
+    `dtype`. `finetune.cache.TextEncoderCache` is the SD 1.x / 2.x / XL form (other inputs and names)."""
 
     def __init__(self, conditioning: Any, params: Mapping[str, Any], dtype: Any = jnp.float32):
         self.conditioning = conditioning
         self.params = {c: params[c] for c in conditioning.components if c in params}
         self.dtype = np.dtype(dtype)
-        self.cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._encode = jax.jit(lambda p, inputs: _text_and_pooled(conditioning.encode(p, inputs, cfg=False)))
+        self.cache: dict[str, dict[str, np.ndarray]] = {}
+        self._encode = jax.jit(lambda p, inputs: self._states(conditioning.encode(p, inputs, cfg=False)))
+
+    @staticmethod
+    def _states(encoded: Any) -> dict[str, jax.Array]:
+        """The kept arrays of the conditioning's `encode` output (batch first)."""
+        return {"text": encoded["text"], "pooled": encoded["pooled"]}
 
     def _inputs(self, caption: str) -> dict[str, np.ndarray]:
         inputs = dict(self.conditioning.text_inputs([caption], [""]))
@@ -271,15 +277,14 @@ class TextStates:
             inputs["embedded_guidance"] = np.zeros((1,), np.float32)  # read by encode, unused here
         return inputs
 
-    def one(self, caption: str) -> tuple[np.ndarray, np.ndarray]:
+    def one(self, caption: str) -> dict[str, np.ndarray]:
         if caption not in self.cache:
-            text, pooled = self._encode(self.params, self._inputs(caption))
-            self.cache[caption] = (np.asarray(text[0]).astype(self.dtype), np.asarray(pooled[0]).astype(self.dtype))
+            states = self._encode(self.params, self._inputs(caption))
+            self.cache[caption] = {k: np.asarray(v[0]).astype(self.dtype) for k, v in states.items()}
         return self.cache[caption]
 
     def __call__(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
-        states = [self.one(c) for c in captions]
-        return {"text": np.stack([t for t, _ in states]), "pooled": np.stack([p for _, p in states])}
+        return _stacked([self.one(c) for c in captions])
 
 
 class TextInputs:
@@ -296,18 +301,18 @@ class TextInputs:
         if caption not in self.cache:
             inputs = self.states._inputs(caption)
             ids = {k: np.asarray(inputs[k][0], np.int32) for k in self.id_keys}
-            text, _ = self.states.one(caption)
+            text = self.states.one(caption)["text"]
             clip_tokens = ids["ids"].shape[0] if "ids_2" in ids else 0  # SD 3: [CLIP (77), T5 (L)] along tokens
             self.cache[caption] = {**ids, "t5": text[clip_tokens:]}
         return self.cache[caption]
 
     def __call__(self, captions: Sequence[str]) -> dict[str, np.ndarray]:
-        rows = [self.one(c) for c in captions]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return _stacked([self.one(c) for c in captions])
 
 
-def _text_and_pooled(cond: dict) -> tuple[jax.Array, jax.Array]:
-    return cond["text"], cond["pooled"]
+def _stacked(rows: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Per-caption arrays stacked into batch arrays, by name."""
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 # ------------------------------------------------------------------------------------------------ files

@@ -130,6 +130,7 @@ class FlowLoraTrainConfig(DreamBoothFields, LoraTrainConfig):
 
     written: ClassVar[str] = "the LoRA (diffusers' transformer.<module>.lora_A/lora_B layout)"
     latent_cache: ClassVar[bool] = True  # `cache_latents` (`finetune.cache`) serves flow runs too
+    text_cache: ClassVar[bool] = True  # flow runs always train from cached text states (`flow_models.TextStates`)
 
     def __post_init__(self):
         super().__post_init__()

@@ -57,6 +57,7 @@ _RESUME_KEYS = (
     "conv_alpha",
     "train_text_encoder",
     "text_encoder_lr",
+    "cache_text_encoder_outputs",
     "batch_size",
     "accumulation",
     "seed",
@@ -279,8 +280,13 @@ class LoraTrainConfig(TrainConfig):
     caption_dropout: float = 0.0
     peft: bool = False  # also write diffusers' pytorch_lora_weights.safetensors into the run directory
     comment: str = ""
+    # the frozen text encoders' outputs of each caption computed once, outside the step (`cache.TextEncoderCache`)
+    cache_text_encoder_outputs: bool = False
 
     latent_cache: ClassVar[bool] = True
+    # Whether this config's trainer feeds cached text states to its step (looked up on the class itself, as
+    # `latent_cache`: a subclass that builds its own batches opts in itself).
+    text_cache: ClassVar[bool] = True
 
     def check(self) -> None:
         """Bad settings fail here, naming the setting, before anything is loaded or compiled."""
@@ -306,7 +312,23 @@ class LoraTrainConfig(TrainConfig):
                     f"text_encoder_lr={t} (--text-encoder-lr) with optimizer='prodigy': Prodigy estimates one step "
                     "size, which lr multiplies for every weight (diffusers' scripts use lr for the text encoders too)"
                 )
+        self._check_text_cache()
         super().check()
+
+    def _check_text_cache(self) -> None:
+        """`cache_text_encoder_outputs`: a flag, of a trainer that has the cache, with frozen text encoders."""
+        flag = f"cache_text_encoder_outputs={self.cache_text_encoder_outputs!r} (--cache-text-encoder-outputs)"
+        if not isinstance(self.cache_text_encoder_outputs, bool):
+            raise ValueError(f"{flag} must be True or False")
+        if not self.cache_text_encoder_outputs:
+            return
+        if not type(self).__dict__.get("text_cache", False):
+            raise ValueError(f"{flag}: {type(self).__name__} runs have no text-encoder cache (their own batches)")
+        if self.train_text_encoder:
+            raise ValueError(
+                f"{flag} with train_text_encoder=True (--train-text-encoder): the text encoders' LoRA changes their "
+                "outputs at every step, so they cannot be encoded ahead; leave out one of the two"
+            )
 
     def _check_conv(self) -> None:
         """`conv_rank` / `conv_alpha` (LoCon), named with their flags."""
@@ -580,23 +602,29 @@ class RowBatches:
 def _batches(cfg: TrainConfig, models, frozen: dict, sampler, log: Callable[[str], None]):
     """`(batches, frozen)`: `RowBatches` of images the step encodes with the VAE, or with `cfg.cache_latents` of
     latents from a cache built now with `models.vae` (`finetune.cache`); the VAE then leaves the step's frozen
-    params (it is not in the compiled step)."""
-    conditioning = models.conditioning
-    if not cfg.cache_latents:
-
-        def images(micro: int, rows: Sequence[int] | None) -> dict:
-            return _inputs(conditioning, sampler.load(micro, rows), cfg.clip_skip)
-
-        return RowBatches(images, sampler.batch_size), frozen
+    params (it is not in the compiled step). Their text: token ids the step encodes, or with
+    `cfg.cache_text_encoder_outputs` the captions' text states (`cache.TextEncoderCache`, filled as captions come,
+    with the text encoders of `frozen`, which then leave the step's frozen params too)."""
     from sdjax.finetune import cache as cache_lib
 
-    cache = cache_lib.build(sampler.dataset, sampler.cfg, models, frozen["vae"], cfg.seed, log)
-    frozen = {k: v for k, v in frozen.items() if k != "vae"}
+    conditioning = models.conditioning
+    load = sampler.load
+    if cfg.cache_latents:
+        latents = cache_lib.build(sampler.dataset, sampler.cfg, models, frozen["vae"], cfg.seed, log)
+        frozen = {k: v for k, v in frozen.items() if k != "vae"}
+        load = lambda micro, rows: latents.batch(sampler, micro, rows)
+    states = None
+    if getattr(cfg, "cache_text_encoder_outputs", False):
+        states = cache_lib.TextEncoderCache(conditioning, frozen, models.dtype, cfg.clip_skip)
+        frozen = {k: v for k, v in frozen.items() if k not in conditioning.components}
 
-    def cached(micro: int, rows: Sequence[int] | None) -> dict:
-        return _inputs(conditioning, cache.batch(sampler, micro, rows), cfg.clip_skip)
+    def text(batch: dict) -> dict:
+        if states is None:
+            return _inputs(conditioning, batch, cfg.clip_skip)
+        images = {k: batch[k] for k in ("pixels", "latents") if k in batch}
+        return {**images, **states(batch["captions"]), "time_ids": batch["time_ids"]}
 
-    return RowBatches(cached, sampler.batch_size), frozen
+    return RowBatches(lambda micro, rows: text(load(micro, rows)), sampler.batch_size), frozen
 
 
 def write_lora(

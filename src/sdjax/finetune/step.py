@@ -3,6 +3,8 @@
 
 - Latents: the VAE posterior sample of the batch (`core.autoencoder.encode`, its scaling rules), frozen; or the
   batch's cached latents (`finetune.cache`), the VAE then not in the step.
+- Text: the frozen (or LoRA-adapted) text encoders on the batch's token ids; or the batch's cached text states
+  (`finetune.cache.TextEncoderCache`), the text encoders then not in the step.
 - Noise: DDPM forward process `x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps` with the scheduler config's betas,
   timesteps uniform in `[0, num_train_timesteps)`; noise offset (`eps + offset * n`, n of shape `(B, C, 1, 1)`;
   Guttenberg 2023) and input perturbation (Ning et al. 2023: `x_t` from `eps + p * n'`, the target from `eps`).
@@ -150,6 +152,17 @@ def encode_text(lora, frozen, models: Models, inputs: dict):
     return models.conditioning.encode(params, inputs, cfg=False)
 
 
+def batch_text(lora, frozen, models: Models, batch: dict):
+    """The batch's (context, UNet keyword arguments): its cached text states when it carries them (`context`, and
+    SDXL's pooled `text_embeds` beside its `time_ids`; `finetune.cache.TextEncoderCache`, no text encoder in the
+    step), else `encode_text` of its `ids` at its `clip_skip`."""
+    if "context" not in batch:
+        return encode_text(lora, frozen, models, {k: batch[k] for k in ("ids", "clip_skip", "time_ids")})
+    if "text_embeds" not in batch:  # SD 1.x / 2.x: the context alone
+        return batch["context"], {}
+    return batch["context"], {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"].astype(jnp.float32)}
+
+
 def draw(key, latents_shape, objective: Objective) -> dict:
     """The step's noise, timesteps, offset and perturbation noise from one key."""
     k_noise, k_t, k_off, k_pert = jax.random.split(key, 4)
@@ -184,15 +197,14 @@ def batch_latents(models: Models, frozen: dict, batch: dict, key):
 
 
 def make_loss(models: Models, objective: Objective, alphas_cumprod: np.ndarray) -> Callable:
-    """`loss(lora, frozen, batch, key)`: pixels -> latents (frozen VAE; or cached latents), text -> context, the
-    diffusion loss."""
+    """`loss(lora, frozen, batch, key)`: pixels -> latents (frozen VAE; or cached latents), text -> context (or
+    cached text states), the diffusion loss."""
     ac = jnp.asarray(alphas_cumprod, jnp.float32)
 
     def loss(lora, frozen, batch, key):
         k_vae, k_draw, k_unet = jax.random.split(key, 3)
         latents = batch_latents(models, frozen, batch, k_vae)
-        text_inputs = {k: batch[k] for k in ("ids", "clip_skip", "time_ids")}
-        context, kwargs = encode_text(lora, frozen, models, text_inputs)
+        context, kwargs = batch_text(lora, frozen, models, batch)
         draws = draw(k_draw, latents.shape, objective)
         inputs = {"latents": latents, "context": context, "unet_kwargs": kwargs, "dropout_key": k_unet, **draws}
         return unet_loss(lora.get("unet"), frozen["unet"], models, objective, ac, inputs)
