@@ -1,6 +1,6 @@
 """`core.cache.compile_shared`: two pipelines of one model in a process run one executable per program (the second
 compiles nothing), on the same devices only, and the shared executables are freed with the last pipeline. (The key
-also holds JAX's settings, as `finetune.run._compiled_once` does for train steps.)"""
+also holds JAX's settings, as `finetune.loop._compiled_once` does for train steps.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`finetune.run._compiled_once`: a train step compiled once per process and program, shared by runs whose step
+"""`finetune.loop._compiled_once`: a train step compiled once per process and program, shared by runs whose step
 prints the same text, except a step that calls back into Python (its callbacks are its own lowering's)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from sdjax.finetune import run
+from sdjax.finetune import loop
 
 
 def _step(calls: list | None = None, tag: str = ""):
@@ -21,15 +21,15 @@ def _step(calls: list | None = None, tag: str = ""):
             y = y + io_callback(report, jax.ShapeDtypeStruct((), np.float32), x.sum())
         return y
 
-    return run._compiled_once(jax.jit(step))
+    return loop._compiled_once(jax.jit(step))
 
 
 def test_runs_of_one_program_share_its_executable():
     x = np.arange(5, dtype=np.float32)
     np.testing.assert_array_equal(_step()(x), x * 3 + 1)
-    before = dict(run._COMPILED)
+    before = dict(loop._COMPILED)
     np.testing.assert_array_equal(_step()(x), x * 3 + 1)  # a second run's step: the same text
-    assert len(run._COMPILED) == len(before) and all(run._COMPILED[k] is v for k, v in before.items())
+    assert len(loop._COMPILED) == len(before) and all(loop._COMPILED[k] is v for k, v in before.items())
 
 
 def test_a_step_that_calls_back_keeps_its_own_callbacks():

@@ -1,4 +1,4 @@
-"""Whole training runs with `--fsdp` (`run.run_loop` placing the state and frozen params with `finetune.sharding`)
+"""Whole training runs with `--fsdp` (`loop.run_loop` placing the state and frozen params with `finetune.sharding`)
 on 8 simulated CPU devices, each compared with the same run replicated and unbroken. The full fine-tune with AdamW,
 accumulation and gradient checkpointing (its moments and accumulated gradients split with the master copy, an EMA
 beside them) is stopped after update 1 and resumed from its orbax checkpoint, and its state after the last update is
@@ -91,18 +91,18 @@ def _recording(monkeypatch, trained: str, layouts: list | None = None) -> list[d
 
 
 def _saving(monkeypatch) -> list[dict]:
-    """`run._save_args` wrapped: the tree of each checkpoint a run writes (its state after an update, as the step
+    """`loop._save_args` wrapped: the tree of each checkpoint a run writes (its state after an update, as the step
     returned it, and the EMA)."""
-    from sdjax.finetune import run as run_lib
+    from sdjax.finetune import loop as loop_lib
 
     saved: list[dict] = []
-    save_args = run_lib._save_args
+    save_args = loop_lib._save_args
 
     def recording_save_args(tree):
         saved.append(tree)
         return save_args(tree)
 
-    monkeypatch.setattr(run_lib, "_save_args", recording_save_args)
+    monkeypatch.setattr(loop_lib, "_save_args", recording_save_args)
     return saved
 
 

@@ -19,8 +19,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from sdjax.cli import app
+from sdjax.finetune import loop as loop_lib
 from sdjax.finetune import lora as lora_lib
-from sdjax.finetune import run as run_lib
 from sdjax.finetune import train_lora
 
 DECAY = 0.3  # below diffusers' warm-up (1 + s) / (10 + s) from the 4th update: both regimes in 4 updates
@@ -81,7 +81,7 @@ def cli_run(sd1_dir, images, tmp_path_factory):
     out = tmp / "star.safetensors"
     cli = ["train", "lora", "--model", str(sd1_dir), "--data", str(images), "--out", str(out), "--peft"]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run_lib, "_checkpoints", functools.partial(run_lib._checkpoints, keep=None))  # keep all
+        mp.setattr(loop_lib, "_checkpoints", functools.partial(loop_lib._checkpoints, keep=None))  # keep all
         result = CliRunner().invoke(app, cli + _cli_args(OPTIONS))
     assert result.exit_code == 0, result.output + str(result.exception)
     run = tmp / "star-run"

@@ -1,5 +1,5 @@
 """`finetune.sharding`: a training step with FSDP-sharded arguments on 8 simulated CPU devices computes what the
-replicated step (`run.run_loop`'s layout) computes.
+replicated step (`loop.run_loop`'s layout) computes.
 
 The tiny random SD 1.x preset (`build_pipeline("tiny")`) and Flux preset ("flux-tiny"); the FSDP threshold is
 lowered to 256 elements so that nearly every kernel of these small models is split over the 8 devices (the
@@ -70,7 +70,7 @@ def _host(tree):
 
 
 def _run(train_step, state, frozen, batches, key, mesh, *, fsdp: bool, trained: str):
-    """`len(batches)` steps from `state` on the replicated layout (as `run.run_loop` places them) or on
+    """`len(batches)` steps from `state` on the replicated layout (as `loop.run_loop` places them) or on
     `finetune.sharding`'s FSDP layout -> (losses, host state after, the state's layout)."""
     lay = train_sharding.layout(mesh, state, frozen, trained=trained, fsdp=fsdp, min_size=MIN_SIZE)
     if fsdp:
@@ -321,13 +321,13 @@ def test_optimizer_states_fsdp_equal_replicated(mesh, name, tmp_path):
         assert inner.v["to_q"].shape == (1,)
     assert held < 0.2 * whole
 
-    from sdjax.finetune import run as run_lib
+    from sdjax.finetune import run_dir
 
-    manager = run_lib._checkpoints(tmp_path)
-    manager.save(2, args=run_lib._save_args(state), force=True)
+    manager = run_dir.checkpoints(tmp_path)
+    manager.save(2, args=run_dir.save_args(state), force=True)
     manager.wait_until_finished()
     manager.close()
-    saved, micro = run_lib._restore(run_lib._checkpoints(tmp_path), init())
+    saved, micro = run_dir.restore(run_dir.checkpoints(tmp_path), init())
     back, _ = lay.place(saved, frozen)
     pairs = zip(*(jax.tree_util.tree_flatten_with_path(t)[0] for t in (state, back)), strict=True)
     for (path, a), (_, b) in pairs:

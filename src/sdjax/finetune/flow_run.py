@@ -1,7 +1,7 @@
 """`train_flow_lora`: a LoRA run of a flow-matching model (Flux.1 dev / schnell, SD 3 / 3.5), from a data folder to
 diffusers' LoRA file; what `train_lora` (and `sdjax train lora`) runs when `model` is such a model.
 
-The run is `train lora`'s (`finetune.run.run_loop`: the run directory, loss log, orbax checkpoints, exact
+The run is `train lora`'s (`finetune.loop.run_loop`: the run directory, loss log, orbax checkpoints, exact
 resuming, EMA, validation images) with the flow step of `finetune.flow` and the family pieces of
 `finetune.flow_models`. The settings are `LoraTrainConfig`'s plus the scripts' flow options (`FLOW_OPTIONS`); the
 UNet-only ones (prediction type, Min-SNR-gamma, noise offset, input perturbation, clip skip) are refused.

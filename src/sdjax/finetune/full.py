@@ -14,7 +14,7 @@
   checkpointing is the step's `jax.checkpoint` of the UNet call; the EMA (`ema_decay`) is `finetune.ema`, stepped
   once per update, over the whole UNet (float32).
 - Data parallel as `train lora`: the batch is split over the local devices, the master copy and the optimiser
-  state replicated, or with `fsdp` split over the devices (`finetune.sharding`, placed by `run.run_loop`).
+  state replicated, or with `fsdp` split over the devices (`finetune.sharding`, placed by `loop.run_loop`).
 - Outputs: `out` is a diffusers folder: the base model's folder (a single-file model is converted first:
   `loading.single_file.convert_to_diffusers`) with `unet/diffusion_pytorch_model.safetensors` replaced by the
   trained UNet (float32, diffusers' key layout: `models.convert.params_to_state_dict`; the EMA weights with

@@ -1,4 +1,4 @@
-"""The run directory's files besides config.json (`run.run_loop`): orbax checkpoints of the train state (restored as
+"""The run directory's files besides config.json (`loop.run_loop`): orbax checkpoints of the train state (restored as
 host arrays), the refusal to resume a run written with other settings, the loss log kept up to a resumed step, and
 `loss.png`."""
 

@@ -4,7 +4,7 @@ The step functions (`step.jit_step`: the LoRA steps of SD 1.x / 2.x / XL, `flow`
 `full`'s full UNet fine-tune) are plain `jit`s of `step(state, frozen, batch, key)`; XLA's SPMD partitioner
 splits their work by the shardings of their inputs. This module chooses those shardings:
 
-- Replicated (`fsdp=False`; `run.run_loop`'s default): the frozen params, the trained values and the optimiser
+- Replicated (`fsdp=False`; `loop.run_loop`'s default): the frozen params, the trained values and the optimiser
   state whole on every device; the batch split over the mesh's `data` axis; the compiler all-reduces the gradients.
 - FSDP (`fsdp=True`; ZeRO-3, Rajbhandari et al. 2020; `TrainConfig.fsdp`, `--fsdp`): every frozen param of at least
   `min_size` elements is split over `data` as well, by the inference rules table (`sdjax.parallel.sharding`: the
@@ -175,7 +175,8 @@ def layout(
 ) -> Layout:
     """The `Layout` of a run with this `state` (`{trained, "opt_state", "step"}`) and `frozen` params on `mesh`
     (arrays or `jax.ShapeDtypeStruct`s; only shapes are read). `fsdp=False`: everything replicated but the batch
-    (what `run.run_loop` does); `fsdp=True`: the module docstring's FSDP, for params of at least `min_size` elements."""
+    (what `loop.run_loop` does); `fsdp=True`: the module docstring's FSDP, for params of at least `min_size`
+    elements."""
     if trained not in state:
         raise ValueError(f"trained={trained!r}: the state has no such entry (it has {sorted(state)})")
     if sharding_lib.DATA not in mesh.shape:

@@ -13,7 +13,7 @@ params (`jax.ShapeDtypeStruct`: no weight is read or allocated):
 `mixed_precision="bf16"` is the trainers' bf16 (frozen weights and compute bfloat16; the LoRA, a full fine-tune's
 master copy, gradients and moments float32); `remat` is `--gradient-checkpointing` (the UNet call's
 `jax.checkpoint`, Flux / SD 3's per-block remat). The global batch is `per_chip x chips`, split over the mesh's
-`data` axis; the weights are replicated (`run.run_loop`'s layout) or, with `fsdp`, laid out by
+`data` axis; the weights are replicated (`loop.run_loop`'s layout) or, with `fsdp`, laid out by
 `finetune.sharding` (large frozen weights, and a full fine-tune's master copy and moments, split over `data`).
 
 The compile is `sdjax.aot`'s: libtpu's compile-only devices of the slice (`aot.topology_devices`), attention traced
@@ -243,7 +243,7 @@ def _nbytes(tree) -> int:
 
 def lower_step(built: BuiltStep, mesh, *, fsdp: bool, fsdp_min_size: int | None = None):
     """`(lowered step, Layout)` on `mesh`: the trainer's own `jit` with every argument replicated but the batch
-    (`fsdp=False`, what `run.run_loop` places), or `finetune.sharding`'s FSDP layout's re-jit (`fsdp=True`)."""
+    (`fsdp=False`, what `loop.run_loop` places), or `finetune.sharding`'s FSDP layout's re-jit (`fsdp=True`)."""
     import jax
     import jax.numpy as jnp
 
