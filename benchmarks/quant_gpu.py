@@ -151,17 +151,19 @@ def run(arch: str, batches: list[int], steps: int, reps: int, variants: list[str
                 return jax.lax.fori_loop(0, steps, body, x)
 
             one = jax.jit(lambda p, x, ctx, kw, module=module: module.apply({"params": p}, x, t, ctx, **kw))
-            t0 = time.perf_counter()
-            compiled = jax.jit(loop).lower(p, x, ctx, kw).compile()
-            compile_s = time.perf_counter() - t0
-            hlo = compiled.as_text()
+            one = one.lower(p, x, ctx, kw).compile()
             out = np.asarray(one(p, x, ctx, kw).astype(jnp.float32))
             if name == "bf16":
                 reference[images] = out
             ref = reference.get(images)
             rel = None if ref is None else float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-            jax.block_until_ready(compiled(p, x, ctx, kw))
-            times = []
+            times, compile_s, hlo = [], None, one.as_text()
+            if reps:  # reps 0: the accuracy and the one call's program only (no loop compiled, nothing timed)
+                t0 = time.perf_counter()
+                compiled = jax.jit(loop).lower(p, x, ctx, kw).compile()
+                compile_s = time.perf_counter() - t0
+                hlo = compiled.as_text()
+                jax.block_until_ready(compiled(p, x, ctx, kw))
             for _ in range(reps):
                 t1 = time.perf_counter()
                 jax.block_until_ready(compiled(p, x, ctx, kw))
@@ -170,8 +172,8 @@ def run(arch: str, batches: list[int], steps: int, reps: int, variants: list[str
                 "variant": name,
                 "images": images,
                 "unet_batch": 2 * images,
-                "ms_per_step": statistics.median(times) / steps * 1e3,
-                "best_ms_per_step": min(times) / steps * 1e3,
+                "ms_per_step": statistics.median(times) / steps * 1e3 if times else None,
+                "best_ms_per_step": min(times) / steps * 1e3 if times else None,
                 "params_bytes": qparams.nbytes(p),
                 "compile_s": compile_s,
                 "rel_err_vs_bf16": rel,
@@ -190,10 +192,12 @@ def main() -> None:
     ap.add_argument("--arch", default="sdxl")
     ap.add_argument("--batch", default="8,1", help="images per UNet call (comma-separated; CFG doubles it)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per row (0: accuracy only, nothing timed)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.reps < 0:
+        raise SystemExit(f"--reps {args.reps}: expected 0 or more")
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -205,10 +209,11 @@ def main() -> None:
     print(f"\n{jax.devices()[0].device_kind}, {args.arch}, {args.steps} steps a program, medians of {args.reps}")
     print(f"{'variant':<21}{'images':>7}{'ms/step':>10}{'vs bf16':>9}{'params GiB':>12}{'rel err':>10}{'f8 gemms':>10}")
     for r in rows:
-        ratio = r["ms_per_step"] / base[r["images"]] if r["images"] in base else float("nan")
+        ms, b = r["ms_per_step"], base.get(r["images"])
+        ratio = ms / b if ms is not None and b else float("nan")
         err = "" if r["rel_err_vs_bf16"] is None else f"{r['rel_err_vs_bf16']:.4f}"
         print(
-            f"{r['variant']:<21}{r['images']:>7}{r['ms_per_step']:>10.2f}{ratio:>9.3f}"
+            f"{r['variant']:<21}{r['images']:>7}{float('nan') if ms is None else ms:>10.2f}{ratio:>9.3f}"
             f"{r['params_bytes'] / 2**30:>12.2f}{err:>10}{r['cublas_f8_calls']:>10}"
         )
     if args.json:
