@@ -1,7 +1,7 @@
 """ControlNet generation against PyTorch diffusers 0.42.1, given the same noise (tests/inject.py).
 
-diffusers' `StableDiffusionControlNetPipeline` (one net, two nets as `MultiControlNetModel`, guess mode,
-non-default scale and guidance start/end), `StableDiffusionXLControlNetPipeline`,
+diffusers' `StableDiffusionControlNetPipeline` (one net, two nets as `MultiControlNetModel`, non-default scale
+and guidance start/end), `StableDiffusionXLControlNetPipeline` (guess mode too),
 `StableDiffusionControlNetImg2ImgPipeline` and `StableDiffusionControlNetInpaintPipeline` (9-channel UNet) on the
 tiny models of tests/reference.py. The ControlNets are `ControlNetModel.from_unet` copies of the tiny UNets with
 random zero convs (else their residuals would be 0 and the comparison would prove nothing) and perturbed norms.
@@ -137,13 +137,15 @@ def sd_generate(pipe, name="euler", seed=5, **kwargs):
     )
 
 
+# Guess mode is compared on SDXL (test_sdxl_guess_mode_matches_diffusers): the same hook code as SD 1.x (the
+# conditional half of the sample and context, zero residuals for the unconditional half, `guess_mode_scales`), plus
+# the halved `text_embeds`/`time_ids`; the net's guess-mode weights on SD 1.x are tests/models/test_controlnet.py's.
+# An SD 1.x guess-mode case here compiled a program of its own (static `guess_mode`): 8 s of CPU (the file
+# 110 -> 95 s, `/usr/bin/time pytest tests/families/test_controlnet_parity.py`).
 @pytest.mark.parametrize(
     "case",
-    [
-        dict(controlnet_conditioning_scale=0.7, control_guidance_start=0.1, control_guidance_end=0.8),
-        dict(guess_mode=True),
-    ],
-    ids=["scale-start-end", "guess-mode"],
+    [dict(controlnet_conditioning_scale=0.7, control_guidance_start=0.1, control_guidance_end=0.8)],
+    ids=["scale-start-end"],
 )
 def test_sd_txt2img_matches_diffusers(case, sd, sd_nets, torch_sd1, sd1_dir):
     import diffusers

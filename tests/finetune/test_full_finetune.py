@@ -55,33 +55,48 @@ def _rel(a, b) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ (a) one step
-@pytest.mark.parametrize("prediction_type,gamma", [("epsilon", None), ("v_prediction", GAMMA)])
-def test_full_step_matches_diffusers(sd1, torch_sd1, prediction_type, gamma):
+PARITY = (("epsilon", None), ("v_prediction", GAMMA))  # train_text_to_image.py without and with --snr_gamma
+
+
+def _diffusers_full_step(torch_sd1, prediction_type, gamma, batch):
+    """diffusers' UNet, every parameter trainable, and `train_text_to_image.py`'s loss -> (loss, gradients)."""
     import torch
 
-    pipe, params = sd1
-    batch = parity_batch(3, [37, 811])  # SNR above and below gamma
     unet = copy.deepcopy(torch_sd1.unet).train()
     unet.requires_grad_(True)
     context = torch.from_numpy(batch["context"])
     pred, target, sched, t = ddpm_forward(unet, torch_sd1.scheduler.config, prediction_type, batch, context)
-    if gamma is None:  # train_text_to_image.py without --snr_gamma
+    if gamma is None:
         ref = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
     else:
         ref = min_snr_loss(pred, target, sched, t, prediction_type, gamma)
     ref.backward()
-    ref_grads = {n: p.grad.numpy() for n, p in unet.named_parameters()}
+    return float(ref.detach()), {n: p.grad.numpy() for n, p in unet.named_parameters()}
 
+
+def test_full_step_matches_diffusers(sd1, torch_sd1):
+    """Epsilon (plain MSE) and v-prediction with Min-SNR-gamma: both losses and gradients from one compiled program
+    (the UNet's forward pass is the same; one compile instead of one per objective: 34.4 -> 28.1 s of CPU time for
+    this test's process, `/usr/bin/time pytest tests/finetune/test_full_finetune.py::test_full_step_matches_diffusers`,
+    paired runs on a loaded 2-core machine; 33.5 -> 32.0 in a noisier pair)."""
+    pipe, params = sd1
+    batch = parity_batch(3, [37, 811])  # SNR above and below gamma
     models = step_lib.Models(None, pipe.unet, pipe.vae)
-    objective = step_lib.Objective(prediction_type=prediction_type, min_snr_gamma=gamma)
+    objectives = [step_lib.Objective(prediction_type=p, min_snr_gamma=g) for p, g in PARITY]
     ac = jnp.asarray(pipe.scheduler.alphas_cumprod)
     inputs = {k: jnp.asarray(v) for k, v in batch.items()} | {"unet_kwargs": {}, "perturbation": None}
 
-    def loss(master):
-        return full.unet_params_loss(master, models, objective, ac, inputs)
+    def losses(master):
+        return [jax.value_and_grad(lambda m, o=o: full.unet_params_loss(m, models, o, ac, inputs))(master) for o in
+                objectives]  # fmt: skip
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(params["unet"])
-    ref = float(ref.detach())
+    results = jax.jit(losses)(params["unet"])
+    for (prediction_type, gamma), (value, grads) in zip(PARITY, results, strict=True):
+        ref, ref_grads = _diffusers_full_step(torch_sd1, prediction_type, gamma, batch)
+        _check_full_step(prediction_type, value, grads, ref, ref_grads)
+
+
+def _check_full_step(prediction_type, value, grads, ref: float, ref_grads: dict) -> None:
     loss_rel = abs(float(value) - ref) / abs(ref)
     ours = params_to_state_dict(grads)  # diffusers' names and layouts
     assert ours.keys() == ref_grads.keys()
@@ -97,7 +112,7 @@ def test_full_step_matches_diffusers(sd1, torch_sd1, prediction_type, gamma):
         f"gradient tensors, worst {worst} {errors[worst]:.2e}, median {np.median(list(errors.values())):.2e} "
         f"({len(zero)} zero in exact arithmetic)"
     )
-    assert loss_rel <= 1e-5
+    assert loss_rel <= 1e-5, prediction_type
     for name in (  # representative leaves: convolutions, attention, norms, time embedding, the output
         "conv_in.weight",
         "time_embedding.linear_1.weight",
@@ -109,8 +124,8 @@ def test_full_step_matches_diffusers(sd1, torch_sd1, prediction_type, gamma):
         "up_blocks.0.resnets.0.norm1.weight",
         "conv_out.bias",
     ):
-        assert errors[name] <= 1e-4, f"{name}: gradient relative error {errors[name]:.2e}"
-    assert errors[worst] <= 1e-4
+        assert errors[name] <= 1e-4, f"{prediction_type} {name}: gradient relative error {errors[name]:.2e}"
+    assert errors[worst] <= 1e-4, prediction_type
 
 
 # ------------------------------------------------------------------------------------------------ (b) the files
