@@ -23,5 +23,5 @@ def counting_compiles() -> Iterator[list[float]]:
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
         yield compiles
-    finally:
-        jax.monitoring.clear_event_listeners()
+    finally:  # only this block's listener: others of the process (sdjax's progress, a profiler) keep theirs
+        jax.monitoring.unregister_event_duration_listener(on_event)

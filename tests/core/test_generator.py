@@ -233,6 +233,7 @@ def test_should_stop_cancels_between_steps(sd):
     assert sorted({s for stage, s, _ in seen if stage == "denoise"}) == list(range(0, 8))  # PNDM: 7 model calls
 
 
+@pytest.mark.all_devices  # the split batch and the 8-device deadlock are what is tested (not the suite's 1 device)
 @pytest.mark.parametrize("size, guidance", [(64, 7.5), (256, 1.0)])
 def test_progress_with_latents_gets_each_steps_latents_on_the_mesh(sd, size, guidance):
     """A progress callback that takes `latents` gets the current latents every step (all 8 simulated devices: the
