@@ -87,7 +87,7 @@ def place(tree: Any, sharding: Any) -> Any:
 
 def _from_host_on_cpu(x: Any, sharding: Any) -> Any:
     """`x` as a host array where that is free and saves a compile: a CPU device array (its memory is the host's)
-    that `sharding` would split. JAX splits a device array by compiling a slicing program per leaf shape (0.1-0.2 s
+    not yet in `sharding`'s layout. JAX splits a device array by compiling a slicing program per leaf shape (0.1-0.2 s
     of CPU each: ~130 for the tiny SD 1.x fine-tune's FSDP layout); from host memory it copies the parts. Accelerator
     arrays stay on their devices (a host round trip would cost a transfer there); typed PRNG keys stay as they are."""
     import jax
